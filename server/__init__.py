@@ -1,0 +1,1 @@
+"""The ZAYA platform service: OpenAI-compatible API, job worker and model registry."""

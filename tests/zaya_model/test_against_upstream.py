@@ -1,0 +1,95 @@
+"""Our ZAYA1 against the `zaya` model shipped in transformers (the oracle): same random weights, same logits."""
+
+import pytest
+import torch
+import transformers
+from tiny_models import TINY_ZAYA, randomize_zaya
+
+from zaya_model import ZayaConfig, ZayaForCausalLM
+
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def model_pair(tmp_path_factory):
+    torch.manual_seed(0)
+    ours = randomize_zaya(ZayaForCausalLM(ZayaConfig(**TINY_ZAYA))).eval()
+    path = tmp_path_factory.mktemp("ours")
+    ours.save_pretrained(path)
+    upstream = transformers.ZayaForCausalLM.from_pretrained(path, attn_implementation="sdpa").eval()
+    return ours, upstream
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+@torch.no_grad()
+def test_full_forward_matches(model_pair):
+    ours, upstream = model_pair
+    input_ids = torch.randint(3, 128, (3, 40), generator=torch.Generator().manual_seed(1))
+    assert max_diff(ours(input_ids).logits, upstream(input_ids).logits) <= TOLERANCE
+
+
+@torch.no_grad()
+def test_prefill_then_32_cached_decode_steps_match(model_pair):
+    ours, upstream = model_pair
+    input_ids = torch.randint(3, 128, (2, 17), generator=torch.Generator().manual_seed(2))
+    ours_out = ours(input_ids, use_cache=True)
+    upstream_out = upstream(input_ids, use_cache=True)
+    assert max_diff(ours_out.logits, upstream_out.logits) <= TOLERANCE
+    ours_cache, upstream_cache = ours_out.past_key_values, upstream_out.past_key_values
+    next_tokens = ours_out.logits[:, -1].argmax(-1, keepdim=True)
+    for _ in range(32):
+        ours_out = ours(next_tokens, past_key_values=ours_cache, use_cache=True)
+        upstream_out = upstream(next_tokens, past_key_values=upstream_cache, use_cache=True)
+        assert max_diff(ours_out.logits, upstream_out.logits) <= TOLERANCE
+        next_tokens = ours_out.logits[:, -1].argmax(-1, keepdim=True)
+
+
+@torch.no_grad()
+def test_left_padded_batch_matches(model_pair):
+    ours, upstream = model_pair
+    generator = torch.Generator().manual_seed(3)
+    input_ids = torch.randint(3, 128, (3, 24), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    for row, pad in enumerate((0, 5, 11)):
+        attention_mask[row, :pad] = 0
+        input_ids[row, :pad] = 0
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=32, min_new_tokens=32, do_sample=False)
+    ours_gen = ours.generate(input_ids, output_logits=True, return_dict_in_generate=True, **kwargs)
+    upstream_gen = upstream.generate(input_ids, output_logits=True, return_dict_in_generate=True, **kwargs)
+    assert torch.equal(ours_gen.sequences, upstream_gen.sequences)
+    for ours_step, upstream_step in zip(ours_gen.logits, upstream_gen.logits, strict=True):
+        assert max_diff(ours_step, upstream_step) <= TOLERANCE
+
+    # Prefill logits at every real (non-pad) position agree too.
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp_min(0)
+    ours_logits = ours(input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    upstream_logits = upstream(input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    real = attention_mask.bool()
+    assert max_diff(ours_logits[real], upstream_logits[real]) <= TOLERANCE
+
+
+@torch.no_grad()
+def test_checkpoints_move_both_ways(model_pair, tmp_path):
+    ours, upstream = model_pair
+    upstream.save_pretrained(tmp_path / "upstream")
+    reloaded = ZayaForCausalLM.from_pretrained(tmp_path / "upstream").eval()
+    for name, tensor in upstream.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[name], tensor), name
+    input_ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(4))
+    assert torch.equal(reloaded(input_ids).logits, ours(input_ids).logits)
+
+
+@torch.no_grad()
+def test_skip_mode_zero_routes_skip_tokens_to_zero():
+    """Force every token to the skip class: upstream and our `zero` mode output exactly the residual path."""
+    torch.manual_seed(0)
+    config = ZayaConfig(**TINY_ZAYA)
+    model = randomize_zaya(ZayaForCausalLM(config)).eval()
+    for layer in model.model.layers:
+        layer.mlp.experts.gate_up_proj.fill_(float("nan"))  # would poison any token that reached an expert
+        layer.mlp.gate.balancing_biases.copy_(torch.tensor([-5.0] * config.num_experts + [5.0]))
+    logits = model(torch.randint(3, 128, (2, 9))).logits
+    assert torch.isfinite(logits).all()

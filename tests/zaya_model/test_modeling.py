@@ -1,0 +1,180 @@
+"""Our ZAYA1 on its own: config preset, cache, padding, packing, generation, experts, skip modes."""
+
+import pytest
+import torch
+from tiny_models import TINY_ZAYA, randomize_zaya
+
+from zaya_model import ZayaCache, ZayaConfig, ZayaForCausalLM, count_parameters
+
+
+def test_zaya1_base_parameter_counts_on_meta_device():
+    config = ZayaConfig.zaya1_base()
+    with torch.device("meta"):
+        model = ZayaForCausalLM(config)
+    counts = count_parameters(model)
+    assert round(counts["total"] / 1e9, 2) == 8.84
+    assert round(counts["non_embedding"] / 1e9, 2) == 8.30
+    assert round(counts["active_non_embedding"] / 1e9, 3) == 0.754
+    assert config.skip_expert_mode == "scaled_input"
+    assert config.rope_theta == 1_000_000.0 and config.partial_rotary_factor == 0.5
+
+
+def test_config_round_trips_and_rejects_bad_values(tmp_path):
+    config = ZayaConfig(**TINY_ZAYA, skip_expert_mode="scaled_input")
+    config.save_pretrained(tmp_path)
+    loaded = ZayaConfig.from_pretrained(tmp_path)
+    assert loaded.skip_expert_mode == "scaled_input" and loaded.rope_parameters == config.rope_parameters
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        ZayaConfig(**TINY_ZAYA, num_experts_per_tok=2)
+    with pytest.raises(ValueError, match="skip_expert_mode"):
+        ZayaConfig(**TINY_ZAYA, skip_expert_mode="identity")
+
+
+@pytest.mark.parametrize("skip_mode", ["zero", "scaled_input"])
+@torch.no_grad()
+def test_prefill_then_decode_equals_full_forward(skip_mode):
+    torch.manual_seed(0)
+    model = randomize_zaya(ZayaForCausalLM(ZayaConfig(**TINY_ZAYA, skip_expert_mode=skip_mode))).eval()
+    for layer in model.model.layers:  # make the skip class common so both modes are exercised
+        layer.mlp.gate.balancing_biases[-1] = 0.3
+    input_ids = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(1))
+    full = model(input_ids).logits
+    out = model(input_ids[:, :10], use_cache=True)
+    assert isinstance(out.past_key_values, ZayaCache)
+    pieces = [out.logits]
+    cache = out.past_key_values
+    # A multi-token chunk continuing from the cache, then single-token steps.
+    out = model(input_ids[:, 10:13], past_key_values=cache, use_cache=True)
+    pieces.append(out.logits)
+    for step in range(13, 30):
+        pieces.append(model(input_ids[:, step : step + 1], past_key_values=cache, use_cache=True).logits)
+    assert (torch.cat(pieces, dim=1) - full).abs().max() <= 1e-5
+
+
+@torch.no_grad()
+def test_scaled_input_skip_returns_probability_times_input():
+    torch.manual_seed(0)
+    config = ZayaConfig(**TINY_ZAYA, skip_expert_mode="scaled_input")
+    block = randomize_zaya(ZayaForCausalLM(config)).model.layers[1].mlp
+    block.gate.balancing_biases.copy_(torch.tensor([-5.0] * config.num_experts + [5.0]))
+    hidden = torch.randn(2, 5, config.hidden_size)
+    router_states = torch.randn(2, 5, config.router_hidden_size)
+    out, _, logits, choice = block(hidden, router_states)
+    assert (choice == config.num_experts).all()
+    skip_probability = torch.softmax(logits, -1)[..., -1:]
+    torch.testing.assert_close(out, skip_probability * hidden)
+
+
+@torch.no_grad()
+def test_experts_match_per_token_reference(tiny_model):
+    experts = tiny_model.model.layers[0].mlp.experts
+    hidden = torch.randn(50, TINY_ZAYA["hidden_size"])
+    index = torch.randint(0, TINY_ZAYA["num_experts"], (50,))
+    index[:7] = 2  # uneven groups, and some experts may get none
+    reference = []
+    for token, expert in zip(hidden, index.tolist(), strict=True):
+        gate, up = (experts.gate_up_proj[expert] @ token).chunk(2)
+        reference.append(experts.down_proj[expert] @ (torch.nn.functional.silu(gate) * up))
+    torch.testing.assert_close(experts(hidden, index), torch.stack(reference), rtol=1e-5, atol=1e-6)
+
+
+@torch.no_grad()
+def test_left_padding_does_not_change_any_sequence(tiny_model):
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 128, (n,), generator=generator) for n in (12, 7, 3)]
+    width = max(len(p) for p in prompts)
+    input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = prompt
+        attention_mask[row, width - len(prompt) :] = 1
+    kwargs = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, output_logits=True,
+                  return_dict_in_generate=True)
+    batched = tiny_model.generate(input_ids, attention_mask=attention_mask, **kwargs)
+    for row, prompt in enumerate(prompts):
+        alone = tiny_model.generate(prompt[None], **kwargs)
+        assert torch.equal(batched.sequences[row, width:], alone.sequences[0, len(prompt) :])
+        for batched_step, alone_step in zip(batched.logits, alone.logits, strict=True):
+            assert (batched_step[row] - alone_step[0]).abs().max() <= 1e-5
+
+
+@torch.no_grad()
+def test_packed_documents_do_not_leak(tiny_model):
+    generator = torch.Generator().manual_seed(6)
+    documents = [torch.randint(3, 128, (n,), generator=generator) for n in (9, 1, 5, 13)]
+    packed = torch.cat(documents)[None]
+    position_ids = torch.cat([torch.arange(len(d)) for d in documents])[None]
+    packed_logits = tiny_model(packed, position_ids=position_ids, use_cache=False).logits[0]
+    separate = torch.cat([tiny_model(d[None], use_cache=False).logits[0] for d in documents])
+    assert (packed_logits - separate).abs().max() <= 1e-5
+    # Without the restart the documents would see each other, so the test can fail.
+    unpacked = tiny_model(packed, use_cache=False).logits[0]
+    assert (unpacked - separate).abs().max() > 1e-3
+
+
+@torch.no_grad()
+def test_generation_modes(tiny_model):
+    input_ids = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(7))
+    greedy = tiny_model.generate(input_ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    assert greedy.shape == (2, 14)
+
+    torch.manual_seed(123)
+    sampled_a = tiny_model.generate(input_ids, max_new_tokens=8, do_sample=True, top_p=0.9, temperature=0.8)
+    torch.manual_seed(123)
+    sampled_b = tiny_model.generate(input_ids, max_new_tokens=8, do_sample=True, top_p=0.9, temperature=0.8)
+    assert torch.equal(sampled_a, sampled_b)
+
+    several = tiny_model.generate(input_ids, max_new_tokens=5, do_sample=True, num_return_sequences=3)
+    assert several.shape[0] == 6
+
+    # Stop on EOS: make the third greedy token the EOS token, generation ends there.
+    eos = int(greedy[0, 8])
+    stopped = tiny_model.generate(input_ids[:1], max_new_tokens=8, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    assert stopped.shape[1] <= 9 and int(stopped[0, -1]) == eos
+
+
+def test_gradient_checkpointing_gives_same_gradients(tiny_config):
+    torch.manual_seed(0)
+    model = randomize_zaya(ZayaForCausalLM(tiny_config)).train()
+    input_ids = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(8))
+
+    def gradients():
+        model.zero_grad()
+        model(input_ids, labels=input_ids, use_cache=False).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain = gradients()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    checkpointed = gradients()
+    assert plain.keys() == checkpointed.keys() and len(plain) > 50
+    for name, grad in plain.items():
+        torch.testing.assert_close(checkpointed[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_trains_from_scratch(tiny_config):
+    torch.manual_seed(0)
+    model = ZayaForCausalLM(tiny_config).train()
+    for layer in model.model.layers:
+        assert torch.equal(layer.self_attn.qk_norm.temp, torch.ones(2))  # 0 would make attention uniform
+        assert layer.mlp.gate.balancing_biases[-1] == -1.0
+    pattern = torch.arange(3, 35).repeat(4)[None].repeat(4, 1)  # a learnable repeating sequence
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(30):
+        loss = model(pattern, labels=pattern, use_cache=False).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+
+
+@torch.no_grad()
+def test_save_and_load_round_trip_is_bit_exact(tiny_model, tmp_path):
+    tiny_model.save_pretrained(tmp_path)
+    loaded = ZayaForCausalLM.from_pretrained(tmp_path).eval()
+    for name, tensor in tiny_model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    input_ids = torch.randint(3, 128, (1, 10))
+    assert torch.equal(loaded(input_ids).logits, tiny_model(input_ids).logits)
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()

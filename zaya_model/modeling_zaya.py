@@ -1,0 +1,665 @@
+"""ZAYA1: Compressed Convolutional Attention + top-1 MoE with the ZAYA router, as a HuggingFace model.
+
+Read top to bottom: norms and RoPE, CCA (projections, convolutions, value shift, QK norm), the attention layer,
+residual scaling, the router and experts, the decoder block, and the models. The math follows
+`shared/docs/zaya1-architecture.md`; parameter names follow the upstream `transformers` `zaya` layout so checkpoints
+move freely between the two.
+
+Packed batches: `position_ids` that restart at 0 mark document starts. Attention is masked per document (via
+`create_causal_mask`), and the convolutions and the value shift never read a token from an earlier document: a
+token at position p only sees the p tokens before it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .cache_zaya import ZayaCache
+from .configuration_zaya import ZayaConfig
+
+
+class ZayaRMSNorm(nn.Module):
+    """RMSNorm with statistics in fp32, cast back to the input dtype before the learned scale."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        hidden_states = hidden_states * torch.rsqrt(hidden_states.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class ZayaRotaryEmbedding(nn.Module):
+    """Partial NeoX RoPE: cos/sin for the first `partial_rotary_factor * head_dim` channels of each head."""
+
+    def __init__(self, config: ZayaConfig):
+        super().__init__()
+        self.rotary_dim = int(config.head_dim * config.partial_rotary_factor)
+        self.base = config.rope_theta
+        self.register_buffer("inv_freq", self.compute_inv_freq(), persistent=False)
+
+    def compute_inv_freq(self) -> torch.Tensor:
+        exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.float32) / self.rotary_dim
+        return 1.0 / (self.base**exponents)
+
+    @torch.no_grad()
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].to(torch.float32) * self.inv_freq.to(position_ids.device)
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_partial_rope(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on the leading `cos.shape[-1]` channels of `states` `[batch, seq, heads, head_dim]`."""
+    rotary_dim = cos.shape[-1]
+    rotated, passed = states[..., :rotary_dim], states[..., rotary_dim:]
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    first, second = rotated.chunk(2, dim=-1)
+    rotated = rotated * cos + torch.cat((-second, first), dim=-1) * sin
+    return torch.cat((rotated, passed), dim=-1)
+
+
+def shift_by(states: torch.Tensor, history: torch.Tensor, lag: int) -> torch.Tensor:
+    """`states` [batch, seq, ch] delayed by `lag` steps; the first `lag` steps come from `history` [batch, H, ch]."""
+    if lag == 0:
+        return states
+    full = torch.cat((history, states), dim=1)
+    start = history.shape[1] - lag
+    return full[:, start : start + states.shape[1]]
+
+
+class ZayaCCAProjection(nn.Module):
+    """CCA's q/k/v: down-projections, two causal convolutions over q‖k, the q-k mean skip and the value shift."""
+
+    def __init__(self, config: ZayaConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_key_value_heads = config.num_key_value_heads
+        self.num_key_value_groups = self.num_heads // self.num_key_value_heads
+        self.depthwise_kernel = config.cca_time0
+        self.grouped_kernel = config.cca_time1
+        # Tokens of history the two convolutions read together (each kernel of size k looks k-1 steps back).
+        self.history = self.depthwise_kernel + self.grouped_kernel - 2
+
+        query_width = self.num_heads * self.head_dim
+        key_width = self.num_key_value_heads * self.head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, query_width, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, key_width, bias=bias)
+        self.v_proj_current = nn.Linear(config.hidden_size, key_width // 2, bias=bias)
+        self.v_proj_delayed = nn.Linear(config.hidden_size, key_width // 2, bias=bias)
+        channels = query_width + key_width
+        self.conv_qk_depthwise = nn.Conv1d(channels, channels, self.depthwise_kernel, groups=channels)
+        self.conv_qk_grouped = nn.Conv1d(
+            channels, channels, self.grouped_kernel, groups=self.num_heads + self.num_key_value_heads
+        )
+
+    def causal_convolutions(self, qk: torch.Tensor, history: torch.Tensor, lag_masks: list[torch.Tensor | None]):
+        """Both convolutions at once, reading token t-m only where `lag_masks[m]` allows it.
+
+        `qk` is `[batch, seq, channels]`, `history` the `self.history` tokens before it. Written as a sum over lags
+        (not `F.conv1d`) so a document start cuts the history per output token, which a sliding kernel cannot do.
+        """
+        lagged = []
+        for lag in range(self.history + 1):
+            states = shift_by(qk, history, lag)
+            lagged.append(states if lag_masks[lag] is None else states * lag_masks[lag])
+        depthwise_weight = self.conv_qk_depthwise.weight[:, 0, :]  # [channels, k0]; index 0 = oldest frame
+        depthwise_bias = self.conv_qk_depthwise.bias
+        # Depthwise outputs at times t-(k1-1) ... t, as seen from output token t.
+        depthwise_out = []
+        for offset in range(self.grouped_kernel):
+            out = depthwise_bias
+            for tap in range(self.depthwise_kernel):
+                lag = (self.grouped_kernel - 1 - offset) + (self.depthwise_kernel - 1 - tap)
+                out = out + lagged[lag] * depthwise_weight[:, tap]
+            depthwise_out.append(out)
+        batch, seq, channels = qk.shape
+        groups, group_width = self.conv_qk_grouped.groups, channels // self.conv_qk_grouped.groups
+        # Grouped conv as one batched matmul: per group, [tokens, width * k1] @ [width * k1, width].
+        stacked = torch.stack(depthwise_out, dim=-1).view(batch * seq, groups, group_width * self.grouped_kernel)
+        weight = self.conv_qk_grouped.weight.view(groups, group_width, group_width * self.grouped_kernel)
+        mixed = torch.bmm(stacked.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1)
+        return mixed.reshape(batch, seq, channels) + self.conv_qk_grouped.bias
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        lag_masks: list[torch.Tensor | None],
+        past_key_values: ZayaCache | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        batch, seq, _ = hidden_states.shape
+        queries = self.q_proj(hidden_states)
+        keys = self.k_proj(hidden_states)
+        qk = torch.cat((queries, keys), dim=-1)
+
+        cached = past_key_values is not None and past_key_values.has_previous_state(self.layer_idx)
+        if cached:
+            conv_history = past_key_values.get_conv_state(self.layer_idx)
+            shift_history = past_key_values.get_shift_state(self.layer_idx)[:, None]
+        else:
+            conv_history = qk.new_zeros(batch, self.history, qk.shape[-1])
+            shift_history = qk.new_zeros(batch, 1, self.v_proj_delayed.out_features)
+        convolved = self.causal_convolutions(qk, conv_history, lag_masks)
+
+        # q-k mean skip on the pre-convolution projections: q_h += (q_h + k_g(h)) / 2, k_g += (mean q_g + k_g) / 2.
+        queries = queries.view(batch, seq, self.num_key_value_heads, self.num_key_value_groups, self.head_dim)
+        keys = keys.view(batch, seq, self.num_key_value_heads, 1, self.head_dim)
+        query_skip = (queries + keys) * 0.5
+        key_skip = query_skip.mean(dim=3)
+        query_width = self.num_heads * self.head_dim
+        query = convolved[..., :query_width].view(batch, seq, self.num_heads, self.head_dim)
+        query = query + query_skip.view(batch, seq, self.num_heads, self.head_dim)
+        key = convolved[..., query_width:].view(batch, seq, self.num_key_value_heads, self.head_dim) + key_skip
+
+        # Value shift: the second half of the value heads carries the previous token's projection.
+        value_current = self.v_proj_current(hidden_states)
+        delayed = self.v_proj_delayed(hidden_states)
+        value_delayed = shift_by(delayed, shift_history, 1)
+        if lag_masks[1] is not None:
+            value_delayed = value_delayed * lag_masks[1]
+        value = torch.cat((value_current, value_delayed), dim=-1).view(batch, seq, self.num_key_value_heads, -1)
+
+        if past_key_values is not None:
+            full_history = torch.cat((conv_history, qk), dim=1)[:, -self.history :]
+            past_key_values.update_cca_state(self.layer_idx, full_history.detach(), delayed[:, -1].detach())
+        return query, key, value
+
+
+class ZayaQKNorm(nn.Module):
+    """L2-normalise q and k to norm sqrt(head_dim); keys are then scaled by a learned per-KV-head temperature."""
+
+    def __init__(self, config: ZayaConfig):
+        super().__init__()
+        self.scale = config.head_dim**0.5
+        self.temp = nn.Parameter(torch.ones(config.num_key_value_heads))
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        eps = torch.finfo(query.dtype).eps
+        query = query * (self.scale / query.norm(dim=-1, keepdim=True).clamp_min(eps))
+        key = key * (self.scale / key.norm(dim=-1, keepdim=True).clamp_min(eps))
+        return query, key * self.temp[:, None]
+
+
+def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """Reference GQA attention with an fp32 softmax, for `attn_implementation="eager"`."""
+    key = key.repeat_interleave(module.num_key_value_groups, dim=1)
+    value = value.repeat_interleave(module.num_key_value_groups, dim=1)
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+        else:
+            scores = scores + attention_mask
+    weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = F.dropout(weights, p=dropout, training=module.training)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+class ZayaAttention(nn.Module):
+    """CCA attention: compressed q/k/v from `ZayaCCAProjection`, QK norm, partial RoPE, GQA softmax attention."""
+
+    def __init__(self, config: ZayaConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.is_causal = True
+        self.qkv_proj = ZayaCCAProjection(config, layer_idx)
+        self.qk_norm = ZayaQKNorm(config)
+        self.o_proj = nn.Linear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias
+        )
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None,
+        lag_masks: list[torch.Tensor | None],
+        past_key_values: ZayaCache | None = None,
+        padding_mask: torch.Tensor | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        batch, seq, _ = hidden_states.shape
+        if padding_mask is not None:
+            hidden_states = hidden_states * padding_mask
+        query, key, value = self.qkv_proj(hidden_states, lag_masks, past_key_values)
+        query, key = self.qk_norm(query, key)
+        cos, sin = position_embeddings
+        query = apply_partial_rope(query, cos, sin).transpose(1, 2)
+        key = apply_partial_rope(key, cos, sin).transpose(1, 2)
+        value = value.transpose(1, 2)
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, self.layer_idx)
+
+        attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        output, _ = attention(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=self.config.attention_dropout if self.training else 0.0,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        return self.o_proj(output.reshape(batch, seq, -1))
+
+
+class ZayaResidualScaling(nn.Module):
+    """Learned residual merge: `(out + b_h) * s_h + (residual + b_r) * s_r` (bias before scale, per channel)."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.hidden_states_scale = nn.Parameter(torch.ones(hidden_size))
+        self.hidden_states_bias = nn.Parameter(torch.zeros(hidden_size))
+        self.residual_scale = nn.Parameter(torch.ones(hidden_size))
+        self.residual_bias = nn.Parameter(torch.zeros(hidden_size))
+
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        merged = (hidden_states + self.hidden_states_bias) * self.hidden_states_scale
+        return merged + (residual + self.residual_bias) * self.residual_scale
+
+
+class ZayaRouterMLP(nn.Module):
+    """RMSNorm -> Linear+GELU -> Linear+GELU -> Linear (no bias) to the expert classes (experts + skip)."""
+
+    def __init__(self, hidden_size: int, num_classes: int, eps: float):
+        super().__init__()
+        self.norm = ZayaRMSNorm(hidden_size, eps=eps)
+        self.fc1 = nn.Linear(hidden_size, hidden_size)
+        self.fc2 = nn.Linear(hidden_size, hidden_size)
+        self.out_proj = nn.Linear(hidden_size, num_classes, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden_states = F.gelu(self.fc1(self.norm(hidden_states)))
+        return self.out_proj(F.gelu(self.fc2(hidden_states)))
+
+
+class ZayaRouter(nn.Module):
+    """The ZAYA router: down-projection, exponential depth averaging (EDA) with the previous MoE layer's router state,
+    an MLP over `num_experts + 1` classes (the last is "skip"), and top-1 selection with balancing biases that change
+    the choice but not the mixing weight."""
+
+    def __init__(self, config: ZayaConfig, layer_idx: int):
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.down_proj = nn.Linear(config.hidden_size, config.router_hidden_size)
+        self.use_eda = layer_idx != 0
+        if self.use_eda:
+            self.router_states_scale = nn.Parameter(torch.ones(config.router_hidden_size))
+        self.router_mlp = ZayaRouterMLP(config.router_hidden_size, config.num_experts + 1, config.router_norm_eps)
+        # Not trained by backprop: moved by the balancing-bias update (see `zaya_model.training.balancing`).
+        self.register_buffer("balancing_biases", torch.zeros(config.num_experts + 1, dtype=torch.float32))
+
+    def forward(
+        self, hidden_states: torch.Tensor, router_states: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns (router logits, chosen class per token, its unbiased probability, next layer's router state)."""
+        router_hidden = self.down_proj(hidden_states)
+        if self.use_eda and router_states is not None:
+            router_hidden = router_hidden + router_states * self.router_states_scale
+        logits = self.router_mlp(router_hidden)
+        probs = torch.softmax(logits.to(torch.float32), dim=-1)
+        choice = torch.argmax(probs.detach() + self.balancing_biases, dim=-1)
+        weight = probs.gather(-1, choice[..., None])
+        return logits, choice, weight, router_hidden
+
+
+class ZayaExperts(nn.Module):
+    """Top-1 SwiGLU experts with fused 3-D weights: `gate_up_proj` [E, 2I, H] (gate rows first), `down_proj` [E, H, I].
+
+    Tokens are sorted by expert and run as one grouped matmul per projection; no Python loop over tokens.
+    """
+
+    def __init__(self, config: ZayaConfig):
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.intermediate_size = config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(config.num_experts, 2 * config.moe_intermediate_size, config.hidden_size)
+        )
+        self.down_proj = nn.Parameter(torch.empty(config.num_experts, config.hidden_size, config.moe_intermediate_size))
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, hidden_states: torch.Tensor, expert_index: torch.Tensor) -> torch.Tensor:
+        """`hidden_states` [tokens, H], `expert_index` [tokens] in [0, E) -> expert outputs [tokens, H] (unweighted)."""
+        order = torch.argsort(expert_index, stable=True)
+        counts = torch.bincount(expert_index, minlength=self.num_experts)
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        grouped = hidden_states[order]
+        gate_up = F.grouped_mm(grouped, self.gate_up_proj.transpose(1, 2), offs=offsets)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        out = F.grouped_mm(self.act_fn(gate) * up, self.down_proj.transpose(1, 2), offs=offsets)
+        return torch.empty_like(out).index_copy_(0, order, out)
+
+
+class ZayaSparseMoeBlock(nn.Module):
+    """Router + experts. A token goes to one expert, weighted by its probability, or to the skip class, which
+    outputs zero (upstream) or the input scaled by the skip probability (ZAYA1-base), per `skip_expert_mode`."""
+
+    def __init__(self, config: ZayaConfig, layer_idx: int):
+        super().__init__()
+        self.gate = ZayaRouter(config, layer_idx)
+        self.experts = ZayaExperts(config)
+        self.skip_scales_input = config.skip_expert_mode == "scaled_input"
+
+    def forward(self, hidden_states: torch.Tensor, router_states: torch.Tensor | None):
+        batch, seq, hidden = hidden_states.shape
+        logits, choice, weight, router_states = self.gate(hidden_states, router_states)
+        flat_states, flat_choice = hidden_states.reshape(-1, hidden), choice.reshape(-1)
+        weight = weight.reshape(-1, 1).to(hidden_states.dtype)
+        routed = flat_choice < self.gate.num_experts
+        output = torch.zeros_like(flat_states)
+        if bool(routed.all()):
+            output = self.experts(flat_states, flat_choice) * weight
+        else:
+            routed_rows = routed.nonzero().squeeze(-1)
+            expert_out = self.experts(flat_states[routed_rows], flat_choice[routed_rows]) * weight[routed_rows]
+            output = output.index_copy(0, routed_rows, expert_out)
+            if self.skip_scales_input:
+                output = output + torch.where(routed[:, None], 0.0, weight * flat_states)
+        return output.view(batch, seq, hidden), router_states, logits, choice
+
+
+class ZayaDecoderLayer(GradientCheckpointingLayer):
+    """One ZAYA block: attention half then MoE half, each pre-normed and merged by residual scaling."""
+
+    def __init__(self, config: ZayaConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = ZayaAttention(config, layer_idx)
+        self.mlp = ZayaSparseMoeBlock(config, layer_idx)
+        self.input_layernorm = ZayaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = ZayaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_residual_scale = ZayaResidualScaling(config.hidden_size)
+        self.post_mlp_residual_scale = ZayaResidualScaling(config.hidden_size)
+
+    def forward(
+        self,
+        residual: torch.Tensor,
+        router_states: torch.Tensor | None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None,
+        lag_masks: list[torch.Tensor | None],
+        past_key_values: ZayaCache | None = None,
+        padding_mask: torch.Tensor | None = None,
+        **kwargs,
+    ):
+        dtype = self.input_layernorm.weight.dtype
+        attn_out = self.self_attn(
+            self.input_layernorm(residual.to(dtype)), position_embeddings, attention_mask, lag_masks,
+            past_key_values, padding_mask, **kwargs,
+        )
+        residual = self.post_attention_residual_scale(attn_out, residual)
+        moe_out, router_states, router_logits, choice = self.mlp(
+            self.post_attention_layernorm(residual.to(dtype)), router_states
+        )
+        residual = self.post_mlp_residual_scale(moe_out, residual)
+        return residual, router_states, router_logits, choice
+
+
+class ZayaPreTrainedModel(PreTrainedModel):
+    config_class = ZayaConfig
+    config: ZayaConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["ZayaDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_sdpa = True
+    _supports_flash_attn = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+    _can_compile_fullgraph = False
+    _is_stateful = True
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, (nn.Linear, nn.Conv1d)):
+            init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, ZayaRMSNorm):
+            init.ones_(module.weight)
+        elif isinstance(module, ZayaResidualScaling):
+            init.ones_(module.hidden_states_scale)
+            init.zeros_(module.hidden_states_bias)
+            init.ones_(module.residual_scale)
+            init.zeros_(module.residual_bias)
+        elif isinstance(module, ZayaQKNorm):
+            # Linear temperature: 0 would zero every key (uniform attention) at step 0.
+            init.ones_(module.temp)
+        elif isinstance(module, ZayaRouter):
+            if module.use_eda:
+                init.ones_(module.router_states_scale)
+            biases = torch.zeros_like(module.balancing_biases)
+            biases[-1] = self.config.balancing_bias_init_skip
+            init.copy_(module.balancing_biases, biases)
+        elif isinstance(module, ZayaExperts):
+            init.normal_(module.gate_up_proj, mean=0.0, std=std)
+            init.normal_(module.down_proj, mean=0.0, std=std)
+        elif isinstance(module, ZayaRotaryEmbedding):
+            # Non-persistent buffer: after a meta-device load it holds garbage until recomputed here.
+            init.copy_(module.inv_freq, module.compute_inv_freq())
+        elif isinstance(module, ZayaModel):
+            init.ones_(module.input_hidden_states_scale)
+            init.zeros_(module.input_hidden_states_bias)
+
+
+def document_lag_masks(position_ids: torch.Tensor, history: int, dtype: torch.dtype) -> list[torch.Tensor | None]:
+    """`masks[m][b, t] = 1` where token t may read token t-m: its position is at least m (same document)."""
+    masks: list[torch.Tensor | None] = [None]
+    for lag in range(1, history + 1):
+        masks.append((position_ids >= lag).to(dtype)[..., None])
+    return masks
+
+
+class ZayaModel(ZayaPreTrainedModel):
+    def __init__(self, config: ZayaConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.input_hidden_states_scale = nn.Parameter(torch.ones(config.hidden_size))
+        self.input_hidden_states_bias = nn.Parameter(torch.zeros(config.hidden_size))
+        self.layers = nn.ModuleList(ZayaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = ZayaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = ZayaRotaryEmbedding(config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: ZayaCache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        use_cache: bool | None = None,
+        output_router_logits: bool | None = None,
+        output_hidden_states: bool | None = None,
+        **kwargs,
+    ) -> MoeModelOutputWithPast:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
+        if past_key_values is not None and not isinstance(past_key_values, ZayaCache):
+            raise TypeError(f"ZAYA needs a `ZayaCache` (KV + CCA state), got {type(past_key_values).__name__}.")
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        output_router_logits = (
+            self.config.output_router_logits if output_router_logits is None else output_router_logits
+        )
+        output_hidden_states = (
+            self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        )
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        batch, seq, _ = inputs_embeds.shape
+
+        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(past_length, past_length + seq, device=inputs_embeds.device)[None]
+        position_ids = position_ids.expand(batch, -1)
+
+        # Padding must not reach the convolutions or the value shift: zero padded tokens' inputs (prefill only).
+        padding_mask = None
+        if attention_mask is not None and attention_mask.dim() == 2 and seq > 1:
+            local_mask = attention_mask[:, -seq:]
+            if not bool(local_mask.all()):
+                padding_mask = local_mask.to(inputs_embeds.dtype)[..., None]
+
+        causal_mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            position_ids=position_ids,
+        )
+        if use_cache and past_key_values is None:
+            past_key_values = ZayaCache(self.config)
+
+        dtype = inputs_embeds.dtype
+        residual_dtype = torch.float32 if self.config.residual_in_fp32 else dtype
+        history = self.config.cca_time0 + self.config.cca_time1 - 2
+        lag_masks = document_lag_masks(position_ids, max(history, 1), dtype)
+        position_embeddings = self.rotary_emb(position_ids, dtype)
+
+        residual = ((inputs_embeds + self.input_hidden_states_bias) * self.input_hidden_states_scale).to(residual_dtype)
+        router_states = None
+        all_router_logits, all_hidden_states, all_choices = [], [], []
+        for layer in self.layers:
+            if output_hidden_states:
+                all_hidden_states.append(residual)
+            residual, router_states, router_logits, choice = layer(
+                residual, router_states, position_embeddings, causal_mask, lag_masks, past_key_values,
+                padding_mask, **kwargs,
+            )
+            all_choices.append(choice)
+            if output_router_logits:
+                all_router_logits.append(router_logits.reshape(-1, router_logits.shape[-1]))
+
+        hidden_states = self.norm(residual.to(dtype))
+        if output_hidden_states:
+            all_hidden_states.append(hidden_states)
+        if self.training:
+            self._record_routing(all_choices, attention_mask)
+        return MoeModelOutputWithPast(
+            last_hidden_state=hidden_states,
+            past_key_values=past_key_values if use_cache else None,
+            hidden_states=tuple(all_hidden_states) if output_hidden_states else None,
+            router_logits=tuple(all_router_logits) if output_router_logits else None,
+        )
+
+    @torch.no_grad()
+    def _record_routing(self, choices: list[torch.Tensor], attention_mask: torch.Tensor | None) -> None:
+        """Accumulate per-layer routed-token counts for the balancing-bias update (real tokens only)."""
+        for layer, choice in zip(self.layers, choices, strict=True):
+            router = layer.mlp.gate
+            if attention_mask is not None and attention_mask.dim() == 2:
+                choice = choice[attention_mask[:, -choice.shape[1] :].bool()]
+            counts = torch.bincount(choice.reshape(-1), minlength=router.num_experts + 1).to(torch.float32)
+            router.routed_token_counts = getattr(router, "routed_token_counts", 0) + counts
+
+
+class ZayaForCausalLM(ZayaPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: ZayaConfig):
+        super().__init__(config)
+        self.model = ZayaModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=config.lm_head_bias)
+        self.post_init()
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        # ZAYA needs its own cache (KV + CCA state); the model creates a `ZayaCache` on the first forward.
+        return False
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: ZayaCache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_router_logits: bool | None = None,
+        output_hidden_states: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> MoeCausalLMOutputWithPast:
+        loss_kwargs = {k: kwargs.pop(k) for k in ("num_items_in_batch", "ignore_index", "shift_labels") if k in kwargs}
+        kwargs.pop("return_dict", None)
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_router_logits=output_router_logits,
+            output_hidden_states=output_hidden_states,
+            **kwargs,
+        )
+        hidden_states = outputs.last_hidden_state
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, keep, :])
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, self.vocab_size, **loss_kwargs)
+        return MoeCausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            router_logits=outputs.router_logits,
+        )
+
+
+def count_parameters(model: ZayaForCausalLM) -> dict[str, int]:
+    """Total, non-embedding and active (per token, non-embedding) parameter counts; works on the meta device."""
+    config = model.config
+    total = sum(p.numel() for p in model.parameters())  # tied lm_head counted once
+    embedding = model.model.embed_tokens.weight.numel()
+    if not config.tie_word_embeddings:
+        embedding += model.lm_head.weight.numel()
+    expert_params = sum(
+        layer.mlp.experts.gate_up_proj.numel() + layer.mlp.experts.down_proj.numel() for layer in model.model.layers
+    )
+    active_experts = math.ceil(expert_params * config.num_experts_per_tok / config.num_experts)
+    active = total - embedding - expert_params + active_experts
+    return {"total": total, "non_embedding": total - embedding, "active_non_embedding": active}
+
+
+__all__ = ["ZayaPreTrainedModel", "ZayaModel", "ZayaForCausalLM", "count_parameters"]
