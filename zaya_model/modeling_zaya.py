@@ -12,8 +12,10 @@ token at position p only sees the p tokens before it.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +29,7 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOut
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .cache_zaya import ZayaCache
+from .checkpoints import is_legacy_config, load_legacy_checkpoint
 from .configuration_zaya import ZayaConfig
 
 
@@ -314,6 +317,8 @@ class ZayaRouter(nn.Module):
         self.router_mlp = ZayaRouterMLP(config.router_hidden_size, config.num_experts + 1, config.router_norm_eps)
         # Not trained by backprop: moved by the balancing-bias update (see `zaya_model.training.balancing`).
         self.register_buffer("balancing_biases", torch.zeros(config.num_experts + 1, dtype=torch.float32))
+        # Routed tokens per class, summed over training forwards until the balancing update consumes them.
+        self.routed_token_counts: torch.Tensor | None = None
 
     def forward(
         self, hidden_states: torch.Tensor, router_states: torch.Tensor | None
@@ -587,7 +592,8 @@ class ZayaModel(ZayaPreTrainedModel):
             if attention_mask is not None and attention_mask.dim() == 2:
                 choice = choice[attention_mask[:, -choice.shape[1] :].bool()]
             counts = torch.bincount(choice.reshape(-1), minlength=router.num_experts + 1).to(torch.float32)
-            router.routed_token_counts = getattr(router, "routed_token_counts", 0) + counts
+            previous = router.routed_token_counts
+            router.routed_token_counts = counts if previous is None else previous + counts
 
 
 class ZayaForCausalLM(ZayaPreTrainedModel, GenerationMixin):
@@ -599,6 +605,16 @@ class ZayaForCausalLM(ZayaPreTrainedModel, GenerationMixin):
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=config.lm_head_bias)
         self.post_init()
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """Load the upstream `zaya` layout, or Zyphra's legacy ZAYA1-base layout (converted in memory)."""
+        config_path = Path(str(pretrained_model_name_or_path)) / "config.json"
+        if config_path.is_file() and is_legacy_config(json.loads(config_path.read_text())):
+            config_dict, state_dict = load_legacy_checkpoint(config_path.parent)
+            config = kwargs.pop("config", None) or ZayaConfig(**config_dict)
+            return super().from_pretrained(None, *model_args, config=config, state_dict=state_dict, **kwargs)
+        return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
