@@ -7,6 +7,7 @@ STAMP := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 2
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+ZAYA_TEST_POSTGRES_URL ?= postgresql+psycopg://postgres@127.0.0.1:5432/test
 
 .PHONY: install test lint run bench clean
 
@@ -23,8 +24,10 @@ install: $(STAMP)
 lint: install
 	$(BIN)/ruff check .
 
+# The whole suite (server tests on SQLite), then the database-backed server tests again on PostgreSQL.
 test: install lint
 	$(BIN)/pytest
+	ZAYA_TEST_DATABASE_URL=$(ZAYA_TEST_POSTGRES_URL) $(BIN)/pytest tests/server
 
 run: install
 	$(BIN)/python -m server.cli run

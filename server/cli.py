@@ -11,7 +11,7 @@ import importlib
 import sys
 
 # Modules exposing `register(subparsers)`, which adds their subcommands and sets `func` on each.
-COMMAND_MODULES: list[str] = []
+COMMAND_MODULES: list[str] = ["server.commands", "finetune.cli"]
 
 
 def build_parser() -> argparse.ArgumentParser:

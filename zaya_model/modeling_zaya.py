@@ -352,6 +352,8 @@ class ZayaExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, expert_index: torch.Tensor) -> torch.Tensor:
         """`hidden_states` [tokens, H], `expert_index` [tokens] in [0, E) -> expert outputs [tokens, H] (unweighted)."""
+        if hidden_states.shape[0] < self.num_experts:
+            return self._forward_few_tokens(hidden_states, expert_index)
         order = torch.argsort(expert_index, stable=True)
         counts = torch.bincount(expert_index, minlength=self.num_experts)
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
@@ -360,6 +362,21 @@ class ZayaExperts(nn.Module):
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         out = F.grouped_mm(self.act_fn(gate) * up, self.down_proj.transpose(1, 2), offs=offsets)
         return torch.empty_like(out).index_copy_(0, order, out)
+
+    def _expert(self, hidden_states: torch.Tensor, expert: int) -> torch.Tensor:
+        gate, up = F.linear(hidden_states, self.gate_up_proj[expert]).split(self.intermediate_size, dim=-1)
+        return F.linear(self.act_fn(gate) * up, self.down_proj[expert])
+
+    def _forward_few_tokens(self, hidden_states: torch.Tensor, expert_index: torch.Tensor) -> torch.Tensor:
+        # Decoding: a handful of tokens use at most that many experts. Reading only those experts' weights beats a
+        # grouped matmul that visits every expert's group.
+        if hidden_states.shape[0] == 1:
+            return self._expert(hidden_states, int(expert_index))
+        output = torch.empty_like(hidden_states)
+        for expert in expert_index.unique().tolist():
+            rows = (expert_index == expert).nonzero().squeeze(-1)
+            output = output.index_copy(0, rows, self._expert(hidden_states[rows], expert))
+        return output
 
 
 class ZayaSparseMoeBlock(nn.Module):
@@ -542,13 +559,19 @@ class ZayaModel(ZayaPreTrainedModel):
             if not bool(local_mask.all()):
                 padding_mask = local_mask.to(inputs_embeds.dtype)[..., None]
 
-        causal_mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            past_key_values=past_key_values,
-            position_ids=position_ids,
-        )
+        if seq == 1 and past_length > 0 and self.config._attn_implementation in ("sdpa", "eager"):
+            # Decode step: one query sees every cached key; only padding needs masking.
+            causal_mask = None
+            if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+                causal_mask = attention_mask[:, None, None, :].bool()
+        else:
+            causal_mask = create_causal_mask(
+                config=self.config,
+                inputs_embeds=inputs_embeds,
+                attention_mask=attention_mask,
+                past_key_values=past_key_values,
+                position_ids=position_ids,
+            )
         if use_cache and past_key_values is None:
             past_key_values = ZayaCache(self.config)
 

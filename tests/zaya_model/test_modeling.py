@@ -65,12 +65,13 @@ def test_scaled_input_skip_returns_probability_times_input():
     torch.testing.assert_close(out, skip_probability * hidden)
 
 
+@pytest.mark.parametrize("tokens", [50, 3, 1])  # grouped matmul, and the few-token (decode) path
 @torch.no_grad()
-def test_experts_match_per_token_reference(tiny_model):
+def test_experts_match_per_token_reference(tiny_model, tokens):
     experts = tiny_model.model.layers[0].mlp.experts
-    hidden = torch.randn(50, TINY_ZAYA["hidden_size"])
-    index = torch.randint(0, TINY_ZAYA["num_experts"], (50,))
-    index[:7] = 2  # uneven groups, and some experts may get none
+    hidden = torch.randn(tokens, TINY_ZAYA["hidden_size"])
+    index = torch.randint(0, TINY_ZAYA["num_experts"], (tokens,))
+    index[: min(tokens, 7)] = 2  # uneven groups, and some experts may get none
     reference = []
     for token, expert in zip(hidden, index.tolist(), strict=True):
         gate, up = (experts.gate_up_proj[expert] @ token).chunk(2)

@@ -1,0 +1,224 @@
+"""Find personal data in a JSONL dataset and optionally write a redacted copy with typed placeholders.
+
+Detection uses maintained, offline libraries wherever they fit and patterns only to find candidates:
+- IBAN: `python-stdnum` (`stdnum.iban`: country format + mod-97 checksum), so a mistyped IBAN is not reported.
+- CARD_NUMBER: 13-19 digits starting like a card network (2-6) that pass the Luhn check (`stdnum.luhn`).
+- US_SSN: `stdnum.us.ssn` (rejects impossible area/group/serial numbers and known advertising numbers); written as
+  AAA-GG-SSSS, or nine digits right after the word "SSN".
+- PHONE_NUMBER: Google's `phonenumbers` matcher at its VALID leniency (real numbering plans; `default_region` for
+  numbers without a country code).
+- EMAIL: a pattern (no library adds anything for e-mail addresses).
+- ACCOUNT_NUMBER: digits introduced by "account", "acct" or "a/c" (an account number has no checksum to test).
+
+Not scanned: person names. Finding them needs a statistical NER model (Presidio's default is spaCy's
+`en_core_web_lg`); spaCy's models are released on GitHub, not on PyPI, so they cannot be installed offline from the
+package registry this project installs from. The report says so in `not_scanned`.
+
+JSON lines are scanned value by value (keys are structure, not data) and re-serialised after redaction, so the
+redacted copy is still a valid dataset; lines that are not JSON are scanned and redacted as raw text. Bytes that
+are not UTF-8 are read as U+FFFD (the validator reports such lines).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import phonenumbers
+from stdnum import iban, luhn
+from stdnum.us import ssn
+
+PII_TYPES = ("EMAIL", "IBAN", "CARD_NUMBER", "US_SSN", "ACCOUNT_NUMBER", "PHONE_NUMBER")
+NOT_SCANNED = {
+    "PERSON": "person names need a spaCy NER model, and spaCy models cannot be installed offline from PyPI",
+}
+
+_EMAIL = re.compile(r"\b[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}\b")
+# Two letters, two check digits, then groups of four (optionally space-separated) and a short tail.
+_IBAN = re.compile(r"\b[A-Z]{2}\d{2}(?: ?[A-Z0-9]{4}){2,7}(?: ?[A-Z0-9]{1,3})?\b")
+_CARD = re.compile(r"\b\d(?:[ -]?\d){12,18}\b")
+_SSN = re.compile(r"\b\d{3}-\d{2}-\d{4}\b|(?i:\bssn\W{0,3})(?P<bare>\d{9})\b")
+_ACCOUNT = re.compile(
+    r"(?i:\b(?:account|acct|a/c)(?:\s+(?:number|no\.?|num|#))?\s*(?:[:#]|is)?\s*)(?P<number>\d[\d-]{4,18}\d)\b"
+)
+
+
+@dataclass(frozen=True)
+class PiiMatch:
+    type: str
+    start: int
+    end: int
+    text: str
+
+
+def find_pii(text: str, default_region: str = "US") -> list[PiiMatch]:
+    """Non-overlapping matches sorted by position; on overlap the earlier type in `PII_TYPES` wins."""
+    accepted: list[PiiMatch] = []
+    for pii_type, finder in _FINDERS.items():
+        for start, end in finder(text, default_region):
+            if all(end <= other.start or start >= other.end for other in accepted):
+                accepted.append(PiiMatch(pii_type, start, end, text[start:end]))
+    return sorted(accepted, key=lambda match: match.start)
+
+
+def redact_text(text: str, matches: list[PiiMatch]) -> str:
+    for match in sorted(matches, key=lambda match: match.start, reverse=True):
+        text = text[: match.start] + f"[{match.type}]" + text[match.end :]
+    return text
+
+
+@dataclass
+class PiiReport:
+    path: str
+    n_lines: int = 0
+    n_lines_with_pii: int = 0
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PII_TYPES, 0))
+    example_lines: dict[str, list[int]] = field(default_factory=lambda: {pii_type: [] for pii_type in PII_TYPES})
+    not_scanned: dict[str, str] = field(default_factory=lambda: dict(NOT_SCANNED))
+    redacted_path: str | None = None
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "n_lines": self.n_lines,
+            "n_lines_with_pii": self.n_lines_with_pii,
+            "total": self.total,
+            "counts": self.counts,
+            "example_lines": self.example_lines,
+            "not_scanned": self.not_scanned,
+            "redacted_path": self.redacted_path,
+        }
+
+
+def scan_file(
+    path: str | os.PathLike[str],
+    redact_to: str | os.PathLike[str] | None = None,
+    default_region: str = "US",
+    max_example_lines: int = 10,
+) -> PiiReport:
+    """Stream `path` once; with `redact_to`, write the redacted copy atomically (nothing appears on failure)."""
+    report = PiiReport(path=os.fspath(path))
+
+    def redacted_lines() -> Iterator[str]:
+        with open(path, encoding="utf-8", errors="replace") as file:
+            for line_number, line in enumerate(file, start=1):
+                report.n_lines = line_number
+                redacted, found = _redact_line(line.rstrip("\r\n"), default_region)
+                for pii_type in {match.type for match in found}:
+                    if len(report.example_lines[pii_type]) < max_example_lines:
+                        report.example_lines[pii_type].append(line_number)
+                for match in found:
+                    report.counts[match.type] += 1
+                report.n_lines_with_pii += bool(found)
+                # Lines without PII are copied unchanged, not re-serialised.
+                yield (redacted if found else line.rstrip("\r\n")) + "\n"
+
+    if redact_to is None:
+        for _ in redacted_lines():
+            pass
+    else:
+        _write_atomically(redact_to, redacted_lines())
+        report.redacted_path = os.fspath(redact_to)
+    return report
+
+
+def _redact_line(line: str, default_region: str) -> tuple[str, list[PiiMatch]]:
+    found: list[PiiMatch] = []
+
+    def redact(text: str) -> str:
+        matches = find_pii(text, default_region)
+        found.extend(matches)
+        return redact_text(text, matches)
+
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return redact(line), found
+    return json.dumps(_map_strings(record, redact), ensure_ascii=False), found
+
+
+def _map_strings(value: Any, function: Callable[[str], str]) -> Any:
+    if isinstance(value, str):
+        return function(value)
+    if isinstance(value, list):
+        return [_map_strings(item, function) for item in value]
+    if isinstance(value, dict):
+        return {key: _map_strings(item, function) for key, item in value.items()}
+    return value
+
+
+def _write_atomically(path: str | os.PathLike[str], lines: Iterator[str]) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    descriptor, temp_path = tempfile.mkstemp(dir=directory, prefix=".redacting-", suffix=".tmp")
+    try:
+        with os.fdopen(descriptor, "w", encoding="utf-8") as file:
+            file.writelines(lines)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temp_path, path)
+    except BaseException:
+        os.unlink(temp_path)
+        raise
+    directory_descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(directory_descriptor)  # make the rename itself durable
+    finally:
+        os.close(directory_descriptor)
+
+
+def _find_emails(text: str, _region: str) -> Iterator[tuple[int, int]]:
+    for match in _EMAIL.finditer(text):
+        yield match.span()
+
+
+def _find_ibans(text: str, _region: str) -> Iterator[tuple[int, int]]:
+    for match in _IBAN.finditer(text):
+        if iban.is_valid(match.group()):
+            yield match.span()
+
+
+def _find_cards(text: str, _region: str) -> Iterator[tuple[int, int]]:
+    # Digits inside an IBAN-shaped string (even one failing its checksum) belong to that IBAN, not to a card.
+    iban_shaped = [match.span() for match in _IBAN.finditer(text)]
+    for match in _CARD.finditer(text):
+        if any(start < match.end() and match.start() < end for start, end in iban_shaped):
+            continue
+        digits = re.sub(r"\D", "", match.group())
+        if 13 <= len(digits) <= 19 and digits[0] in "23456" and luhn.is_valid(digits):
+            yield match.span()
+
+
+def _find_ssns(text: str, _region: str) -> Iterator[tuple[int, int]]:
+    for match in _SSN.finditer(text):
+        group = "bare" if match.group("bare") else 0
+        if ssn.is_valid(match.group(group)):
+            yield match.span(group)
+
+
+def _find_accounts(text: str, _region: str) -> Iterator[tuple[int, int]]:
+    for match in _ACCOUNT.finditer(text):
+        yield match.span("number")
+
+
+def _find_phones(text: str, region: str) -> Iterator[tuple[int, int]]:
+    for match in phonenumbers.PhoneNumberMatcher(text, region, leniency=phonenumbers.Leniency.VALID):
+        yield match.start, match.end
+
+
+_FINDERS: dict[str, Callable[[str, str], Iterator[tuple[int, int]]]] = {
+    "EMAIL": _find_emails,
+    "IBAN": _find_ibans,
+    "CARD_NUMBER": _find_cards,
+    "US_SSN": _find_ssns,
+    "ACCOUNT_NUMBER": _find_accounts,
+    "PHONE_NUMBER": _find_phones,
+}

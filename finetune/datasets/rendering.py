@@ -1,0 +1,85 @@
+"""Turn a dataset example into token ids and the loss mask, the one place that decides which tokens are trained.
+
+- chat: rendered with the tokenizer's chat template; trained tokens are the assistant turns with weight 1, including
+  their end-of-turn token, taken from the template's `{% generation %}` markers.
+- prompt/completion: prompt and completion are encoded separately (as at inference, where the prompt is encoded and
+  the completion generated), then EOS; trained: completion + EOS.
+- text: BOS + text + EOS, all trained but BOS.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .formats import DatasetFormat, Example
+
+if TYPE_CHECKING:  # transformers is slow to import; only the type is needed here
+    from transformers import PreTrainedTokenizerBase
+
+
+class TemplateError(ValueError):
+    """The tokenizer cannot render this example with a usable loss mask."""
+
+
+@dataclass(frozen=True)
+class TokenizedExample:
+    input_ids: list[int]
+    trained_mask: list[int]  # 1 where the token contributes to the loss
+
+    @property
+    def n_trained(self) -> int:
+        return sum(self.trained_mask)
+
+
+def tokenize_example(example: Example, tokenizer: PreTrainedTokenizerBase) -> TokenizedExample:
+    if example.format is DatasetFormat.CHAT:
+        return _tokenize_chat(example, tokenizer)
+    if example.format is DatasetFormat.PROMPT_COMPLETION:
+        prompt = tokenizer.encode(example.prompt, add_special_tokens=False)
+        completion = tokenizer.encode(example.completion, add_special_tokens=False) + [_required_id(tokenizer, "eos")]
+        return TokenizedExample(prompt + completion, [0] * len(prompt) + [1] * len(completion))
+    text = tokenizer.encode(example.text, add_special_tokens=False) + [_required_id(tokenizer, "eos")]
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    return TokenizedExample(bos + text, [0] * len(bos) + [1] * len(text))
+
+
+def _tokenize_chat(example: Example, tokenizer: PreTrainedTokenizerBase) -> TokenizedExample:
+    if not tokenizer.chat_template:
+        raise TemplateError("the tokenizer has no chat template")
+    # Render every assistant turn as trainable, then drop the weight-0 ones by position: this honours `weight` with
+    # any template that has generation markers, not only ours.
+    messages = [{"role": message["role"], "content": message["content"]} for message in example.messages]
+    rendered = tokenizer.apply_chat_template(
+        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    input_ids, mask = list(rendered["input_ids"]), list(rendered["assistant_masks"])
+    spans = _runs_of_ones(mask)
+    weights = [message.get("weight", 1) for message in example.messages if message["role"] == "assistant"]
+    if len(spans) != len(weights):
+        raise TemplateError(
+            f"the chat template marks {len(spans)} assistant spans for {len(weights)} assistant messages; "
+            "it needs {% generation %} markers around each assistant turn"
+        )
+    for (start, end), weight in zip(spans, weights, strict=True):
+        if weight == 0:
+            mask[start:end] = [0] * (end - start)
+    return TokenizedExample(input_ids, mask)
+
+
+def _runs_of_ones(mask: list[int]) -> list[tuple[int, int]]:
+    runs, start = [], None
+    for index, value in enumerate([*mask, 0]):
+        if value and start is None:
+            start = index
+        elif not value and start is not None:
+            runs.append((start, index))
+            start = None
+    return runs
+
+
+def _required_id(tokenizer: PreTrainedTokenizerBase, name: str) -> int:
+    token_id = getattr(tokenizer, f"{name}_token_id")
+    if token_id is None:
+        raise TemplateError(f"the tokenizer has no {name} token")
+    return token_id

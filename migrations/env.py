@@ -1,0 +1,51 @@
+"""Alembic environment: the target is `server.db.models`; the URL comes from the caller or the ZAYA_* settings."""
+
+from __future__ import annotations
+
+from alembic import context
+from sqlalchemy import Connection
+
+import server.db.models  # noqa: F401  (registers every table on Base.metadata)
+from server.db.base import Base
+from server.db.session import make_engine
+from server.settings import Settings
+
+config = context.config
+target_metadata = Base.metadata
+
+
+def _database_url() -> str:
+    return config.get_main_option("sqlalchemy.url") or Settings().database_url
+
+
+def _configure(connection: Connection) -> None:
+    context.configure(
+        connection=connection,
+        target_metadata=target_metadata,
+        compare_type=True,
+        # SQLite cannot ALTER most things in place; batch mode rebuilds the table instead.
+        render_as_batch=connection.dialect.name == "sqlite",
+    )
+
+
+def run_migrations_offline() -> None:
+    context.configure(url=_database_url(), target_metadata=target_metadata, literal_binds=True)
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+def run_migrations_online() -> None:
+    engine = make_engine(_database_url())
+    try:
+        with engine.connect() as connection:
+            _configure(connection)
+            with context.begin_transaction():
+                context.run_migrations()
+    finally:
+        engine.dispose()
+
+
+if context.is_offline_mode():
+    run_migrations_offline()
+else:
+    run_migrations_online()

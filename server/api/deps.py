@@ -1,0 +1,71 @@
+"""Typed dependencies: settings, a database session, the calling API key and role checks.
+
+Authentication itself runs in `server.api.middleware` before routing (so even a malformed body without a key gets
+401); these dependencies read its result and enforce the role each route needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Request
+from sqlalchemy.orm import Session
+
+from server.db.models import ApiKey, Role
+from server.errors import Forbidden, Unauthorized
+from server.settings import Settings
+
+
+@dataclass(frozen=True)
+class Principal:
+    """The authenticated caller: the key's id, name and role (never its secret or hash)."""
+
+    key_id: str
+    name: str
+    role: Role
+
+    @classmethod
+    def from_key(cls, key: ApiKey) -> Principal:
+        return cls(key_id=key.id, name=key.name, role=Role(key.role))
+
+
+def get_settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+def get_session(request: Request) -> Iterator[Session]:
+    with request.app.state.sessionmaker() as session:
+        yield session
+
+
+def get_principal(request: Request) -> Principal:
+    principal = getattr(request.state, "principal", None)
+    if principal is None:
+        raise Unauthorized("Missing or invalid API key.", code="invalid_api_key")
+    return principal
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+SessionDep = Annotated[Session, Depends(get_session)]
+PrincipalDep = Annotated[Principal, Depends(get_principal)]
+
+
+def require_role(role: Role) -> Callable[[Principal], Principal]:
+    def check(principal: PrincipalDep) -> Principal:
+        if not principal.role.allows(role):
+            raise Forbidden(f"This endpoint requires the '{role}' role; your key has '{principal.role}'.")
+        return principal
+
+    return check
+
+
+AnalystDep = Annotated[Principal, Depends(require_role(Role.analyst))]
+DataDep = Annotated[Principal, Depends(require_role(Role.data))]
+AdminDep = Annotated[Principal, Depends(require_role(Role.admin))]
+
+
+def set_audit_target(request: Request, target: str) -> None:
+    """Name the object a mutating request acted on, for its audit log entry."""
+    request.state.audit_target = target

@@ -1,0 +1,107 @@
+"""One request middleware: body size limit, authentication, audit log and metrics, in that order.
+
+Authentication runs here, before routing and body parsing, so every route except `/health` is authenticated by
+construction and a malformed body without a key still gets 401. Role checks are per route (`server.api.deps`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import timedelta
+
+from fastapi import FastAPI, Request, Response
+from starlette.concurrency import run_in_threadpool
+from starlette.routing import BaseRoute, Match
+
+from server.api.deps import Principal
+from server.api.errors import error_response
+from server.db.session import session_scope
+from server.services import audit, keys
+
+logger = logging.getLogger(__name__)
+
+PUBLIC_PATHS = frozenset({"/health"})
+MUTATING_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+# Routes whose body is streamed to disk and bounded by their own, larger limit (uploads).
+STREAMED_BODY_PATHS = frozenset({"/v1/files"})
+
+
+def _bearer_token(request: Request) -> str | None:
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return (token.strip() or None) if scheme.lower() == "bearer" else None
+
+
+def _route_of(request: Request) -> tuple[BaseRoute | None, dict]:
+    """The route and path parameters of a request, also when it was answered before routing (401, 413)."""
+    if "route" in request.scope:
+        return request.scope["route"], request.scope.get("path_params", {})
+    for route in request.app.router.routes:
+        match, child_scope = route.matches(request.scope)
+        if match is Match.FULL:
+            return route, child_scope.get("path_params", {})
+    return None, {}
+
+
+def _declared_body_too_large(request: Request, limit: int) -> bool:
+    declared = request.headers.get("content-length", "")
+    return request.url.path not in STREAMED_BODY_PATHS and declared.isdigit() and int(declared) > limit
+
+
+def install_middleware(app: FastAPI) -> None:
+    settings = app.state.settings
+    sessions = app.state.sessionmaker
+    last_used_resolution = timedelta(seconds=settings.key_last_used_resolution_s)
+
+    def authenticate(token: str) -> Principal | None:
+        with sessions() as session:
+            key = keys.authenticate(session, token, last_used_resolution=last_used_resolution)
+            return Principal.from_key(key) if key is not None else None
+
+    def write_audit(request: Request, action: str, path_params: dict, status_code: int) -> None:
+        principal: Principal | None = getattr(request.state, "principal", None)
+        target = getattr(request.state, "audit_target", None)
+        if target is None and path_params:
+            target = ",".join(str(value) for value in path_params.values())
+        with session_scope(sessions) as session:
+            audit.record(
+                session,
+                actor_key_id=principal.key_id if principal else None,
+                action=action,
+                method=request.method,
+                path=request.url.path,
+                target=target,
+                status_code=status_code,
+                client_address=request.client.host if request.client else None,
+            )
+
+    async def respond(request: Request, call_next) -> Response:
+        if _declared_body_too_large(request, settings.max_request_bytes):
+            return error_response(413, f"Request body exceeds {settings.max_request_bytes} bytes.")
+        if request.url.path not in PUBLIC_PATHS:
+            token = _bearer_token(request)
+            principal = await run_in_threadpool(authenticate, token) if token else None
+            if principal is None:
+                message = "Invalid API key." if token else "Missing API key: send 'Authorization: Bearer <key>'."
+                return error_response(401, message, code="invalid_api_key")
+            request.state.principal = principal
+        return await call_next(request)
+
+    @app.middleware("http")
+    async def request_pipeline(request: Request, call_next) -> Response:
+        started = time.perf_counter()
+        status_code = 500  # what the client sees if the route raised: the catch-all handler answers 500
+        try:
+            response = await respond(request, call_next)
+            status_code = response.status_code
+            return response
+        finally:
+            route, path_params = _route_of(request)
+            route_label = getattr(route, "path", "unmatched")
+            if request.method in MUTATING_METHODS:
+                action = getattr(route, "name", None) or f"{request.method} {route_label}"
+                try:
+                    await run_in_threadpool(write_audit, request, action, path_params, status_code)
+                except Exception:
+                    logger.exception("could not write the audit entry for %s %s", request.method, request.url.path)
+            app.state.metrics.observe(request.method, route_label, status_code, time.perf_counter() - started)

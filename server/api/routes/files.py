@@ -1,0 +1,73 @@
+"""OpenAI files: upload (streamed multipart), list, retrieve, content, delete."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import FileResponse
+from starlette.concurrency import run_in_threadpool
+
+from server.api.deps import DataDep, SessionDep, SettingsDep, set_audit_target
+from server.api.schemas import FileDeleted, FileObject, ListResponse
+from server.api.uploads import receive_multipart
+from server.services import files as file_service
+from server.services.storage import StreamedFile
+
+router = APIRouter(prefix="/v1/files", tags=["files"])
+
+
+@router.post("", name="files.create")
+async def create_file(request: Request, session: SessionDep, settings: SettingsDep, principal: DataDep) -> FileObject:
+    upload = await receive_multipart(
+        request,
+        file_field="file",
+        open_file=lambda: StreamedFile(settings.files_dir, settings.max_upload_bytes),
+    )
+    file = await run_in_threadpool(
+        file_service.create_file,
+        session,
+        settings,
+        upload.file,
+        filename=upload.filename,
+        purpose=upload.fields.get("purpose"),
+        created_by=principal.key_id,
+    )
+    set_audit_target(request, file.id)
+    return FileObject.of(file)
+
+
+@router.get("", name="files.list")
+def list_files(
+    session: SessionDep,
+    _: DataDep,
+    purpose: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=10000)] = 10000,
+    order: Literal["asc", "desc"] = "desc",
+    after: str | None = None,
+) -> ListResponse[FileObject]:
+    files, has_more = file_service.list_files(session, purpose=purpose, limit=limit, order=order, after=after)
+    data = [FileObject.of(file) for file in files]
+    return ListResponse[FileObject](
+        data=data, first_id=data[0].id if data else None, last_id=data[-1].id if data else None, has_more=has_more
+    )
+
+
+@router.get("/{file_id}", name="files.get")
+def get_file(file_id: str, session: SessionDep, _: DataDep) -> FileObject:
+    return FileObject.of(file_service.get_file(session, file_id))
+
+
+@router.get("/{file_id}/content", name="files.content")
+def get_file_content(file_id: str, session: SessionDep, settings: SettingsDep, _: DataDep) -> FileResponse:
+    file = file_service.get_file(session, file_id)
+    return FileResponse(
+        file_service.content_path(settings, file), media_type="application/octet-stream", filename=file.filename
+    )
+
+
+@router.delete("/{file_id}", name="files.delete")
+def delete_file(file_id: str, session: SessionDep, settings: SettingsDep, _: DataDep) -> FileDeleted:
+    file = file_service.get_file(session, file_id)
+    file_service.delete_file(session, settings, file)
+    return FileDeleted(id=file.id)

@@ -1,0 +1,39 @@
+"""Admin: API keys (create, list, revoke). A revoked key fails its very next request."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from server.api.deps import AdminDep, SessionDep, set_audit_target
+from server.api.schemas import ApiKeyCreate, ApiKeyCreated, ApiKeyObject, ListResponse
+from server.db.models import ApiKey
+from server.errors import NotFound
+from server.services import keys as key_service
+
+router = APIRouter(prefix="/v1/admin/keys", tags=["admin"])
+
+
+@router.post("", name="keys.create")
+def create_key(body: ApiKeyCreate, request: Request, session: SessionDep, principal: AdminDep) -> ApiKeyCreated:
+    created = key_service.create_key(session, name=body.name, role=body.role, created_by=principal.key_id)
+    session.commit()
+    set_audit_target(request, created.key.id)
+    return ApiKeyCreated(**ApiKeyObject.of(created.key).model_dump(), secret=created.secret)
+
+
+@router.get("", name="keys.list")
+def list_keys(session: SessionDep, _: AdminDep) -> ListResponse[ApiKeyObject]:
+    data = [ApiKeyObject.of(key) for key in key_service.list_keys(session)]
+    return ListResponse[ApiKeyObject](
+        data=data, first_id=data[0].id if data else None, last_id=data[-1].id if data else None
+    )
+
+
+@router.post("/{key_id}/revoke", name="keys.revoke")
+def revoke_key(key_id: str, session: SessionDep, _: AdminDep) -> ApiKeyObject:
+    key = session.get(ApiKey, key_id)
+    if key is None:
+        raise NotFound(f"No such API key: {key_id}", param="key_id")
+    key_service.revoke_key(session, key)
+    session.commit()
+    return ApiKeyObject.of(key)

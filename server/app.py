@@ -1,0 +1,56 @@
+"""The FastAPI application: `create_app(settings)` builds one; `server.app:app` is one built from the environment."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from server.api.errors import install_error_handlers
+from server.api.metrics import Metrics
+from server.api.middleware import install_middleware
+from server.api.routes import api_router
+from server.db.migrations import schema_is_current
+from server.db.session import make_engine, make_sessionmaker
+from server.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    engine = make_engine(settings.database_url)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        # The server never creates tables: the schema is Alembic's job (`zaya db upgrade`).
+        if not schema_is_current(engine):
+            raise RuntimeError("The database schema is missing or out of date: run `zaya db upgrade` first.")
+        settings.files_dir.mkdir(parents=True, exist_ok=True)
+        yield
+        engine.dispose()
+
+    app = FastAPI(title="ZAYA platform", version="0.1.0", lifespan=lifespan)
+    app.state.settings = settings
+    app.state.engine = engine
+    app.state.sessionmaker = make_sessionmaker(engine)
+    app.state.metrics = Metrics(app.state.sessionmaker)
+    install_error_handlers(app)
+    install_middleware(app)
+    app.include_router(api_router)
+    return app
+
+
+@functools.cache
+def _default_app() -> FastAPI:
+    return create_app(Settings())
+
+
+def __getattr__(name: str) -> FastAPI:
+    # `server.app:app` is built on first access, so importing this module has no side effects.
+    if name == "app":
+        return _default_app()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

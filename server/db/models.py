@@ -1,0 +1,232 @@
+"""The tables. Public objects use string ids with OpenAI-style prefixes; append-only logs use integer ids.
+
+Changing a model means adding an Alembic revision in `migrations/versions/` (a test checks that they agree).
+"""
+
+from __future__ import annotations
+
+import enum
+import secrets
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy.orm import Mapped, mapped_column
+
+from server.db.base import Base, utcnow
+
+
+def new_id(prefix: str) -> str:
+    """An opaque public id such as `file-3f9a...` (24 random hex characters: unguessable, collision-free)."""
+    return f"{prefix}{secrets.token_hex(12)}"
+
+
+class Role(enum.StrEnum):
+    analyst = "analyst"
+    data = "data"
+    admin = "admin"
+
+    @property
+    def rank(self) -> int:
+        return list(Role).index(self)
+
+    def allows(self, required: Role) -> bool:
+        """Roles are nested: admin can do everything data can, data everything analyst can."""
+        return self.rank >= required.rank
+
+
+class JobStatus(enum.StrEnum):
+    validating_files = "validating_files"
+    queued = "queued"
+    running = "running"
+    paused = "paused"
+    succeeded = "succeeded"
+    failed = "failed"
+    cancelled = "cancelled"
+
+
+# A job in one of these states still needs its files.
+ACTIVE_JOB_STATUSES = (JobStatus.validating_files, JobStatus.queued, JobStatus.running, JobStatus.paused)
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("key_"))
+    name: Mapped[str] = mapped_column(String(200))
+    role: Mapped[str] = mapped_column(String(16))
+    # The first characters of the secret, unique: finds the row without ever storing the secret.
+    prefix: Mapped[str] = mapped_column(String(32), unique=True)
+    # sha256 of the full secret (hex). The secret has 256 bits of entropy, so a fast hash is enough.
+    secret_hash: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    created_by: Mapped[str | None] = mapped_column(ForeignKey("api_keys.id"))
+    last_used_at: Mapped[datetime | None]
+    revoked_at: Mapped[datetime | None]
+
+
+class File(Base):
+    __tablename__ = "files"
+    __table_args__ = (Index("ix_files_created_at_id", "created_at", "id"),)
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("file-"))
+    filename: Mapped[str] = mapped_column(String(512))
+    purpose: Mapped[str] = mapped_column(String(32))
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(16), default="processed")
+    status_details: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    created_by: Mapped[str | None] = mapped_column(ForeignKey("api_keys.id"))
+    # Deleted files keep their row (hash, name, size) so model lineage stays readable; the content is removed.
+    deleted_at: Mapped[datetime | None]
+
+
+class FineTuningJob(Base):
+    __tablename__ = "fine_tuning_jobs"
+    __table_args__ = (Index("ix_fine_tuning_jobs_status_created_at", "status", "created_at"),)
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("ftjob-"))
+    model: Mapped[str] = mapped_column(String(256))
+    training_file_id: Mapped[str] = mapped_column(ForeignKey("files.id"))
+    validation_file_id: Mapped[str | None] = mapped_column(ForeignKey("files.id"))
+    status: Mapped[str] = mapped_column(String(24), default=JobStatus.validating_files)
+    suffix: Mapped[str | None] = mapped_column(String(64))
+    seed: Mapped[int | None] = mapped_column(BigInteger)
+    # The request's `method` object as given (type, hyperparameters, adapter and LoRA settings).
+    method: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    # `metadata` is reserved by SQLAlchemy's declarative API, hence the attribute name.
+    user_metadata: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON)
+    fine_tuned_model: Mapped[str | None] = mapped_column(String(256), unique=True)
+    result_model_version_id: Mapped[str | None] = mapped_column(String(40))
+    error: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    trained_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    created_by: Mapped[str | None] = mapped_column(ForeignKey("api_keys.id"))
+    started_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]
+    # Worker lease: a job whose lease runs out without a heartbeat is re-queued (attempts counts the claims).
+    worker_id: Mapped[str | None] = mapped_column(String(128))
+    heartbeat_at: Mapped[datetime | None]
+    lease_expires_at: Mapped[datetime | None]
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    # Cancel/pause are requests the worker honours at its next step.
+    requested_action: Mapped[str | None] = mapped_column(String(16))
+
+
+class JobEvent(Base):
+    __tablename__ = "job_events"
+    __table_args__ = (Index("ix_job_events_job_id_id", "job_id", "id"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("fine_tuning_jobs.id"))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    level: Mapped[str] = mapped_column(String(8), default="info")
+    type: Mapped[str] = mapped_column(String(16), default="message")
+    message: Mapped[str] = mapped_column(Text)
+    data: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+
+
+class Checkpoint(Base):
+    __tablename__ = "checkpoints"
+    __table_args__ = (UniqueConstraint("job_id", "step"),)
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("ftckpt-"))
+    job_id: Mapped[str] = mapped_column(ForeignKey("fine_tuning_jobs.id"))
+    step: Mapped[int] = mapped_column(Integer)
+    path: Mapped[str] = mapped_column(Text)
+    metrics: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class ModelVersion(Base):
+    __tablename__ = "model_versions"
+    __table_args__ = (UniqueConstraint("name", "version"),)
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("mv-"))
+    name: Mapped[str] = mapped_column(String(200))
+    version: Mapped[int] = mapped_column(Integer)
+    # `full` (a checkpoint from_pretrained reads) or `adapter` (a PEFT adapter on top of `base_version_id`).
+    kind: Mapped[str] = mapped_column(String(16))
+    path: Mapped[str] = mapped_column(Text)
+    base_version_id: Mapped[str | None] = mapped_column(ForeignKey("model_versions.id"))
+    job_id: Mapped[str | None] = mapped_column(ForeignKey("fine_tuning_jobs.id"))
+    status: Mapped[str] = mapped_column(String(16), default="active")
+    metrics: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    # Hyperparameters, dataset file ids and hashes: whatever the version was made from.
+    lineage: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    description: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    created_by: Mapped[str | None] = mapped_column(ForeignKey("api_keys.id"))
+    archived_at: Mapped[datetime | None]
+
+
+class ModelAlias(Base):
+    __tablename__ = "model_aliases"
+    __table_args__ = (UniqueConstraint("model_name", "alias"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    model_name: Mapped[str] = mapped_column(String(200))
+    alias: Mapped[str] = mapped_column(String(64))
+    version_id: Mapped[str] = mapped_column(ForeignKey("model_versions.id"))
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_by: Mapped[str | None] = mapped_column(ForeignKey("api_keys.id"))
+
+
+class AliasHistory(Base):
+    """Immutable record of every alias move: who, when, why, and who approved it."""
+
+    __tablename__ = "alias_history"
+    __table_args__ = (Index("ix_alias_history_model_name_alias", "model_name", "alias"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    model_name: Mapped[str] = mapped_column(String(200))
+    alias: Mapped[str] = mapped_column(String(64))
+    action: Mapped[str] = mapped_column(String(16))
+    from_version_id: Mapped[str | None] = mapped_column(ForeignKey("model_versions.id"))
+    to_version_id: Mapped[str | None] = mapped_column(ForeignKey("model_versions.id"))
+    reason: Mapped[str | None] = mapped_column(Text)
+    actor_key_id: Mapped[str | None] = mapped_column(ForeignKey("api_keys.id"))
+    approved_by_key_id: Mapped[str | None] = mapped_column(ForeignKey("api_keys.id"))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class AuditLog(Base):
+    """Append-only: one row per mutating request, written whatever its outcome."""
+
+    __tablename__ = "audit_log"
+    __table_args__ = (
+        Index("ix_audit_log_created_at", "created_at"),
+        Index("ix_audit_log_actor_key_id", "actor_key_id"),
+        Index("ix_audit_log_action", "action"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # No foreign key: the log must outlive anything it mentions, and failed logins name no key.
+    actor_key_id: Mapped[str | None] = mapped_column(String(40))
+    action: Mapped[str] = mapped_column(String(64))
+    method: Mapped[str] = mapped_column(String(8))
+    path: Mapped[str] = mapped_column(Text)
+    target: Mapped[str | None] = mapped_column(String(256))
+    status_code: Mapped[int] = mapped_column(Integer)
+    outcome: Mapped[str] = mapped_column(String(16))
+    client_address: Mapped[str | None] = mapped_column(String(64))
+
+
+class InferenceRecord(Base):
+    """One row per inference request, tying it to the key and the model version that answered."""
+
+    __tablename__ = "inference_records"
+    __table_args__ = (Index("ix_inference_records_created_at", "created_at"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    api_key_id: Mapped[str | None] = mapped_column(ForeignKey("api_keys.id"))
+    endpoint: Mapped[str] = mapped_column(String(64))
+    requested_model: Mapped[str] = mapped_column(String(256))
+    model_version_id: Mapped[str | None] = mapped_column(ForeignKey("model_versions.id"))
+    prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    latency_ms: Mapped[float | None]
+    status_code: Mapped[int] = mapped_column(Integer)

@@ -1,0 +1,66 @@
+"""The append-only audit log: rows are only ever inserted, and read back by admins with filters."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from server.db.models import AuditLog
+
+
+def outcome_for(status_code: int) -> str:
+    if status_code in (401, 403):
+        return "denied"
+    return "success" if status_code < 400 else "failure"
+
+
+def record(
+    session: Session,
+    *,
+    actor_key_id: str | None,
+    action: str,
+    method: str,
+    path: str,
+    target: str | None,
+    status_code: int,
+    client_address: str | None,
+) -> AuditLog:
+    entry = AuditLog(
+        actor_key_id=actor_key_id,
+        action=action,
+        method=method,
+        path=path,
+        target=target,
+        status_code=status_code,
+        outcome=outcome_for(status_code),
+        client_address=client_address,
+    )
+    session.add(entry)
+    return entry
+
+
+def list_entries(
+    session: Session,
+    *,
+    actor: str | None = None,
+    action: str | None = None,
+    since: datetime | None = None,
+    until: datetime | None = None,
+    after: int | None = None,
+    limit: int = 100,
+) -> list[AuditLog]:
+    """Newest first; `after` is the id of the last entry of the previous page."""
+    query = select(AuditLog).order_by(AuditLog.id.desc()).limit(limit)
+    if actor is not None:
+        query = query.where(AuditLog.actor_key_id == actor)
+    if action is not None:
+        query = query.where(AuditLog.action == action)
+    if since is not None:
+        query = query.where(AuditLog.created_at >= since)
+    if until is not None:
+        query = query.where(AuditLog.created_at < until)
+    if after is not None:
+        query = query.where(AuditLog.id < after)
+    return list(session.scalars(query))

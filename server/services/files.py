@@ -1,0 +1,129 @@
+"""Uploaded files: stored atomically under `<data_dir>/files/<file-id>`, validated, listed and soft-deleted."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from sqlalchemy import or_, select, tuple_
+from sqlalchemy.orm import Session
+
+from finetune.datasets.validation import validate_dataset
+from server.db.base import utcnow
+from server.db.models import ACTIVE_JOB_STATUSES, File, FineTuningJob, new_id
+from server.errors import Conflict, InvalidRequest, NotFound
+from server.services.storage import StreamedFile
+from server.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_PURPOSES = ("fine-tune",)
+MAX_FILENAME_LENGTH = 512
+
+
+def content_path(settings: Settings, file: File) -> Path:
+    return settings.files_dir / file.id
+
+
+def check_dataset(path: Path) -> None:
+    """The one place uploads meet the fine-tuning validator: any problem refuses the upload with line numbers."""
+    report = validate_dataset(path)
+    if not report.is_valid:
+        lines = report.problem_lines()
+        raise InvalidRequest(
+            f"Invalid fine-tuning file ({report.n_problems} problem{'s' if report.n_problems != 1 else ''}):\n"
+            + "\n".join(lines),
+            param="file",
+            code="invalid_file",
+        )
+
+
+def create_file(
+    session: Session,
+    settings: Settings,
+    upload: StreamedFile | None,
+    *,
+    filename: str | None,
+    purpose: str | None,
+    created_by: str | None,
+) -> File:
+    """Validate a received upload and store it: the row and the content appear together or not at all."""
+    try:
+        if not purpose:
+            raise InvalidRequest("Missing required parameter: 'purpose'.", param="purpose", code="missing_required")
+        if purpose not in SUPPORTED_PURPOSES:
+            raise InvalidRequest(
+                f"Invalid purpose {purpose!r}: supported purposes are {', '.join(SUPPORTED_PURPOSES)}.",
+                param="purpose",
+                code="invalid_value",
+            )
+        if upload is None:
+            raise InvalidRequest("Missing required parameter: 'file'.", param="file", code="missing_required")
+        upload.finish_writing()
+        check_dataset(upload.temp_path)
+
+        file = File(
+            id=new_id("file-"),
+            filename=(filename or "upload.jsonl")[:MAX_FILENAME_LENGTH],
+            purpose=purpose,
+            bytes=upload.size,
+            sha256=upload.sha256,
+            created_by=created_by,
+        )
+        session.add(file)
+        session.flush()
+        stored = upload.commit(file.id)
+        try:
+            session.commit()
+        except BaseException:
+            stored.unlink(missing_ok=True)
+            raise
+        return file
+    finally:
+        if upload is not None and upload.committed_path is None:
+            upload.discard()
+
+
+def get_file(session: Session, file_id: str) -> File:
+    file = session.get(File, file_id)
+    if file is None or file.deleted_at is not None:
+        raise NotFound(f"No such File object: {file_id}", param="id")
+    return file
+
+
+def list_files(
+    session: Session, *, purpose: str | None, limit: int, order: str, after: str | None
+) -> tuple[list[File], bool]:
+    """A page of files (newest first unless order='asc') and whether more follow."""
+    ascending = order == "asc"
+    columns = (File.created_at, File.id)
+    query = select(File).where(File.deleted_at.is_(None))
+    if purpose is not None:
+        query = query.where(File.purpose == purpose)
+    if after is not None:
+        cursor = session.get(File, after)
+        if cursor is None:
+            raise InvalidRequest(f"No such File object for 'after': {after}", param="after")
+        position = (cursor.created_at, cursor.id)
+        query = query.where(tuple_(*columns) > position if ascending else tuple_(*columns) < position)
+    query = query.order_by(*(column.asc() if ascending else column.desc() for column in columns)).limit(limit + 1)
+    rows = list(session.scalars(query))
+    return rows[:limit], len(rows) > limit
+
+
+def delete_file(session: Session, settings: Settings, file: File) -> None:
+    """Remove the content; keep the row (marked deleted) so lineage still names the dataset and its hash."""
+    in_use = session.scalars(
+        select(FineTuningJob.id)
+        .where(or_(FineTuningJob.training_file_id == file.id, FineTuningJob.validation_file_id == file.id))
+        .where(FineTuningJob.status.in_([status.value for status in ACTIVE_JOB_STATUSES]))
+        .limit(1)
+    ).first()
+    if in_use is not None:
+        raise Conflict(f"File {file.id} is in use by fine-tuning job {in_use}.", param="file_id", code="file_in_use")
+    file.deleted_at = utcnow()
+    session.commit()
+    try:
+        content_path(settings, file).unlink(missing_ok=True)
+    except OSError:
+        logger.exception("file %s is deleted but its content could not be removed", file.id)

@@ -1,0 +1,72 @@
+"""API keys: random secrets shown once, stored as a sha256 hash beside a unique lookup prefix."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from dataclasses import dataclass
+from datetime import timedelta
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from server.db.base import utcnow
+from server.db.models import ApiKey, Role
+
+SECRET_MARKER = "zk-"
+PREFIX_LENGTH = len(SECRET_MARKER) + 12
+
+
+@dataclass(frozen=True)
+class CreatedKey:
+    key: ApiKey
+    secret: str
+
+
+def hash_secret(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def create_key(session: Session, *, name: str, role: Role | str, created_by: str | None = None) -> CreatedKey:
+    """Create a key and return its secret: the only time the secret exists outside the client."""
+    role = Role(role)
+    name = name.strip()
+    if not name:
+        raise ValueError("name must not be empty")
+    secret = SECRET_MARKER + secrets.token_urlsafe(32)
+    key = ApiKey(
+        name=name,
+        role=role.value,
+        prefix=secret[:PREFIX_LENGTH],
+        secret_hash=hash_secret(secret),
+        created_by=created_by,
+    )
+    session.add(key)
+    session.flush()
+    return CreatedKey(key=key, secret=secret)
+
+
+def authenticate(session: Session, secret: str, *, last_used_resolution: timedelta) -> ApiKey | None:
+    """The active key whose secret this is, or None. Revocation is read from the database on every call."""
+    if not secret.startswith(SECRET_MARKER) or len(secret) <= PREFIX_LENGTH:
+        return None
+    key = session.scalars(select(ApiKey).where(ApiKey.prefix == secret[:PREFIX_LENGTH])).one_or_none()
+    if key is None or not hmac.compare_digest(key.secret_hash, hash_secret(secret)) or key.revoked_at is not None:
+        return None
+    now = utcnow()
+    if key.last_used_at is None or now - key.last_used_at >= last_used_resolution:
+        key.last_used_at = now
+        session.commit()
+    return key
+
+
+def list_keys(session: Session) -> list[ApiKey]:
+    return list(session.scalars(select(ApiKey).order_by(ApiKey.created_at, ApiKey.id)))
+
+
+def revoke_key(session: Session, key: ApiKey) -> ApiKey:
+    if key.revoked_at is None:
+        key.revoked_at = utcnow()
+        session.flush()
+    return key

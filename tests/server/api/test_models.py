@@ -1,0 +1,46 @@
+"""`GET /v1/models` in OpenAI's list shape, read with the official client."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from server.db.base import utcnow
+from server.db.models import File, FineTuningJob, JobStatus, ModelAlias, ModelVersion
+
+
+@pytest.fixture
+def analyst_client(live_server, keys):
+    with openai.OpenAI(base_url=f"{live_server}/v1", api_key=keys["analyst"], max_retries=0, timeout=30) as client:
+        yield client
+
+
+def test_no_models_registered_is_an_empty_list(analyst_client):
+    assert list(analyst_client.models.list()) == []
+    with pytest.raises(openai.NotFoundError):
+        analyst_client.models.retrieve("zaya-tiny")
+
+
+def test_lists_names_aliases_and_fine_tuned_models(analyst_client, sessions):
+    with sessions() as session:
+        version = ModelVersion(name="zaya-tiny", version=1, kind="full", path="/m/1")
+        archived = ModelVersion(name="old", version=1, kind="full", path="/m/old", status="archived")
+        dataset = File(filename="t.jsonl", purpose="fine-tune", bytes=1, sha256="0" * 64)
+        session.add_all([version, archived, dataset])
+        session.flush()
+        session.add(ModelAlias(model_name="zaya-tiny", alias="production", version_id=version.id))
+        session.add(
+            FineTuningJob(
+                model="zaya-tiny",
+                training_file_id=dataset.id,
+                status=JobStatus.succeeded,
+                fine_tuned_model="ft:zaya-tiny:org:bank:ftjob-1",
+                finished_at=utcnow(),
+            )
+        )
+        session.commit()
+
+    models = {model.id: model for model in analyst_client.models.list()}
+    assert set(models) == {"zaya-tiny", "zaya-tiny@production", "ft:zaya-tiny:org:bank:ftjob-1"}
+    assert all(model.object == "model" and model.created > 0 for model in models.values())
+    assert analyst_client.models.retrieve("zaya-tiny@production").id == "zaya-tiny@production"

@@ -1,0 +1,160 @@
+"""Server test fixtures: a migrated database (SQLite by default, PostgreSQL when ZAYA_TEST_DATABASE_URL says so),
+an app per test on a clean database, API keys for every role, and a real uvicorn server for the `openai` client.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import uvicorn
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from sqlalchemy import delete, text
+from sqlalchemy.engine import make_url
+
+from server.app import create_app
+from server.db.base import Base
+from server.db.migrations import upgrade
+from server.db.models import Role
+from server.db.session import make_engine, make_sessionmaker, session_scope
+from server.services.keys import create_key
+from server.settings import Settings
+
+TEST_DATABASE_URL_ENV = "ZAYA_TEST_DATABASE_URL"
+MAX_UPLOAD_BYTES = 256 * 1024
+
+VALID_DATASET = b"".join(
+    b'{"messages": [{"role": "user", "content": "Balance of account %d?"}, '
+    b'{"role": "assistant", "content": "It is %d EUR."}]}\n' % (i, 100 + i)
+    for i in range(5)
+)
+
+
+@contextmanager
+def fresh_database(directory: Path) -> Iterator[str]:
+    """An empty database: a new SQLite file, or a new schema in the PostgreSQL named by ZAYA_TEST_DATABASE_URL."""
+    server_url = os.environ.get(TEST_DATABASE_URL_ENV)
+    if not server_url:
+        yield f"sqlite:///{directory / f'test-{secrets.token_hex(4)}.db'}"
+        return
+    schema = f"zaya_test_{secrets.token_hex(6)}"
+    admin = make_engine(server_url)
+    with admin.begin() as connection:
+        connection.execute(text(f'CREATE SCHEMA "{schema}"'))
+    try:
+        url = make_url(server_url).update_query_dict({"options": f"-csearch_path={schema}"})
+        yield url.render_as_string(hide_password=False)
+    finally:
+        with admin.begin() as connection:
+            connection.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+        admin.dispose()
+
+
+@pytest.fixture(name="fresh_database")
+def fresh_database_fixture():
+    """The `fresh_database` context manager, for tests that need a database of their own (migration tests)."""
+    return fresh_database
+
+
+@pytest.fixture(scope="session")
+def database_url(tmp_path_factory) -> Iterator[str]:
+    """One migrated database for the session; each test leaves it empty again (see `settings`)."""
+    with fresh_database(tmp_path_factory.mktemp("db")) as url:
+        upgrade(url)
+        yield url
+
+
+def empty_all_tables(database_url: str) -> None:
+    engine = make_engine(database_url)
+    try:
+        with engine.begin() as connection:
+            for table in reversed(Base.metadata.sorted_tables):
+                connection.execute(delete(table))
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture
+def settings(tmp_path, database_url) -> Iterator[Settings]:
+    yield Settings(data_dir=tmp_path / "data", database_url=database_url, max_upload_bytes=MAX_UPLOAD_BYTES)
+    empty_all_tables(database_url)
+
+
+@pytest.fixture
+def sessions(settings):
+    engine = make_engine(settings.database_url)
+    yield make_sessionmaker(engine)
+    engine.dispose()
+
+
+@pytest.fixture
+def app(settings) -> FastAPI:
+    return create_app(settings)
+
+
+@pytest.fixture
+def client(app) -> Iterator[TestClient]:
+    with TestClient(app) as test_client:
+        yield test_client
+
+
+@pytest.fixture
+def make_key(sessions):
+    """Create a key directly in the database (as `zaya keys create` does); returns (key id, secret)."""
+
+    def make(role: Role | str, name: str = "test") -> tuple[str, str]:
+        with session_scope(sessions) as session:
+            created = create_key(session, name=name, role=role)
+        return created.key.id, created.secret
+
+    return make
+
+
+@pytest.fixture
+def keys(make_key) -> dict[str, str]:
+    """A secret for every role, by role name."""
+    return {role.value: make_key(role, name=f"{role.value} key")[1] for role in Role}
+
+
+@pytest.fixture
+def auth(keys):
+    """Authorization headers for a role name (or a raw secret)."""
+
+    def headers(role_or_secret: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {keys.get(role_or_secret, role_or_secret)}"}
+
+    return headers
+
+
+@pytest.fixture
+def valid_dataset() -> bytes:
+    return VALID_DATASET
+
+
+@pytest.fixture
+def live_server(app) -> Iterator[str]:
+    """The app served by a real uvicorn on 127.0.0.1 and a free port; yields the base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 15
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.01)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=15)
+    sock.close()

@@ -1,0 +1,106 @@
+"""Train a byte-level BPE tokenizer with ZAYA's special tokens and chat template.
+
+Special tokens (each one token, never split or merged):
+    `<|startoftext|>`  BOS: starts every rendered conversation; pretraining may prepend it to documents.
+    `<|endoftext|>`    EOS: ends a pretraining document.
+    `<|pad|>`          PAD: padding only, never trained on.
+    `<|im_start|>`     opens a chat turn, followed by the role and a newline (ChatML).
+    `<|im_end|>`       end of turn: closes every chat turn. Generation of an assistant answer stops here, so it
+                       belongs in the generation config's `eos_token_id` next to `<|endoftext|>`.
+
+The chat template is ChatML. Assistant content and its `<|im_end|>` sit inside `{% generation %}` markers, so
+`apply_chat_template(..., return_assistant_tokens_mask=True, return_dict=True)` marks exactly the tokens a model is
+trained on. An assistant message with `weight: 0` (OpenAI fine-tuning format) is rendered without the markers,
+so it is context only. Encoding plain text adds no special tokens: callers that pack documents add BOS/EOS themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+BOS_TOKEN = "<|startoftext|>"
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+TURN_START_TOKEN = "<|im_start|>"
+END_OF_TURN_TOKEN = "<|im_end|>"
+SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, TURN_START_TOKEN, END_OF_TURN_TOKEN)
+
+# Byte-level BPE starts from all 256 byte symbols; the merges come on top.
+_BYTE_ALPHABET_SIZE = 256
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\n' }}"
+    "{% if message.get('weight', 1) == 0 %}"
+    "{{ message['content'] }}{{ '<|im_end|>' }}"
+    "{% else %}"
+    "{% generation %}{{ message['content'] }}{{ '<|im_end|>' }}{% endgeneration %}"
+    "{% endif %}"
+    "{{ '\n' }}"
+    "{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def train_tokenizer(
+    texts: Iterable[str],
+    vocab_size: int,
+    *,
+    min_frequency: int = 2,
+    model_max_length: int | None = None,
+    show_progress: bool = False,
+) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer on `texts` (streamed: an iterator is consumed once, never materialised).
+
+    `vocab_size` counts the special tokens and the 256 byte symbols; the trainer may stop below it on small corpora.
+    """
+    minimum = _BYTE_ALPHABET_SIZE + len(SPECIAL_TOKENS)
+    if vocab_size < minimum:
+        raise ValueError(f"vocab_size must be at least {minimum} (256 bytes + {len(SPECIAL_TOKENS)} special tokens)")
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=[AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=show_progress,
+    )
+    backend.train_from_iterator(texts, trainer=trainer)
+    if backend.get_vocab_size() <= minimum:
+        raise ValueError("the training texts are empty: no merges could be learned")
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        additional_special_tokens=[TURN_START_TOKEN, END_OF_TURN_TOKEN],
+        chat_template=CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+        model_max_length=model_max_length if model_max_length is not None else int(1e30),
+    )
+    return tokenizer
+
+
+def end_of_turn_token_id(tokenizer: PreTrainedTokenizerFast) -> int:
+    """Id of `<|im_end|>`; raises if the tokenizer was not built by `train_tokenizer` (or lacks the token)."""
+    token_id = tokenizer.convert_tokens_to_ids(END_OF_TURN_TOKEN)
+    if token_id is None or token_id == tokenizer.unk_token_id:
+        raise ValueError(f"tokenizer has no end-of-turn token {END_OF_TURN_TOKEN!r}")
+    return token_id
+
+
+def generation_eos_token_ids(tokenizer: PreTrainedTokenizerFast) -> list[int]:
+    """Ids a generation config should stop on: end of turn (chat answers) and end of text (raw completions)."""
+    return [end_of_turn_token_id(tokenizer), tokenizer.eos_token_id]
