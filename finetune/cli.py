@@ -1,4 +1,5 @@
-"""`zaya data ...`: validate a fine-tuning dataset, preview an example's loss mask, scan for personal data.
+"""`zaya data ...` (validate a dataset, preview an example's loss mask, scan for personal data), `zaya finetune`
+(LoRA or full fine-tuning with a progress bar) and `zaya evaluate` (held-out scores as a table and JSON).
 
 Heavy imports (transformers) happen inside the commands so `zaya --help` stays fast.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from typing import Any
 
 from server.cli import CommandError
@@ -55,6 +57,156 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pii.add_argument("--region", default="US", help="country for phone numbers without a country code")
     pii.add_argument("--json", action="store_true", help="print the report as JSON")
     pii.set_defaults(func=run_pii)
+
+    _register_finetune(subparsers)
+    _register_evaluate(subparsers)
+
+
+def _register_finetune(subparsers: argparse._SubParsersAction) -> None:
+    finetune = subparsers.add_parser(
+        "finetune",
+        help="fine-tune a checkpoint on a JSONL dataset (LoRA or full)",
+        description="Fine-tune a ZAYA checkpoint. Writes OUTPUT/final (adapter or full checkpoint), "
+        "OUTPUT/checkpoints/ and, with --merge, OUTPUT/merged. Numbers accept 'auto'.",
+    )
+    finetune.add_argument("--model", required=True, metavar="DIR", help="base checkpoint (with its tokenizer)")
+    finetune.add_argument("--train", required=True, metavar="FILE", help="training JSONL")
+    finetune.add_argument("--validation", metavar="FILE", help="validation JSONL (loss, token accuracy, best model)")
+    finetune.add_argument("--output", required=True, metavar="DIR", help="output directory")
+    finetune.add_argument("--method", choices=("lora", "full"), default="lora")
+    finetune.add_argument("--epochs", type=_int_or_auto, default="auto", metavar="N", help="epochs or auto")
+    finetune.add_argument("--batch-size", type=_int_or_auto, default="auto", metavar="N", help="examples per step")
+    finetune.add_argument(
+        "--learning-rate-multiplier", type=_float_or_auto, default="auto", metavar="X", help="x the base rate"
+    )
+    finetune.add_argument("--lora-r", type=int, default=8, metavar="R")
+    finetune.add_argument("--lora-alpha", type=int, default=16, metavar="A")
+    finetune.add_argument("--lora-dropout", type=float, default=0.0, metavar="P")
+    finetune.add_argument("--no-lora-experts", action="store_true", help="LoRA on attention only, not the experts")
+    finetune.add_argument("--max-steps", type=int, metavar="N", help="stop after N optimizer steps")
+    finetune.add_argument("--max-seconds", type=float, metavar="S", help="stop after S seconds of training")
+    finetune.add_argument("--eval-every", type=int, metavar="N", help="evaluate and checkpoint every N steps")
+    finetune.add_argument("--early-stopping-patience", type=int, metavar="N", help="evaluations without progress")
+    finetune.add_argument("--max-seq-len", type=int, metavar="N", help="longest example in tokens")
+    finetune.add_argument("--no-packing", action="store_true", help="pad examples instead of packing them")
+    finetune.add_argument("--merge", action="store_true", help="also merge the adapter into a full checkpoint")
+    finetune.add_argument("--resume", metavar="CHECKPOINT", help="continue a paused run from its checkpoint dir")
+    finetune.add_argument("--seed", type=int, default=0)
+    finetune.set_defaults(func=run_finetune_command)
+
+
+def _register_evaluate(subparsers: argparse._SubParsersAction) -> None:
+    evaluate = subparsers.add_parser(
+        "evaluate",
+        help="score a model on a held-out JSONL file",
+        description="Held-out loss and token accuracy on the trained tokens and, for the bank disposition task, "
+        "exact-match disposition accuracy (greedy).",
+    )
+    evaluate.add_argument("--model", required=True, metavar="DIR", help="base or full checkpoint")
+    evaluate.add_argument("--adapter", metavar="DIR", help="LoRA adapter trained on --model")
+    evaluate.add_argument("--data", required=True, metavar="FILE", help="held-out JSONL")
+    evaluate.add_argument("--json", action="store_true", help="print only the JSON")
+    evaluate.set_defaults(func=run_evaluate_command)
+
+
+def run_finetune_command(args: argparse.Namespace) -> int:
+    from transformers.utils import logging as transformers_logging
+
+    from finetune.train import CheckpointWriteError, FinetuneError, FinetuneSpec, run_finetune
+    from zaya_model.training.callbacks import NonFiniteLossError
+
+    transformers_logging.disable_progress_bar()  # one bar, ours, instead of one per weight load and save
+
+    spec = FinetuneSpec(
+        model_dir=args.model,
+        train_file=args.train,
+        validation_file=args.validation,
+        output_dir=args.output,
+        method=args.method,
+        n_epochs=args.epochs,
+        batch_size=args.batch_size,
+        learning_rate_multiplier=args.learning_rate_multiplier,
+        lora_r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout,
+        lora_target_experts=not args.no_lora_experts,
+        max_steps=args.max_steps,
+        max_seconds=args.max_seconds,
+        eval_every=args.eval_every,
+        early_stopping_patience=args.early_stopping_patience,
+        seed=args.seed,
+        max_seq_len=args.max_seq_len,
+        packing=not args.no_packing,
+        merge_adapter=args.merge,
+    )
+    hooks = _ProgressBarHooks()
+    try:
+        result = run_finetune(spec, hooks, resume_from=args.resume)
+    except (FinetuneError, CheckpointWriteError, NonFiniteLossError) as error:
+        raise CommandError(str(error)) from None
+    finally:
+        hooks.close()
+    metrics = ", ".join(f"{key} {value:.4g}" for key, value in result.metrics.items() if isinstance(value, float))
+    print(f"{result.status}: {result.kind} in {result.output_dir} ({metrics})")
+    return 0
+
+
+def run_evaluate_command(args: argparse.Namespace) -> int:
+    from transformers.utils import logging as transformers_logging
+
+    from finetune.evaluate import EvaluationError, evaluate_model
+
+    transformers_logging.disable_progress_bar()
+
+    try:
+        scores = evaluate_model(args.model, _existing(args.data), adapter_dir=args.adapter)
+    except EvaluationError as error:
+        raise CommandError(str(error)) from None
+    if not args.json:
+        for name, value in scores.items():
+            shown = "n/a" if value is None else f"{value:.4f}" if isinstance(value, float) else str(value)
+            print(f"{name:<24}{shown:>12}")
+    print(json.dumps(scores))
+    return 0
+
+
+class _ProgressBarHooks:
+    """TrainingHooks for a terminal: a tqdm bar over optimizer steps, events and evaluations as lines above it."""
+
+    def __init__(self) -> None:
+        self.bar: Any = None
+
+    def on_event(self, level: str, message: str, data: dict | None = None) -> None:
+        from tqdm import tqdm
+
+        if data and "max_steps" in data and self.bar is None:
+            self.bar = tqdm(total=data["max_steps"], initial=data["step"], unit="step", dynamic_ncols=True)
+        self._write(f"{level}: {message}")
+
+    def on_metrics(self, step: int, metrics: dict) -> None:
+        if self.bar is None:
+            return
+        if "train_loss" in metrics:
+            self.bar.update(step - self.bar.n)
+            self.bar.set_postfix(loss=f"{metrics['train_loss']:.4f}")
+        if "valid_loss" in metrics:
+            accuracy = metrics.get("valid_mean_token_accuracy", float("nan"))
+            self._write(f"step {step}: valid loss {metrics['valid_loss']:.4f}, token accuracy {accuracy:.4f}")
+
+    def on_checkpoint(self, step: int, path: str, metrics: dict) -> None:
+        self._write(f"step {step}: checkpoint {path}")
+
+    def should_stop(self) -> str | None:
+        return None
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def _write(self, line: str) -> None:
+        from tqdm import tqdm
+
+        tqdm.write(line, file=sys.stderr)
 
 
 def run_validate(args: argparse.Namespace) -> int:
@@ -142,6 +294,21 @@ def _existing(path: str) -> str:
     if not os.path.isfile(path):
         raise CommandError(f"file not found: {path}")
     return path
+
+
+def _int_or_auto(text: str) -> int | str:
+    return text if text == "auto" else _number(int, text)
+
+
+def _float_or_auto(text: str) -> float | str:
+    return text if text == "auto" else _number(float, text)
+
+
+def _number(kind: type, text: str) -> Any:
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {text!r}") from None
 
 
 def _positive_int(text: str) -> int:

@@ -31,6 +31,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from .cache_zaya import ZayaCache
 from .checkpoints import is_legacy_config, load_legacy_checkpoint
 from .configuration_zaya import ZayaConfig
+from .grouped_linear import grouped_linear
 
 
 class ZayaRMSNorm(nn.Module):
@@ -115,22 +116,26 @@ class ZayaCCAProjection(nn.Module):
             channels, channels, self.grouped_kernel, groups=self.num_heads + self.num_key_value_heads
         )
 
-    def causal_convolutions(self, qk: torch.Tensor, history: torch.Tensor, lag_masks: list[torch.Tensor | None]):
-        """Both convolutions at once, reading token t-m only where `lag_masks[m]` allows it.
+    def causal_convolutions(self, qk: torch.Tensor, history: torch.Tensor, lag_masks: list[torch.Tensor] | None):
+        """Both causal convolutions over `qk` [batch, seq, channels], preceded by `history` [batch, H, channels].
 
-        `qk` is `[batch, seq, channels]`, `history` the `self.history` tokens before it. Written as a sum over lags
-        (not `F.conv1d`) so a document start cuts the history per output token, which a sliding kernel cannot do.
+        Long chunks without document starts run as two `Conv1d`s over [history, qk]. Otherwise the convolutions are
+        written as a sum over lags: with `lag_masks` (packed training) each output token cuts its own history at its
+        document start, which a sliding kernel cannot do; for decode steps it avoids the convolution kernel's fixed
+        cost, which dwarfs the arithmetic of one token.
         """
-        lagged = []
-        for lag in range(self.history + 1):
-            states = shift_by(qk, history, lag)
-            lagged.append(states if lag_masks[lag] is None else states * lag_masks[lag])
+        if lag_masks is None and qk.shape[1] > 32:
+            window = torch.cat((history, qk), dim=1).transpose(1, 2)
+            # Back to [batch, seq, channels] memory order: attention kernels want head_dim contiguous.
+            return self.conv_qk_grouped(self.conv_qk_depthwise(window)).transpose(1, 2).contiguous()
+        lagged = [shift_by(qk, history, lag) for lag in range(self.history + 1)]
+        if lag_masks is not None:
+            lagged = [states * mask for states, mask in zip(lagged, lag_masks, strict=True)]
         depthwise_weight = self.conv_qk_depthwise.weight[:, 0, :]  # [channels, k0]; index 0 = oldest frame
-        depthwise_bias = self.conv_qk_depthwise.bias
         # Depthwise outputs at times t-(k1-1) ... t, as seen from output token t.
         depthwise_out = []
         for offset in range(self.grouped_kernel):
-            out = depthwise_bias
+            out = self.conv_qk_depthwise.bias
             for tap in range(self.depthwise_kernel):
                 lag = (self.grouped_kernel - 1 - offset) + (self.depthwise_kernel - 1 - tap)
                 out = out + lagged[lag] * depthwise_weight[:, tap]
@@ -146,7 +151,7 @@ class ZayaCCAProjection(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        lag_masks: list[torch.Tensor | None],
+        lag_masks: list[torch.Tensor] | None,
         past_key_values: ZayaCache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         batch, seq, _ = hidden_states.shape
@@ -177,7 +182,7 @@ class ZayaCCAProjection(nn.Module):
         value_current = self.v_proj_current(hidden_states)
         delayed = self.v_proj_delayed(hidden_states)
         value_delayed = shift_by(delayed, shift_history, 1)
-        if lag_masks[1] is not None:
+        if lag_masks is not None:
             value_delayed = value_delayed * lag_masks[1]
         value = torch.cat((value_current, value_delayed), dim=-1).view(batch, seq, self.num_key_value_heads, -1)
 
@@ -239,7 +244,7 @@ class ZayaAttention(nn.Module):
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None,
-        lag_masks: list[torch.Tensor | None],
+        lag_masks: list[torch.Tensor] | None,
         past_key_values: ZayaCache | None = None,
         padding_mask: torch.Tensor | None = None,
         **kwargs,
@@ -337,7 +342,8 @@ class ZayaRouter(nn.Module):
 class ZayaExperts(nn.Module):
     """Top-1 SwiGLU experts with fused 3-D weights: `gate_up_proj` [E, 2I, H] (gate rows first), `down_proj` [E, H, I].
 
-    Tokens are sorted by expert and run as one grouped matmul per projection; no Python loop over tokens.
+    Tokens are sorted by expert and each projection runs as one grouped matmul (`grouped_linear`); no Python loop
+    over tokens.
     """
 
     def __init__(self, config: ZayaConfig):
@@ -355,12 +361,11 @@ class ZayaExperts(nn.Module):
         if hidden_states.shape[0] < self.num_experts:
             return self._forward_few_tokens(hidden_states, expert_index)
         order = torch.argsort(expert_index, stable=True)
-        counts = torch.bincount(expert_index, minlength=self.num_experts)
-        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        grouped = hidden_states[order]
-        gate_up = F.grouped_mm(grouped, self.gate_up_proj.transpose(1, 2), offs=offsets)
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        out = F.grouped_mm(self.act_fn(gate) * up, self.down_proj.transpose(1, 2), offs=offsets)
+        group_sizes = torch.bincount(expert_index, minlength=self.num_experts)
+        gate, up = grouped_linear(hidden_states[order], self.gate_up_proj, group_sizes).split(
+            self.intermediate_size, dim=-1
+        )
+        out = grouped_linear(self.act_fn(gate) * up, self.down_proj, group_sizes)
         return torch.empty_like(out).index_copy_(0, order, out)
 
     def _expert(self, hidden_states: torch.Tensor, expert: int) -> torch.Tensor:
@@ -425,7 +430,7 @@ class ZayaDecoderLayer(GradientCheckpointingLayer):
         router_states: torch.Tensor | None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None,
-        lag_masks: list[torch.Tensor | None],
+        lag_masks: list[torch.Tensor] | None,
         past_key_values: ZayaCache | None = None,
         padding_mask: torch.Tensor | None = None,
         **kwargs,
@@ -493,12 +498,18 @@ class ZayaPreTrainedModel(PreTrainedModel):
             init.zeros_(module.input_hidden_states_bias)
 
 
-def document_lag_masks(position_ids: torch.Tensor, history: int, dtype: torch.dtype) -> list[torch.Tensor | None]:
-    """`masks[m][b, t] = 1` where token t may read token t-m: its position is at least m (same document)."""
-    masks: list[torch.Tensor | None] = [None]
-    for lag in range(1, history + 1):
-        masks.append((position_ids >= lag).to(dtype)[..., None])
-    return masks
+def document_lag_masks(
+    position_ids: torch.Tensor, history: int, continues_cache: bool, dtype: torch.dtype
+) -> list[torch.Tensor] | None:
+    """`masks[m][b, t] = 1` where token t may read token t-m: its position is at least m (same document).
+
+    `None` when no document starts inside the chunk (positions count up by one, and a chunk continuing a cache does
+    not restart at 0): then the history the convolutions and value shift read is the sequence's own, zero-padded.
+    """
+    restarts = bool((position_ids[:, 1:] - position_ids[:, :-1] != 1).any())
+    if not restarts and not (continues_cache and bool((position_ids[:, 0] == 0).any())):
+        return None
+    return [(position_ids >= lag).to(dtype)[..., None] for lag in range(history + 1)]
 
 
 class ZayaModel(ZayaPreTrainedModel):
@@ -578,7 +589,7 @@ class ZayaModel(ZayaPreTrainedModel):
         dtype = inputs_embeds.dtype
         residual_dtype = torch.float32 if self.config.residual_in_fp32 else dtype
         history = self.config.cca_time0 + self.config.cca_time1 - 2
-        lag_masks = document_lag_masks(position_ids, max(history, 1), dtype)
+        lag_masks = document_lag_masks(position_ids, max(history, 1), past_length > 0, dtype)
         position_embeddings = self.rotary_emb(position_ids, dtype)
 
         residual = ((inputs_embeds + self.input_hidden_states_bias) * self.input_hidden_states_scale).to(residual_dtype)

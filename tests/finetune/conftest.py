@@ -43,4 +43,3 @@ def write_jsonl(tmp_path):
         return path
 
     return write
-

@@ -55,7 +55,12 @@ def test_scan_file_counts_types_with_example_lines(write_jsonl):
     ]
     report = scan_file(write_jsonl(lines))
     assert report.counts == {
-        "EMAIL": 1, "IBAN": 1, "CARD_NUMBER": 1, "US_SSN": 0, "ACCOUNT_NUMBER": 0, "PHONE_NUMBER": 2,
+        "EMAIL": 1,
+        "IBAN": 1,
+        "CARD_NUMBER": 1,
+        "US_SSN": 0,
+        "ACCOUNT_NUMBER": 0,
+        "PHONE_NUMBER": 2,
     }
     assert report.example_lines["IBAN"] == [1]
     assert report.example_lines["PHONE_NUMBER"] == [3]

@@ -1,0 +1,883 @@
+"""Side-by-side speed of our ZAYA1 (`zaya_model`) against upstream `transformers`' `zaya`, on CPU.
+
+Run: `python benchmarks/model_bench.py [--quick] [--out benchmarks/results/model_bench.json]`
+
+One process holds both models with the same random weights (ours is built, saved with `save_pretrained`, and
+upstream loads that checkpoint) and times them interleaved (A B, then B A, ...) so that load from other processes
+hits both alike; the ratios ours/upstream are the result, the absolute numbers depend on the machine.
+
+Metrics (see benchmarks/README.md): train step, prefill and greedy decode (batch 1 and 8) tokens/s, peak memory per
+phase (each in a fresh subprocess), KV+state bytes per token against same-width GQA and MHA transformers, and the
+train step's achieved GFLOP/s against a plain matmul in fp32 and under bf16 autocast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import functools
+import gc
+import json
+import multiprocessing
+import os
+import platform
+import resource
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+DEFAULT_THREADS = 2
+# Must be set before torch is imported: it sizes OpenMP's thread pool (also inherited by the worker subprocesses).
+os.environ["OMP_NUM_THREADS"] = str(DEFAULT_THREADS)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "model_bench.json"
+LOGITS_TOLERANCE = 1e-4
+BF16_PROBE_SIZE = 256
+PHASES = ("train_step", "prefill", "decode_b1", "decode_b8")
+TARGETS = {"train_step": 2.0, "prefill": 1.5, "decode_b1": 5.0}  # issue 2: minimum ours/upstream speed ratios
+PAD, BOS, EOS = 0, 2, 1
+
+
+@dataclass(frozen=True)
+class BenchSizes:
+    """Everything that `--quick` shrinks."""
+
+    model: dict
+    seq_len: int
+    train_batch: int
+    prefill_batch: int
+    decode_batches: tuple[int, int]
+    prompt_len: int
+    new_tokens: int
+    warmup: int
+    repeats: int
+    matmul_size: int
+    bf16_repeats: int
+    bf16_timeout_s: int
+    worker_timeout_s: int
+
+
+# ZAYA1's ratios at width 512: router width = hidden / 8 (256 / 2048), expert width = hidden, 4:1 GQA, 16 experts.
+# The vocabulary is sized so the whole model has ~112M parameters (the size the stack notes measured upstream at).
+FULL = BenchSizes(
+    model=dict(
+        vocab_size=9856,
+        hidden_size=512,
+        num_hidden_layers=8,
+        num_experts=16,
+        moe_intermediate_size=512,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        router_hidden_size=64,
+    ),
+    seq_len=512,
+    train_batch=4,
+    prefill_batch=4,
+    decode_batches=(1, 8),
+    prompt_len=64,
+    new_tokens=64,
+    warmup=1,
+    repeats=5,
+    matmul_size=2048,
+    bf16_repeats=3,
+    bf16_timeout_s=600,
+    worker_timeout_s=600,
+)
+
+QUICK = BenchSizes(
+    model=dict(
+        vocab_size=512,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_experts=4,
+        moe_intermediate_size=64,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=8,
+        router_hidden_size=8,
+    ),
+    seq_len=32,
+    train_batch=2,
+    prefill_batch=2,
+    decode_batches=(1, 8),
+    prompt_len=8,
+    new_tokens=8,
+    warmup=1,
+    repeats=2,
+    matmul_size=256,
+    bf16_repeats=1,
+    bf16_timeout_s=30,
+    worker_timeout_s=60,
+)
+
+
+def model_config_kwargs(sizes: BenchSizes) -> dict:
+    return dict(
+        sizes.model,
+        max_position_embeddings=max(4096, sizes.seq_len),
+        pad_token_id=PAD,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        tie_word_embeddings=True,
+        use_cache=True,
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Loading the two implementations
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def ours_classes(source: str):
+    """Our (config, model) classes; `source="transformers"` stands in upstream's (to develop the script before ours)."""
+    if source == "auto":
+        source = "zaya_model" if (REPO_ROOT / "zaya_model" / "modeling_zaya.py").exists() else "transformers"
+    if source == "zaya_model":
+        from zaya_model import ZayaConfig, ZayaForCausalLM
+
+        return source, ZayaConfig, ZayaForCausalLM
+    return source, transformers.ZayaConfig, transformers.ZayaForCausalLM
+
+
+def load_model(impl: str, model_dir: str, ours_source: str) -> torch.nn.Module:
+    if impl == "upstream":
+        model = transformers.ZayaForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32, attn_implementation="sdpa", experts_implementation="grouped_mm"
+        )
+    else:
+        _, _, model_cls = ours_classes(ours_source)
+        model = model_cls.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    return model.eval()
+
+
+def save_random_ours(sizes: BenchSizes, ours_source: str, model_dir: str) -> None:
+    """Build our model with seeded random weights and save it: the one checkpoint both implementations load."""
+    _, config_cls, model_cls = ours_classes(ours_source)
+    config = config_cls(**model_config_kwargs(sizes))
+    torch.manual_seed(0)
+    model_cls._from_config(config, dtype=torch.float32).save_pretrained(model_dir)
+
+
+def check_same_logits(ours: torch.nn.Module, upstream: torch.nn.Module, sizes: BenchSizes) -> float:
+    """Max |Δ logits| of a full forward on random tokens; aborts the benchmark if the two models disagree."""
+    ids = random_ids(2, min(sizes.seq_len, 64), ours.config.vocab_size, seed=1)
+    with torch.no_grad():
+        diff = (ours(input_ids=ids).logits - upstream(input_ids=ids).logits).abs().max().item()
+    if not diff <= LOGITS_TOLERANCE:
+        raise SystemExit(f"ours and upstream disagree: max |diff logits| = {diff:.3g} > {LOGITS_TOLERANCE}")
+    return diff
+
+
+def greedy_tokens_identical(ours: torch.nn.Module, upstream: torch.nn.Module, sizes: BenchSizes) -> bool:
+    """Whether both models greedily generate the same tokens for the decode prompt (informative only: with random
+    weights a near-tie between two logits can legitimately flip on rounding)."""
+    prompt = random_ids(1, sizes.prompt_len, ours.config.vocab_size, seed=5)
+    return torch.equal(
+        greedy_generate(ours, prompt, sizes.new_tokens), greedy_generate(upstream, prompt, sizes.new_tokens)
+    )
+
+
+def grouped_mm_ops_used(model: torch.nn.Module, sizes: BenchSizes) -> list[str]:
+    """Names of the grouped-matmul ops a forward of `model` ran (proof that `grouped_mm` experts are in use)."""
+    ids = random_ids(1, min(sizes.seq_len, 32), model.config.vocab_size, seed=2)
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        model(input_ids=ids)
+    return sorted({event.key for event in prof.key_averages() if "grouped_mm" in event.key})
+
+
+def random_ids(batch: int, length: int, vocab_size: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    # Avoid the special ids so that nothing (padding, EOS) is treated specially.
+    return torch.randint(3, vocab_size, (batch, length), generator=generator)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The measured phases: each factory returns a closure that runs one repeat and returns the tokens it processed
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def make_train_step(model: torch.nn.Module, sizes: BenchSizes) -> Callable[[], int]:
+    ids = random_ids(sizes.train_batch, sizes.seq_len, model.config.vocab_size, seed=3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+    def step() -> int:
+        model.train()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        model.eval()
+        return ids.numel()
+
+    return step
+
+
+def make_prefill(model: torch.nn.Module, sizes: BenchSizes) -> Callable[[], int]:
+    ids = random_ids(sizes.prefill_batch, sizes.seq_len, model.config.vocab_size, seed=4)
+
+    def prefill() -> int:
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=True)
+        return ids.numel()
+
+    return prefill
+
+
+def make_decode(model: torch.nn.Module, sizes: BenchSizes, batch: int) -> Callable[[], int]:
+    prompt = random_ids(batch, sizes.prompt_len, model.config.vocab_size, seed=5)
+
+    def decode() -> int:
+        return greedy_generate(model, prompt, sizes.new_tokens).numel()
+
+    return decode
+
+
+def greedy_generate(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """Exactly `new_tokens` greedy tokens per row (EOS cannot stop a row early); returns only the new tokens."""
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=PAD,
+        )
+    generated = out[:, prompt.shape[1] :]
+    if generated.shape[1] != new_tokens:
+        raise RuntimeError(f"generate produced {generated.shape[1]} tokens, expected {new_tokens}")
+    return generated
+
+
+def make_phase(phase: str, model: torch.nn.Module, sizes: BenchSizes) -> Callable[[], int]:
+    if phase == "train_step":
+        return make_train_step(model, sizes)
+    if phase == "prefill":
+        return make_prefill(model, sizes)
+    if phase in ("decode_b1", "decode_b8"):
+        return make_decode(model, sizes, sizes.decode_batches[phase == "decode_b8"])
+    raise ValueError(f"unknown phase {phase!r}")
+
+
+@dataclass
+class PhaseTiming:
+    tokens_per_s: dict[str, list[float]] = field(default_factory=dict)
+    seconds: dict[str, list[float]] = field(default_factory=dict)
+
+
+def time_interleaved(runners: dict[str, Callable[[], int]], warmup: int, repeats: int) -> PhaseTiming:
+    """Warm up each runner, then alternate them (A B, B A, A B, ...) so drifting machine load hits both alike."""
+    names = list(runners)
+    for _ in range(warmup):
+        for name in names:
+            runners[name]()
+    timing = PhaseTiming({n: [] for n in names}, {n: [] for n in names})
+    for repeat in range(repeats):
+        for name in names if repeat % 2 == 0 else reversed(names):
+            start = time.perf_counter()
+            tokens = runners[name]()
+            elapsed = time.perf_counter() - start
+            timing.seconds[name].append(elapsed)
+            timing.tokens_per_s[name].append(tokens / elapsed)
+    return timing
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Peak memory: one fresh subprocess per (implementation, phase)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _proc_status_kib(field_name: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field_name + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field_name} not in /proc/self/status")
+
+
+def _reset_peak_rss() -> bool:
+    """Linux: writing 5 to clear_refs resets the peak RSS (VmHWM) to the current RSS."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def measure_phase_memory(impl: str, phase: str, model_dir: str, sizes: BenchSizes, ours_source: str) -> dict:
+    """Peak RSS growth of one phase (run twice: the first run allocates AdamW state and caches) over the RSS after
+    the model is loaded and the inputs are built."""
+    model = load_model(impl, model_dir, ours_source)
+    run = make_phase(phase, model, sizes)
+    # Loaded weights can still be memory-mapped pages of the checkpoint that become resident on first use: touch
+    # them now, so they are part of the baseline rather than of the phase's peak.
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            tensor.sum()
+    gc.collect()
+    if _reset_peak_rss():
+        method = "VmHWM after phase - VmRSS before (peak reset via /proc/self/clear_refs)"
+        baseline_kib = _proc_status_kib("VmRSS")
+        run()
+        run()
+        peak_kib = _proc_status_kib("VmHWM")
+    else:
+        method = "ru_maxrss after phase - ru_maxrss after load"
+        baseline_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        run()
+        run()
+        peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"peak_mib": (peak_kib - baseline_kib) / 1024, "baseline_mib": baseline_kib / 1024, "method": method}
+
+
+def run_isolated(target: Callable[..., dict], *args, timeout_s: int) -> dict:
+    """Run `target(*args)` in a fresh process forked from a clean fork server (torch already imported, nothing
+    computed yet), so each measurement starts from the same state and a hang or crash cannot stall the benchmark."""
+    context = multiprocessing.get_context("forkserver")
+    receiver, sender = context.Pipe(duplex=False)
+    process = context.Process(target=_isolated_entry, args=(sender, torch.get_num_threads(), target, args), daemon=True)
+    process.start()
+    sender.close()
+    try:
+        if not receiver.poll(timeout_s):
+            process.kill()
+            return {"error": f"timed out after {timeout_s} s"}
+        return receiver.recv()
+    except EOFError:  # the child died without answering (e.g. SIGILL from an AMX instruction)
+        process.join(5)
+        return {"error": f"worker died with exit code {process.exitcode}"}
+    finally:
+        process.join(5)
+        receiver.close()
+
+
+def _isolated_entry(sender, num_threads: int, target: Callable[..., dict], args: tuple) -> None:
+    torch.set_num_threads(num_threads)
+    init_amx()
+    quiet_transformers()
+    try:
+        result = target(*args)
+    except Exception as error:  # reported in the JSON instead of killing the whole benchmark
+        result = {"error": f"{type(error).__name__}: {error}"}
+    sender.send(result)
+    sender.close()
+
+
+def start_fork_server(ours_source: str) -> threading.Thread:
+    """Start the fork server, which imports the heavy modules once so each isolated measurement starts in a second.
+
+    Starting it blocks until those imports are done, so it happens in a thread that overlaps them with building the
+    models; join the thread before timing anything, so the server sits idle by then."""
+    preload = ["__main__", "transformers.models.zaya.modeling_zaya", "transformers.models.qwen3.modeling_qwen3"]
+    if ours_source == "zaya_model":
+        preload.append("zaya_model")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(preload)
+    starter = threading.Thread(target=_bring_up_fork_server, args=(context,), daemon=True)
+    starter.start()
+    return starter
+
+
+def _bring_up_fork_server(context) -> None:
+    process = context.Process(target=_do_nothing, daemon=True)
+    process.start()
+    process.join()
+
+
+def _do_nothing() -> None:
+    """Forked only to bring the fork server up."""
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# KV + state bytes per token
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def cache_tensors(obj, seen: set[int] | None = None) -> list[torch.Tensor]:
+    """Every tensor reachable from a cache object through attributes, lists, tuples and dicts (each object once)."""
+    seen = set() if seen is None else seen
+    leaf_types = (str, int, float, bool, torch.dtype, torch.device, torch.nn.Module)  # a module is never cache state
+    if id(obj) in seen or obj is None or isinstance(obj, leaf_types):
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        children = list(obj.values())
+    elif isinstance(obj, list | tuple | set):
+        children = list(obj)
+    elif hasattr(obj, "__dict__"):
+        children = list(vars(obj).values())
+    else:
+        return []
+    found = []
+    for child in children:
+        found += cache_tensors(child, seen)
+    return found
+
+
+def cache_bytes_per_token(model: torch.nn.Module, num_tokens: int) -> dict:
+    """Prefill one sequence of `num_tokens` and sum the bytes of the tensors held by the returned cache."""
+    ids = random_ids(1, num_tokens, model.config.vocab_size, seed=6)
+    with torch.no_grad():
+        cache = model(input_ids=ids, use_cache=True).past_key_values
+    tensors = cache_tensors(cache)
+    # Two views of one buffer count once, as the larger view.
+    by_storage: dict[int, int] = {}
+    for tensor in tensors:
+        key = tensor.untyped_storage().data_ptr()
+        by_storage[key] = max(by_storage.get(key, 0), tensor.numel() * tensor.element_size())
+    total = sum(by_storage.values())
+    return {
+        "cache_class": type(cache).__name__,
+        "num_tensors": len(tensors),
+        "total_bytes": total,
+        "bytes_per_token": total / num_tokens,
+    }
+
+
+def reference_transformer(sizes: BenchSizes, num_kv_heads: int) -> torch.nn.Module:
+    """A standard Qwen3 transformer as wide as the benchmark model (same heads, head_dim and layers)."""
+    m = sizes.model
+    config = transformers.Qwen3Config(
+        vocab_size=m["vocab_size"],
+        hidden_size=m["hidden_size"],
+        intermediate_size=m["moe_intermediate_size"],
+        num_hidden_layers=m["num_hidden_layers"],
+        num_attention_heads=m["num_attention_heads"],
+        num_key_value_heads=num_kv_heads,
+        head_dim=m["head_dim"],
+        max_position_embeddings=max(4096, sizes.seq_len),
+    )
+    torch.manual_seed(0)
+    return transformers.Qwen3ForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# FLOPs and matmul ceilings
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def train_step_flops(model: torch.nn.Module, sizes: BenchSizes) -> dict:
+    """Analytic FLOPs of one train step (forward + backward; the AdamW update is O(params), ignored).
+
+    FLOPs = 6 * N_active * T + 6 * L * (H * d) * S * T, with T = batch * seq tokens, where
+    - N_active = parameters one token multiplies with: all parameters, minus the (E - 1) unused experts of each layer
+      (top-1 routing; tokens sent to the skip class make this a slight overestimate). The tied embedding counts once,
+      for the LM head matmul (the embedding lookup costs no FLOPs). 6 = 2 (multiply-add) * 3 (forward + 2 backward).
+    - the attention term: QK^T and PV each cost 2 * (H * d) FLOPs per (query, key) pair; with a causal mask a query
+      sees S / 2 keys on average, so 2 * 2 * H * d * S / 2 = 2 * H * d * S per token per layer forward, times 3 for
+      training.
+    """
+    m = sizes.model
+    total_params = sum(p.numel() for p in model.parameters())
+    expert_params = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    if not expert_params:
+        raise RuntimeError("no parameters named '*.experts.*': cannot count the active parameters")
+    active_params = total_params - expert_params * (m["num_experts"] - 1) / m["num_experts"]
+    tokens = sizes.train_batch * sizes.seq_len
+    q_width = m["num_attention_heads"] * m["head_dim"]
+    dense = 6 * active_params * tokens
+    attention = 6 * m["num_hidden_layers"] * q_width * sizes.seq_len * tokens
+    return {
+        "total_params": total_params,
+        "active_params_per_token": active_params,
+        "tokens_per_step": tokens,
+        "flops_per_step": dense + attention,
+        "formula": "6 * active_params * tokens + 6 * layers * (heads * head_dim) * seq * tokens",
+    }
+
+
+def matmul_gflops(size: int, repeats: int, bf16_autocast: bool) -> list[float]:
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16_autocast else contextlib.nullcontext()
+    samples = []
+    with autocast:
+        a @ b  # warmup
+        for _ in range(repeats):
+            start = time.perf_counter()
+            a @ b
+            samples.append(2 * size**3 / (time.perf_counter() - start) / 1e9)
+    return samples
+
+
+def init_amx() -> bool:
+    """Ask Linux for AMX tile permission; without it a bf16 matmul on AMX CPUs can hang or die with SIGILL."""
+    return bool(torch.cpu._init_amx()) if hasattr(torch.cpu, "_init_amx") else False
+
+
+def measure_bf16(model_dir: str, sizes: BenchSizes, ours_source: str) -> dict:
+    """Matmul and train-step speed under bf16 autocast (run in a subprocess with a timeout by the main process).
+
+    Without hardware bf16 (AMX or AVX512-BF16) a bf16 matmul runs a slow reference kernel (a 2048^2 matmul takes
+    ~15 s): a small probe detects that, and then only the probe is reported, with the reason."""
+    amx = init_amx()
+    probe = {
+        "size": BF16_PROBE_SIZE,
+        "bf16_gflops": median(matmul_gflops(BF16_PROBE_SIZE, 3, bf16_autocast=True)),
+        "fp32_gflops": median(matmul_gflops(BF16_PROBE_SIZE, 3, bf16_autocast=False)),
+    }
+    result = {"amx_initialized": amx, "probe": probe}
+    if probe["bf16_gflops"] < probe["fp32_gflops"]:
+        result["skipped"] = "bf16 matmul is slower than fp32 on this CPU (no hardware bf16): only the probe ran"
+        return result
+    result["matmul_size"] = sizes.matmul_size
+    result["matmul_gflops"] = matmul_gflops(sizes.matmul_size, sizes.bf16_repeats, bf16_autocast=True)
+    models = {impl: load_model(impl, model_dir, ours_source) for impl in ("ours", "upstream")}
+    runners = {impl: make_train_step(model, sizes) for impl, model in models.items()}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        timing = time_interleaved(runners, warmup=1, repeats=sizes.bf16_repeats)
+    result["train_step_seconds"] = timing.seconds
+    return result
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The benchmark
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def machine_info() -> dict:
+    cpu = next((ln.split(":", 1)[1].strip() for ln in _cpuinfo_lines() if ln.startswith("model name")), "unknown")
+    flags = next((ln.split(":", 1)[1].split() for ln in _cpuinfo_lines() if ln.startswith("flags")), [])
+    return {
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "cpu_flags_of_note": sorted(f for f in flags if f.startswith(("amx", "avx512_bf16", "avx512f"))),
+        "load_average_at_start": os.getloadavg(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "omp_num_threads": os.environ["OMP_NUM_THREADS"],
+    }
+
+
+def _cpuinfo_lines() -> list[str]:
+    try:
+        return Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
+
+
+def median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    return numerator / denominator if numerator is not None and denominator else None
+
+
+@contextlib.contextmanager
+def timed_stage(stage_seconds: dict, name: str):
+    print(f"{name} ...", flush=True)
+    start = time.perf_counter()
+    yield
+    stage_seconds[name] = round(time.perf_counter() - start, 2)
+
+
+def run_benchmark(sizes: BenchSizes, mode: str, ours_source_arg: str) -> dict:
+    ours_source, _, _ = ours_classes(ours_source_arg)
+    if ours_source == "transformers":
+        print("WARNING: zaya_model is not available; 'ours' is upstream transformers (ratios are ~1 by design)")
+    report: dict = {
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "mode": mode,
+        "ours_source": ours_source,
+        "machine": machine_info(),
+        "sizes": asdict(sizes),
+        "config": model_config_kwargs(sizes),
+        "stage_seconds": {},
+    }
+    stage = functools.partial(timed_stage, report["stage_seconds"])
+    fork_server_ready = start_fork_server(ours_source)  # its imports overlap with building the models
+    with tempfile.TemporaryDirectory(prefix="zaya-bench-") as model_dir:
+        with stage("build ours, save it, load both from the checkpoint"):
+            # Both timed models come from the same checkpoint, so they are loaded the same way.
+            save_random_ours(sizes, ours_source, model_dir)
+            ours = load_model("ours", model_dir, ours_source)
+            upstream = load_model("upstream", model_dir, ours_source)
+        models = {"ours": ours, "upstream": upstream}
+        flops = train_step_flops(ours, sizes)
+        report["parameters"] = {
+            "total": flops["total_params"],
+            "active_per_token": flops["active_params_per_token"],
+        }
+        print(
+            f"model: {flops['total_params'] / 1e6:.1f}M parameters, "
+            f"{flops['active_params_per_token'] / 1e6:.1f}M active per token"
+        )
+
+        grouped_ops = grouped_mm_ops_used(upstream, sizes)
+        report["upstream_experts"] = {
+            "implementation": upstream.config._experts_implementation,
+            "grouped_mm_ops_seen": grouped_ops,
+        }
+        if upstream.config._experts_implementation != "grouped_mm" or not grouped_ops:
+            raise SystemExit(f"upstream does not run grouped_mm experts: {report['upstream_experts']}")
+        report["attention_implementation"] = {n: m.config._attn_implementation for n, m in models.items()}
+        report["max_abs_logits_diff"] = check_same_logits(ours, upstream, sizes)
+        print(f"same weights: max |diff logits| = {report['max_abs_logits_diff']:.2e}")
+        report["greedy_tokens_identical"] = greedy_tokens_identical(ours, upstream, sizes)
+
+        with stage("wait for the fork server"):
+            fork_server_ready.join()
+        time_phases(models, sizes, report, stage)
+
+        del models, ours, upstream
+        gc.collect()
+        with stage("KV + state bytes per token"):
+            report["kv_state_bytes_per_token"] = measure_cache_sizes(model_dir, sizes, ours_source)
+
+        with stage("peak memory (a fresh process per phase)"):
+            report["peak_memory_mib"] = {
+                phase: {
+                    impl: run_isolated(
+                        measure_phase_memory,
+                        impl,
+                        phase,
+                        model_dir,
+                        sizes,
+                        ours_source,
+                        timeout_s=sizes.worker_timeout_s,
+                    )
+                    for impl in ("ours", "upstream")
+                }
+                for phase in PHASES
+            }
+
+        with stage("matmul ceilings and bf16 autocast"):
+            report["gflops"] = measure_gflops(report, flops, model_dir, sizes, ours_source)
+    return report
+
+
+def time_phases(models: dict[str, torch.nn.Module], sizes: BenchSizes, report: dict, stage) -> None:
+    """Interleaved timing of every phase; fills the report's samples, seconds, medians, ratios and targets."""
+    report["samples"], report["seconds"], report["medians"] = {}, {}, {}
+    # Inference phases first: the train step changes the weights.
+    for phase in ("prefill", "decode_b1", "decode_b8", "train_step"):
+        with stage(f"timing {phase}"):
+            runners = {impl: make_phase(phase, model, sizes) for impl, model in models.items()}
+            timing = time_interleaved(runners, sizes.warmup, sizes.repeats)
+        report["samples"][phase] = timing.tokens_per_s
+        report["seconds"][phase] = timing.seconds
+        report["medians"][phase] = {impl: median(v) for impl, v in timing.tokens_per_s.items()}
+        del runners  # frees the AdamW state
+        gc.collect()
+    medians = report["medians"]
+    report["ratios"] = {phase: ratio(medians[phase]["ours"], medians[phase]["upstream"]) for phase in PHASES}
+    report["targets"] = {
+        phase: {
+            "min_ratio": target,
+            "ratio": report["ratios"][phase],
+            "met": report["ratios"][phase] is not None and report["ratios"][phase] >= target,
+        }
+        for phase, target in TARGETS.items()
+    }
+
+
+def measure_cache_sizes(model_dir: str, sizes: BenchSizes, ours_source: str) -> dict:
+    n = sizes.seq_len
+    results = {
+        "ours": cache_bytes_per_token(load_model("ours", model_dir, ours_source), n),
+        "upstream": cache_bytes_per_token(load_model("upstream", model_dir, ours_source), n),
+        "gqa_transformer": cache_bytes_per_token(reference_transformer(sizes, sizes.model["num_key_value_heads"]), n),
+        "mha_transformer": cache_bytes_per_token(reference_transformer(sizes, sizes.model["num_attention_heads"]), n),
+    }
+    per_token = {name: r["bytes_per_token"] for name, r in results.items()}
+    results["prefill_tokens"] = n
+    results["ratios"] = {
+        "ours/upstream": ratio(per_token["ours"], per_token["upstream"]),
+        "ours/gqa": ratio(per_token["ours"], per_token["gqa_transformer"]),
+        "ours/mha": ratio(per_token["ours"], per_token["mha_transformer"]),
+        "upstream/gqa": ratio(per_token["upstream"], per_token["gqa_transformer"]),
+        "upstream/mha": ratio(per_token["upstream"], per_token["mha_transformer"]),
+    }
+    return results
+
+
+def measure_gflops(report: dict, flops: dict, model_dir: str, sizes: BenchSizes, ours_source: str) -> dict:
+    fp32_matmul = matmul_gflops(sizes.matmul_size, max(3, sizes.repeats), bf16_autocast=False)
+    fp32 = {
+        "matmul_size": sizes.matmul_size,
+        "matmul_gflops_samples": fp32_matmul,
+        "matmul_gflops": median(fp32_matmul),
+    }
+    for impl in ("ours", "upstream"):
+        achieved = flops["flops_per_step"] / median(report["seconds"]["train_step"][impl]) / 1e9
+        fp32[f"train_step_gflops_{impl}"] = achieved
+        fp32[f"train_step_fraction_of_matmul_{impl}"] = achieved / fp32["matmul_gflops"]
+
+    bf16 = run_isolated(measure_bf16, model_dir, sizes, ours_source, timeout_s=sizes.bf16_timeout_s)
+    if "matmul_gflops" in bf16:
+        bf16["matmul_gflops_samples"] = bf16.pop("matmul_gflops")
+        bf16["matmul_gflops"] = median(bf16["matmul_gflops_samples"])
+        for impl, seconds in bf16["train_step_seconds"].items():
+            achieved = flops["flops_per_step"] / median(seconds) / 1e9
+            bf16[f"train_step_gflops_{impl}"] = achieved
+            bf16[f"train_step_fraction_of_matmul_{impl}"] = achieved / bf16["matmul_gflops"]
+    return {
+        "flops_per_train_step": flops["flops_per_step"],
+        "flops_formula": flops["formula"],
+        "fp32": fp32,
+        "bf16_autocast": bf16,
+    }
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _fmt(value: float | None, spec: str = ",.0f") -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def _fmt_ratio(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}x"
+
+
+def print_table(report: dict) -> None:
+    medians, ratios = report["medians"], report["ratios"]
+    rows = [("metric", "ours", "upstream", "ours/upstream", "target")]
+    labels = {
+        "train_step": "train step tok/s",
+        "prefill": "prefill tok/s",
+        "decode_b1": "greedy decode b1 tok/s",
+        "decode_b8": "greedy decode b8 tok/s",
+    }
+    for phase in PHASES:
+        target = report["targets"].get(phase)
+        target_text = "" if target is None else f">={target['min_ratio']}x {'met' if target['met'] else 'NOT met'}"
+        rows.append(
+            (
+                labels[phase],
+                _fmt(medians[phase]["ours"]),
+                _fmt(medians[phase]["upstream"]),
+                _fmt_ratio(ratios[phase]),
+                target_text,
+            )
+        )
+    for phase in PHASES:
+        mem = report["peak_memory_mib"][phase]
+        ours_mib, up_mib = mem["ours"].get("peak_mib"), mem["upstream"].get("peak_mib")
+        rows.append(
+            (
+                f"peak memory {phase} MiB",
+                _fmt(ours_mib, ",.1f"),
+                _fmt(up_mib, ",.1f"),
+                _fmt_ratio(ratio(ours_mib, up_mib)),
+                "",
+            )
+        )
+    kv = report["kv_state_bytes_per_token"]
+    rows.append(
+        (
+            "KV+state bytes/token",
+            _fmt(kv["ours"]["bytes_per_token"]),
+            _fmt(kv["upstream"]["bytes_per_token"]),
+            _fmt_ratio(kv["ratios"]["ours/upstream"]),
+            f"GQA {kv['gqa_transformer']['bytes_per_token']:,.0f}, MHA {kv['mha_transformer']['bytes_per_token']:,.0f}",
+        )
+    )
+    for precision in ("fp32", "bf16_autocast"):
+        g = report["gflops"][precision]
+        if "error" in g:
+            rows.append((f"train GFLOP/s {precision}", "n/a", "n/a", "", g["error"][:70]))
+            continue
+        ours_gflops, up_gflops = g.get("train_step_gflops_ours"), g.get("train_step_gflops_upstream")
+        if "skipped" in g:
+            probe = g["probe"]
+            note = f"{probe['size']}^2 matmul {probe['bf16_gflops']:,.1f} GFLOP/s; {g['skipped']}"
+        else:
+            note = f"{g['matmul_size']}^2 matmul {g['matmul_gflops']:,.1f} GFLOP/s"
+        rows.append(
+            (
+                f"train GFLOP/s {precision}",
+                _fmt(ours_gflops, ",.1f"),
+                _fmt(up_gflops, ",.1f"),
+                _fmt_ratio(ratio(ours_gflops, up_gflops)),
+                note,
+            )
+        )
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
+    for index, row in enumerate(rows):
+        print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+        if index == 0:
+            print("  ".join("-" * width for width in widths))
+    print(
+        f"ours = {report['ours_source']}; max |diff logits| {report['max_abs_logits_diff']:.1e}; "
+        f"greedy tokens identical: {report['greedy_tokens_identical']}; "
+        f"{report['parameters']['total'] / 1e6:.1f}M params; {report['machine']['cpu']}"
+    )
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(data, handle, indent=2)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def quiet_transformers() -> None:
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny config and few repeats (a smoke test, seconds)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON report path (default {DEFAULT_OUT})")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=DEFAULT_THREADS,
+        help="torch threads (default 2, the benchmark's setting; the smoke test uses 1)",
+    )
+    parser.add_argument(
+        "--ours",
+        choices=("auto", "zaya_model", "transformers"),
+        default="auto",
+        help="where 'ours' comes from; 'transformers' benchmarks upstream against itself",
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads < 1:
+        raise SystemExit("--threads must be at least 1")
+    torch.set_num_threads(args.threads)
+    init_amx()
+    quiet_transformers()
+    mode = "quick" if args.quick else "full"
+    report = run_benchmark(QUICK if args.quick else FULL, mode, args.ours)
+    print_table(report)
+    write_json_atomic(args.out, report)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""What a fine-tuning run writes: directories published atomically, the generation config, the base-model fingerprint.
+
+A directory is built under a temporary name beside its destination, fsynced, then renamed into place, so a crash or
+a full disk leaves either the old directory or the new one, never half of one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+BASE_MODEL_FILE = "base_model.json"  # in an adapter dir: which base model the adapter was trained on
+METRICS_FILE = "metrics.json"  # in a checkpoint dir: step, train/valid loss, valid token accuracy
+_CONFIG_KEYS_IGNORED = {"_name_or_path", "dtype", "torch_dtype", "transformers_version", "architectures", "use_cache"}
+_FINGERPRINT_ROWS = 1024
+
+
+@contextlib.contextmanager
+def atomic_directory(destination: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield an empty staging dir; on success it replaces `destination` (fsynced), on error it is removed."""
+    destination = Path(destination)
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", suffix=".partial", dir=destination.parent))
+    try:
+        yield staging
+        publish_directory(staging, destination)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def publish_directory(staging: Path, destination: Path) -> None:
+    """fsync every file of `staging`, then rename it to `destination` (replacing an older one)."""
+    for path in staging.rglob("*"):
+        if path.is_file():
+            _fsync(path)
+    _fsync(staging)
+    previous = None
+    if destination.exists():
+        previous = destination.with_name(f".{destination.name}.previous")
+        shutil.rmtree(previous, ignore_errors=True)
+        os.replace(destination, previous)
+    os.replace(staging, destination)
+    _fsync(destination.parent)
+    if previous is not None:
+        shutil.rmtree(previous, ignore_errors=True)
+
+
+def write_json(path: str | os.PathLike[str], data: Any) -> None:
+    """Write JSON atomically (temp file + fsync + rename)."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.partial")
+    with open(temporary, "w", encoding="utf-8") as file:
+        json.dump(data, file, indent=2)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
+
+
+def base_model_fingerprint(model: torch.nn.Module) -> str:
+    """A short hash of the base model's config and a sample of its embedding rows: equal only for the same weights."""
+    config = {key: value for key, value in model.config.to_dict().items() if key not in _CONFIG_KEYS_IGNORED}
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+    embeddings = model.get_input_embeddings().weight.detach()
+    stride = max(1, embeddings.shape[0] // _FINGERPRINT_ROWS)
+    digest.update(embeddings[::stride].to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return digest.hexdigest()[:32]
+
+
+def save_generation_files(directory: str | os.PathLike[str], model: torch.nn.Module, tokenizer: Any) -> None:
+    """Tokenizer and generation config (its `eos_token_id` lists the end-of-turn token) beside the weights."""
+    tokenizer.save_pretrained(directory)
+    model.generation_config.save_pretrained(directory)
+
+
+def _fsync(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)

@@ -1,0 +1,252 @@
+"""`run_finetune`: labels, packing, LoRA and full training, outputs, pause/resume, cancel, bad input, stop tokens."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import peft
+import pytest
+import torch
+from tiny_models import TINY_ZAYA, randomize_zaya
+
+from finetune.data import IGNORE_INDEX, TokenizedDataset, make_collator, read_examples
+from finetune.datasets.rendering import tokenize_example
+from finetune.evaluate import evaluate_model
+from finetune.train import (
+    BASE_LEARNING_RATE,
+    FinetuneError,
+    FinetuneSpec,
+    TrainingHooks,
+    resolve_hyperparameters,
+    run_finetune,
+    validate_spec,
+)
+from zaya_model import ZayaConfig, ZayaForCausalLM
+from zaya_model.pretrain import END_OF_TURN_TOKEN
+
+from .records import chat
+
+LABELS = ("CLOSE", "ESCALATE", "SAR")
+
+
+def bank_chats(n, offset=0):
+    """Short disposition chats whose label follows from the number of red flags (0, 1, 2+)."""
+    flags = ["structuring", "rapid movement", "high-risk wire"]
+    records = []
+    for index in range(offset, offset + n):
+        count = index % 3
+        user = f"Case {index}: red flags: {', '.join(flags[:count]) or 'none'}."
+        records.append(chat(user=user, answer=f"Disposition: {LABELS[count]}"))
+    return records
+
+
+def save_tiny_model(directory, tokenizer):
+    torch.manual_seed(0)
+    ids = {
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+    }
+    randomize_zaya(ZayaForCausalLM(ZayaConfig(**{**TINY_ZAYA, "vocab_size": len(tokenizer), **ids}))).save_pretrained(
+        directory
+    )
+    tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+def write_data(write_jsonl):
+    return str(write_jsonl(bank_chats(8), "train.jsonl")), str(write_jsonl(bank_chats(3, offset=100), "valid.jsonl"))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tokenizer):
+    return save_tiny_model(tmp_path_factory.mktemp("base"), tokenizer)
+
+
+@pytest.fixture
+def data(write_jsonl):
+    return write_data(write_jsonl)
+
+
+class Recorder(TrainingHooks):
+    def __init__(self, stop_at=None, request=None):
+        self.stop_at, self.request = stop_at, request
+        self.losses, self.events, self.checkpoints, self.polls = {}, [], [], 0
+
+    def on_event(self, level, message, data=None):
+        self.events.append((level, message))
+
+    def on_metrics(self, step, metrics):
+        if "train_loss" in metrics:
+            self.losses[step] = metrics["train_loss"]
+
+    def on_checkpoint(self, step, path, metrics):
+        self.checkpoints.append((step, path, metrics))
+
+    def should_stop(self):  # polled once per optimizer step
+        self.polls += 1
+        return self.request if self.stop_at is not None and self.polls >= self.stop_at else None
+
+
+def spec(model_dir, train, tmp_path, **overrides):
+    values = dict(model_dir=model_dir, train_file=train, output_dir=str(tmp_path / "out"), batch_size=2, n_epochs=3)
+    return FinetuneSpec(**{**values, **overrides})
+
+
+def test_labels_are_exactly_the_tokens_tokenize_example_trains(tokenizer, data):
+    examples = read_examples(data[0])
+    dataset = TokenizedDataset(examples, tokenizer)
+    for example, features in zip(examples, dataset, strict=True):
+        tokenized = tokenize_example(example, tokenizer)
+        assert features["input_ids"] == tokenized.input_ids
+        expected = [t if m else IGNORE_INDEX for t, m in zip(tokenized.input_ids, tokenized.trained_mask, strict=True)]
+        assert features["labels"] == expected
+    assert dataset.n_trained_tokens == sum(tokenize_example(e, tokenizer).n_trained for e in examples)
+
+
+def test_packed_batch_loss_equals_the_per_example_losses(model_dir, tokenizer, data):
+    model = ZayaForCausalLM.from_pretrained(model_dir).eval()
+    features = list(TokenizedDataset(read_examples(data[0]), tokenizer))[:3]
+    batch = make_collator(tokenizer, packing=True)(features)
+    assert batch["input_ids"].shape[0] == 1 and (batch["position_ids"] == 0).sum() == 3
+    with torch.no_grad():
+        packed = model(**batch, use_cache=False).loss
+        total = n = 0
+        for feature in features:
+            labels = torch.tensor([feature["labels"]])
+            count = int((labels[:, 1:] != IGNORE_INDEX).sum())
+            total += model(torch.tensor([feature["input_ids"]]), labels=labels, use_cache=False).loss * count
+            n += count
+        assert abs(packed - total / n) < 1e-5
+        # Without restarting positions the examples would see each other: the check can fail.
+        leaked = model(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False).loss
+        assert abs(leaked - total / n) > 1e-4
+
+
+def test_lora_trains_and_its_adapter_and_merge_reload(model_dir, tokenizer, data, tmp_path):
+    hooks = Recorder()
+    result = run_finetune(
+        spec(
+            model_dir,
+            data[0],
+            tmp_path,
+            validation_file=data[1],
+            max_steps=8,
+            eval_every=4,
+            learning_rate_multiplier=20,
+            merge_adapter=True,
+        ),
+        hooks,
+    )
+    assert result.status == "succeeded" and result.kind == "full"  # merged
+    assert sum(list(hooks.losses.values())[-3:]) < sum(list(hooks.losses.values())[:3])
+    assert [c["step"] for c in result.checkpoints] == [4, 8] == [step for step, _, _ in hooks.checkpoints]
+    for checkpoint in result.checkpoints:
+        with open(os.path.join(checkpoint["path"], "metrics.json")) as file:
+            on_disk = json.load(file)
+        assert on_disk == checkpoint["metrics"]
+        assert set(on_disk) == {"step", "train_loss", "valid_loss", "valid_mean_token_accuracy"}
+        assert os.path.isfile(os.path.join(checkpoint["path"], "optimizer.pt"))
+    assert not [name for name in os.listdir(tmp_path / "out" / "checkpoints") if name.startswith(".")]
+
+    final = tmp_path / "out" / "final"
+    valid_ids = torch.tensor([TokenizedDataset(read_examples(data[1]), tokenizer)[0]["input_ids"]])
+    with torch.no_grad():
+        adapter = peft.PeftModel.from_pretrained(ZayaForCausalLM.from_pretrained(model_dir), final).eval()
+        adapter_logits = adapter(valid_ids).logits
+        best = result.metrics["best_step"]
+        best_dir = tmp_path / "out" / "checkpoints" / f"checkpoint-{best}"
+        again = peft.PeftModel.from_pretrained(ZayaForCausalLM.from_pretrained(model_dir), best_dir).eval()
+        assert torch.equal(again(valid_ids).logits, adapter_logits)  # the final adapter is the best checkpoint
+        merged_logits = ZayaForCausalLM.from_pretrained(result.output_dir).eval()(valid_ids).logits
+        assert (merged_logits - adapter_logits).abs().max() < 1e-4
+        base_logits = ZayaForCausalLM.from_pretrained(model_dir).eval()(valid_ids).logits
+        assert (base_logits - adapter_logits).abs().max() > 1e-3
+    # The reloaded adapter scores exactly what the trainer measured in memory.
+    scores = evaluate_model(model_dir, data[1], adapter_dir=str(final))
+    assert scores["loss"] == pytest.approx(result.metrics["best_valid_loss"], abs=1e-5)
+
+
+def test_full_fine_tuning_trains_and_stops_generation_at_end_of_turn(model_dir, tokenizer, write_jsonl, tmp_path):
+    train = str(write_jsonl([chat(user=f"Case {i}.", answer="Disposition: SAR") for i in range(4)], "sar.jsonl"))
+    hooks = Recorder()
+    result = run_finetune(
+        spec(
+            model_dir,
+            train,
+            tmp_path,
+            method="full",
+            max_steps=25,
+            batch_size=4,
+            eval_every=25,
+            learning_rate_multiplier=100,
+        ),
+        hooks,
+    )
+    assert result.status == "succeeded" and result.kind == "full"
+    losses = list(hooks.losses.values())
+    assert losses[-1] < 0.5 * losses[0]
+
+    model = ZayaForCausalLM.from_pretrained(result.output_dir).eval()
+    end_of_turn = tokenizer.convert_tokens_to_ids(END_OF_TURN_TOKEN)
+    assert end_of_turn in model.generation_config.eos_token_id
+    prompt = tokenizer.apply_chat_template(
+        chat()["messages"][:-1], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    output = model.generate(**prompt, max_new_tokens=30, do_sample=False)[0, prompt["input_ids"].shape[1] :]
+    assert output[-1] == end_of_turn and len(output) < 30
+    # Before training the model never picks the end-of-turn token within 30 tokens: the stop was learned.
+    base = ZayaForCausalLM.from_pretrained(model_dir).eval()
+    before = base.generate(**prompt, max_new_tokens=30, do_sample=False, eos_token_id=end_of_turn)
+    assert end_of_turn not in before[0, prompt["input_ids"].shape[1] :]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"n_epochs": 0}, "n_epochs"),
+        ({"batch_size": "big"}, "batch_size"),
+        ({"batch_size": True}, "batch_size"),
+        ({"learning_rate_multiplier": -1.0}, "learning_rate_multiplier"),
+        ({"learning_rate_multiplier": float("nan")}, "learning_rate_multiplier"),
+        ({"method": "qlora"}, "method"),
+        ({"lora_r": 0}, "lora_r"),
+        ({"lora_dropout": 1.0}, "lora_dropout"),
+        ({"max_steps": 0}, "max_steps"),
+        ({"early_stopping_patience": 2}, "early_stopping_patience"),
+        ({"method": "full", "merge_adapter": True}, "merge_adapter"),
+        ({"model_dir": "/nonexistent"}, "model_dir"),
+    ],
+)
+def test_bad_spec_names_the_field(model_dir, data, tmp_path, overrides, field):
+    with pytest.raises(FinetuneError, match=f"^{field}: "):
+        overrides = dict(overrides)
+        validate_spec(spec(overrides.pop("model_dir", model_dir), data[0], tmp_path, **overrides))
+
+
+def test_bad_dataset_lists_the_lines(model_dir, write_jsonl, tmp_path):
+    untrained = chat(weight=0)
+    train = str(write_jsonl([chat(), untrained, "{oops"], "bad.jsonl"))
+    with pytest.raises(FinetuneError, match="^train_file: 2 problem") as error:
+        run_finetune(spec(model_dir, train, tmp_path))
+    assert "line 2: messages: every assistant message has weight 0" in str(error.value)
+    assert "line 3: invalid JSON" in str(error.value)
+
+    only_context = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x", "weight": 0}]}
+    with pytest.raises(FinetuneError, match="line 1: messages: every assistant message has weight 0"):
+        run_finetune(spec(model_dir, str(write_jsonl([only_context], "zero.jsonl")), tmp_path))
+
+
+def test_auto_hyperparameters_follow_the_dataset_size(model_dir, data, tmp_path):
+    auto = spec(model_dir, data[0], tmp_path, n_epochs="auto", batch_size="auto")
+    small, large = resolve_hyperparameters(auto, 100), resolve_hyperparameters(auto, 100_000)
+    assert (small.n_epochs, small.batch_size) == (25, 1)
+    assert (large.n_epochs, large.batch_size) == (1, 32)
+    assert resolve_hyperparameters(auto, 2_000).n_epochs == 3
+    assert small.learning_rate == BASE_LEARNING_RATE["lora"]
+
+
+def test_unknown_lora_target_module_names_the_field(model_dir, data, tmp_path):
+    with pytest.raises(FinetuneError, match="^lora_target_modules: .*nope"):
+        run_finetune(spec(model_dir, data[0], tmp_path, lora_target_modules=["nope"]))

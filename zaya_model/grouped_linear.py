@@ -1,0 +1,61 @@
+"""A grouped linear layer for top-1 MoE experts: rows sorted by expert, one matmul per expert.
+
+`F.grouped_mm` is the right tool on GPUs. On CPU (torch 2.13) it runs well below a plain matmul's speed, and
+indexing `weight[e]` per expert under autograd materialises a full-size weight gradient per expert. This function
+issues one BLAS matmul per non-empty group in both passes and writes each expert's weight gradient into one shared
+buffer, so it runs at plain-matmul speed. The loop is over experts, never over tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _spans(group_sizes: list[int]):
+    start = 0
+    for group, size in enumerate(group_sizes):
+        if size:
+            yield group, start, start + size
+        start += size
+
+
+class _GroupedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, inputs: torch.Tensor, weight: torch.Tensor, group_sizes: list[int]) -> torch.Tensor:
+        ctx.save_for_backward(inputs, weight)
+        ctx.group_sizes = group_sizes
+        output = inputs.new_empty(inputs.shape[0], weight.shape[1])
+        for group, start, end in _spans(group_sizes):
+            torch.mm(inputs[start:end], weight[group].t(), out=output[start:end])
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        inputs, weight = ctx.saved_tensors
+        grad_inputs = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            grad_inputs = torch.empty_like(inputs)  # every row belongs to exactly one group
+            for group, start, end in _spans(ctx.group_sizes):
+                torch.mm(grad_output[start:end], weight[group], out=grad_inputs[start:end])
+        if ctx.needs_input_grad[1]:
+            grad_weight = torch.empty_like(weight)
+            for group, size in enumerate(ctx.group_sizes):
+                if not size:
+                    grad_weight[group].zero_()  # an expert that got no tokens gets no gradient
+            for group, start, end in _spans(ctx.group_sizes):
+                torch.mm(grad_output[start:end].t(), inputs[start:end], out=grad_weight[group])
+        return grad_inputs, grad_weight, None
+
+
+def grouped_linear(inputs: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+    """`inputs` [tokens, in] sorted by group, `weight` [groups, out, in], `group_sizes` [groups] -> [tokens, out]."""
+    if inputs.device.type != "cpu":
+        offsets = torch.cumsum(group_sizes, dim=0, dtype=torch.int32)
+        return F.grouped_mm(inputs, weight.transpose(1, 2), offs=offsets)
+    if torch.is_autocast_enabled("cpu"):
+        # Run in the autocast dtype, as a built-in matmul would; the Function itself sees plain tensors.
+        dtype = torch.get_autocast_dtype("cpu")
+        with torch.autocast("cpu", enabled=False):
+            return _GroupedLinear.apply(inputs.to(dtype), weight.to(dtype), group_sizes.tolist())
+    return _GroupedLinear.apply(inputs, weight, group_sizes.tolist())
