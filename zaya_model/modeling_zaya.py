@@ -43,10 +43,8 @@ class ZayaRMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.float32)
-        hidden_states = hidden_states * torch.rsqrt(hidden_states.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * hidden_states.to(input_dtype)
+        normed = F.rms_norm(hidden_states.to(torch.float32), (hidden_states.shape[-1],), eps=self.variance_epsilon)
+        return self.weight * normed.to(hidden_states.dtype)
 
 
 class ZayaRotaryEmbedding(nn.Module):
@@ -128,7 +126,8 @@ class ZayaCCAProjection(nn.Module):
             window = torch.cat((history, qk), dim=1).transpose(1, 2)
             # Back to [batch, seq, channels] memory order: attention kernels want head_dim contiguous.
             return self.conv_qk_grouped(self.conv_qk_depthwise(window)).transpose(1, 2).contiguous()
-        lagged = [shift_by(qk, history, lag) for lag in range(self.history + 1)]
+        window, seq = torch.cat((history, qk), dim=1), qk.shape[1]
+        lagged = [window[:, self.history - lag : self.history - lag + seq] for lag in range(self.history + 1)]
         if lag_masks is not None:
             lagged = [states * mask for states, mask in zip(lagged, lag_masks, strict=True)]
         depthwise_weight = self.conv_qk_depthwise.weight[:, 0, :]  # [channels, k0]; index 0 = oldest frame
@@ -202,9 +201,8 @@ class ZayaQKNorm(nn.Module):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         eps = torch.finfo(query.dtype).eps
-        query = query * (self.scale / query.norm(dim=-1, keepdim=True).clamp_min(eps))
-        key = key * (self.scale / key.norm(dim=-1, keepdim=True).clamp_min(eps))
-        return query, key * self.temp[:, None]
+        query = F.normalize(query, dim=-1, eps=eps) * self.scale
+        return query, F.normalize(key, dim=-1, eps=eps) * (self.temp[:, None] * self.scale)
 
 
 def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
