@@ -15,6 +15,7 @@ from server.api.middleware import install_middleware
 from server.api.routes import api_router
 from server.db.migrations import schema_is_current
 from server.db.session import make_engine, make_sessionmaker
+from server.services.inference import InferenceService
 from server.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             raise RuntimeError("The database schema is missing or out of date: run `zaya db upgrade` first.")
         settings.files_dir.mkdir(parents=True, exist_ok=True)
         yield
+        await app.state.inference.close()
         engine.dispose()
 
     app = FastAPI(title="ZAYA platform", version="0.1.0", lifespan=lifespan)
@@ -38,6 +40,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.engine = engine
     app.state.sessionmaker = make_sessionmaker(engine)
     app.state.metrics = Metrics(app.state.sessionmaker)
+    app.state.inference = InferenceService(settings, app.state.sessionmaker)
     install_error_handlers(app)
     install_middleware(app)
     app.include_router(api_router)

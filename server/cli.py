@@ -11,7 +11,7 @@ import importlib
 import sys
 
 # Modules exposing `register(subparsers)`, which adds their subcommands and sets `func` on each.
-COMMAND_MODULES: list[str] = ["server.commands", "finetune.cli"]
+COMMAND_MODULES: list[str] = ["server.commands", "finetune.cli", "zaya_model.pretrain.cli", "server.run"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,4 +36,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the imported module's `main`, so `CommandError` raised by commands is the class we catch (under `-m` this
+    # file is `__main__`, a second copy of the module).
+    from server.cli import main as package_main
+
+    sys.exit(package_main())

@@ -1,4 +1,4 @@
-"""`zaya db upgrade`, `zaya keys create` and `zaya serve`."""
+"""`zaya db upgrade`, `zaya keys create`, `zaya serve`, `zaya worker` and `zaya models register`."""
 
 from __future__ import annotations
 
@@ -60,6 +60,77 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _worker(args: argparse.Namespace) -> int:
+    import logging
+
+    from server.db.session import make_engine, make_sessionmaker
+    from server.services import training
+    from server.worker import Worker, WorkerConfig, install_signal_handlers
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    try:
+        config = WorkerConfig(
+            lease_seconds=args.lease_seconds,
+            heartbeat_seconds=args.heartbeat_seconds,
+            max_attempts=args.max_attempts,
+            poll_seconds=args.poll_seconds,
+        )
+    except ValueError as error:
+        raise CommandError(str(error)) from error
+    settings = Settings()
+    engine = make_engine(settings.database_url)
+    try:
+        _require_current_schema(engine)
+        worker = Worker(settings, make_sessionmaker(engine), config, worker_id=args.worker_id)
+        install_signal_handlers(worker)
+        training.preload()
+        print(f"worker {worker.worker_id} polling {settings.database_url}", flush=True)
+        worker.run_forever(exit_when_idle=args.exit_when_idle)
+    finally:
+        engine.dispose()
+    return 0
+
+
+def _models_register(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from server.db.session import make_engine, make_sessionmaker, session_scope
+    from server.errors import APIError
+    from server.services import audit, registry
+    from server.services.model_resolution import find_version
+
+    engine = make_engine(Settings().database_url)
+    try:
+        _require_current_schema(engine)
+        with session_scope(make_sessionmaker(engine)) as session:
+            try:
+                base = find_version(session, args.base) if args.base else None
+                version = registry.register_version(
+                    session,
+                    name=args.name,
+                    path=Path(args.dir),
+                    base_version_id=base.id if base else None,
+                    description=args.description,
+                )
+            except APIError as error:
+                raise CommandError(error.message) from error
+            audit.record(
+                session,
+                actor_key_id=None,
+                action="admin_models.register",
+                method="CLI",
+                path="zaya models register",
+                target=version.id,
+                status_code=200,
+                client_address=None,
+            )
+    finally:
+        engine.dispose()
+    print(f"registered {version.name} version {version.version} ({version.kind}) as {version.id}")
+    return 0
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     db = subparsers.add_parser("db", help="database schema").add_subparsers(dest="db_command", required=True)
     upgrade = db.add_parser("upgrade", help="apply Alembic migrations to ZAYA_DATABASE_URL")
@@ -76,3 +147,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--host", help="bind address (default: ZAYA_HOST or 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default: ZAYA_PORT or 8000)")
     serve.set_defaults(func=_serve)
+
+    worker = subparsers.add_parser("worker", help="run the fine-tuning job worker (claims queued jobs)")
+    worker.add_argument(
+        "--lease-seconds", type=float, default=60.0, help="re-queue a silent worker's job after this",
+    )
+    worker.add_argument("--heartbeat-seconds", type=float, default=10.0, help="how often the lease is renewed")
+    worker.add_argument("--max-attempts", type=int, default=3, help="lost leases before a job fails (default 3)")
+    worker.add_argument("--poll-seconds", type=float, default=2.0, help="wait between empty polls of the queue")
+    worker.add_argument("--worker-id", help="name in job events (default: host:pid)")
+    worker.add_argument("--exit-when-idle", action="store_true", help="exit once the queue is empty")
+    worker.set_defaults(func=_worker)
+
+    models = subparsers.add_parser("models", help="model registry").add_subparsers(dest="models_command", required=True)
+    register_model = models.add_parser("register", help="register a checkpoint or LoRA adapter dir as a new version")
+    register_model.add_argument("dir", help="checkpoint dir (config.json) or adapter dir (adapter_config.json)")
+    register_model.add_argument("--name", required=True, help="model name; the version number is the next free one")
+    register_model.add_argument("--base", help="for adapters: the model it was trained on (name, name@alias, ...)")
+    register_model.add_argument("--description", help="free text shown in the registry")
+    register_model.set_defaults(func=_models_register)

@@ -16,7 +16,7 @@ _EXPORTS = {
     "count_parameters": ".modeling_zaya",
 }
 
-__all__ = list(_EXPORTS)
+__all__ = ["ZayaCache", "ZayaConfig", "ZayaForCausalLM", "ZayaModel", "ZayaPreTrainedModel", "count_parameters"]
 
 if TYPE_CHECKING:
     from .cache_zaya import ZayaCache

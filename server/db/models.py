@@ -110,6 +110,14 @@ class FineTuningJob(Base):
     heartbeat_at: Mapped[datetime | None]
     lease_expires_at: Mapped[datetime | None]
     attempts: Mapped[int] = mapped_column(Integer, default=0)
+    # A fresh random token per claim. Every write a worker makes checks it, so a worker that lost its lease (the job
+    # was re-queued after it stopped heartbeating) can no longer change the job: one runner at a time.
+    lease_token: Mapped[str | None] = mapped_column(String(64))
+    # How often a worker lost this job (crash, kill -9, lost machine); the job fails after the worker's maximum.
+    lease_expirations: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # The base model version, pinned when the job is created (an alias may move while the job waits). No foreign
+    # key, like `result_model_version_id`: model_versions already points here, and a cycle would order nothing.
+    base_version_id: Mapped[str | None] = mapped_column(String(40))
     # Cancel/pause are requests the worker honours at its next step.
     requested_action: Mapped[str | None] = mapped_column(String(16))
 
@@ -141,7 +149,8 @@ class Checkpoint(Base):
 
 class ModelVersion(Base):
     __tablename__ = "model_versions"
-    __table_args__ = (UniqueConstraint("name", "version"),)
+    # A job registers its result at most once.
+    __table_args__ = (UniqueConstraint("name", "version"), UniqueConstraint("job_id"))
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("mv-"))
     name: Mapped[str] = mapped_column(String(200))

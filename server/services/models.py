@@ -1,6 +1,7 @@
 """What `GET /v1/models` lists: registered model names, their aliases (`name@alias`) and fine-tuned models.
 
-Resolution of these names to a version (the model registry) is not built yet; this only lists what exists.
+A succeeded job's model version is named after its `fine_tuned_model`, so it is listed once. Resolving a name to a
+version is `server.services.model_resolution`'s job.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Training pieces shared by pretraining and fine-tuning."""
 
 from .balancing import BalancingBiasUpdater
+from .checkpointing import CheckpointManager
 
-__all__ = ["BalancingBiasUpdater"]
+__all__ = ["BalancingBiasUpdater", "CheckpointManager"]

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import secrets
+
 import pytest
 from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 from starlette.routing import Route
 
 from server.db.models import ModelVersion, Role
+from server.services import registry
 
 PUBLIC = None
 
@@ -21,6 +24,8 @@ REQUIRED_ROLE = {
     ("GET", "/redoc"): Role.analyst,
     ("GET", "/v1/models"): Role.analyst,
     ("GET", "/v1/models/{model}"): Role.analyst,
+    ("POST", "/v1/chat/completions"): Role.analyst,
+    ("POST", "/v1/completions"): Role.analyst,
     ("POST", "/v1/files"): Role.data,
     ("GET", "/v1/files"): Role.data,
     ("GET", "/v1/files/{file_id}"): Role.data,
@@ -30,6 +35,29 @@ REQUIRED_ROLE = {
     ("GET", "/v1/admin/keys"): Role.admin,
     ("POST", "/v1/admin/keys/{key_id}/revoke"): Role.admin,
     ("GET", "/v1/admin/audit"): Role.admin,
+    ("POST", "/v1/fine_tuning/jobs"): Role.data,
+    ("GET", "/v1/fine_tuning/jobs"): Role.data,
+    ("GET", "/v1/fine_tuning/jobs/{fine_tuning_job_id}"): Role.data,
+    ("POST", "/v1/fine_tuning/jobs/{fine_tuning_job_id}/cancel"): Role.data,
+    ("POST", "/v1/fine_tuning/jobs/{fine_tuning_job_id}/pause"): Role.data,
+    ("POST", "/v1/fine_tuning/jobs/{fine_tuning_job_id}/resume"): Role.data,
+    ("GET", "/v1/fine_tuning/jobs/{fine_tuning_job_id}/events"): Role.data,
+    ("GET", "/v1/fine_tuning/jobs/{fine_tuning_job_id}/checkpoints"): Role.data,
+    ("GET", "/v1/admin/models"): Role.admin,
+    ("POST", "/v1/admin/models"): Role.admin,
+    ("GET", "/v1/admin/models/{version_id}"): Role.admin,
+    ("GET", "/v1/admin/models/{version_id}/lineage"): Role.admin,
+    ("POST", "/v1/admin/models/{version_id}/archive"): Role.admin,
+    ("POST", "/v1/admin/models/{version_id}/promote"): Role.admin,
+    ("GET", "/v1/admin/model_aliases"): Role.admin,
+    ("GET", "/v1/admin/model_aliases/history"): Role.admin,
+    ("POST", "/v1/admin/model_aliases/rollback"): Role.admin,
+}
+
+
+INFERENCE_BODIES = {
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2},
+    "/v1/completions": {"prompt": "Hello", "max_tokens": 2},
 }
 
 
@@ -48,7 +76,9 @@ def test_every_route_is_in_the_matrix(app):
 class RequestFactory:
     """Builds a request that succeeds for a strong enough key: fresh objects for routes that consume them."""
 
-    def __init__(self, client: TestClient, admin_headers: dict, valid_dataset: bytes, sessions, make_key) -> None:
+    def __init__(
+        self, client: TestClient, admin_headers: dict, valid_dataset: bytes, sessions, make_key, model_dir=None
+    ) -> None:
         self.client, self.admin, self.dataset, self.sessions, self.make_key = (
             client,
             admin_headers,
@@ -56,6 +86,7 @@ class RequestFactory:
             sessions,
             make_key,
         )
+        self.model_dir = model_dir
 
     def new_file(self) -> str:
         response = self.client.post(
@@ -74,8 +105,51 @@ class RequestFactory:
                 session.commit()
         return "zaya-tiny"
 
+    def servable_model(self) -> str:
+        with self.sessions() as session:
+            if session.query(ModelVersion).filter_by(name="zaya-servable").count() == 0:
+                session.add(ModelVersion(name="zaya-servable", version=1, kind="full", path=str(self.model_dir)))
+                session.commit()
+        return "zaya-servable"
+
+    def new_job(self, *, paused: bool = False) -> str:
+        body = {"model": self.servable_model(), "training_file": self.new_file()}
+        job_id = self.client.post("/v1/fine_tuning/jobs", headers=self.admin, json=body).json()["id"]
+        if paused:
+            self.client.post(f"/v1/fine_tuning/jobs/{job_id}/pause", headers=self.admin)
+        return job_id
+
+    def new_version(self, name: str | None = None) -> str:
+        name = name or f"matrix-{secrets.token_hex(4)}"
+        with self.sessions() as session:
+            version = registry.register_version(session, name=name, path=self.model_dir)
+            session.commit()
+            return version.id
+
+    def moved_alias(self) -> str:
+        """A model whose `production` alias moved twice, so it can be rolled back."""
+        name = f"matrix-{secrets.token_hex(4)}"
+        with self.sessions() as session:
+            for _ in range(2):
+                version = registry.register_version(session, name=name, path=self.model_dir)
+                registry.promote(session, version, reason="matrix", actor=None)
+            session.commit()
+        return name
+
     def build(self, method: str, path: str) -> dict:
         kwargs: dict = {}
+        if "{fine_tuning_job_id}" in path:
+            path = path.replace("{fine_tuning_job_id}", self.new_job(paused=path.endswith("/resume")))
+        if "{version_id}" in path:
+            path = path.replace("{version_id}", self.new_version())
+        if path == "/v1/fine_tuning/jobs" and method == "POST":
+            kwargs = {"json": {"model": self.servable_model(), "training_file": self.new_file()}}
+        if path == "/v1/admin/models" and method == "POST":
+            kwargs = {"json": {"name": f"matrix-{secrets.token_hex(4)}", "path": str(self.model_dir)}}
+        if path.endswith("/promote"):
+            kwargs = {"json": {"reason": "matrix"}}
+        if path.endswith("/rollback"):
+            kwargs = {"json": {"model_name": self.moved_alias(), "reason": "matrix"}}
         if "{file_id}" in path:
             path = path.replace("{file_id}", self.new_file())
         if "{key_id}" in path:
@@ -86,13 +160,15 @@ class RequestFactory:
             kwargs = {"data": {"purpose": "fine-tune"}, "files": {"file": ("train.jsonl", self.dataset)}}
         if path == "/v1/admin/keys" and method == "POST":
             kwargs = {"json": {"name": "made in matrix", "role": "analyst"}}
+        if path in INFERENCE_BODIES and method == "POST":
+            kwargs = {"json": {"model": self.servable_model(), **INFERENCE_BODIES[path]}}
         return {"method": method, "url": path, **kwargs}
 
 
 @pytest.mark.parametrize(("method", "path"), sorted(REQUIRED_ROLE))
-def test_route_role_matrix(method, path, client, keys, auth, valid_dataset, sessions, make_key):
+def test_route_role_matrix(method, path, client, keys, auth, valid_dataset, sessions, make_key, tiny_model_dir):
     required = REQUIRED_ROLE[(method, path)]
-    factory = RequestFactory(client, auth("admin"), valid_dataset, sessions, make_key)
+    factory = RequestFactory(client, auth("admin"), valid_dataset, sessions, make_key, tiny_model_dir)
 
     anonymous = client.request(**factory.build(method, path))
     assert anonymous.status_code == (200 if required is PUBLIC else 401), anonymous.text

@@ -1,0 +1,204 @@
+"""Admin: the model registry. Versions (list, get, register, archive, lineage), aliases (promote, rollback, list,
+history). Every mutation is a POST, so the audit middleware records it; alias moves also land in `alias_history`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from server.api.deps import AdminDep, SessionDep, set_audit_target
+from server.api.schemas import ListResponse, unix
+from server.db.models import AliasHistory, ModelAlias, ModelVersion
+from server.services import registry
+from server.services.model_resolution import find_version
+
+router = APIRouter(prefix="/v1/admin", tags=["admin"])
+
+
+class ModelVersionObject(BaseModel):
+    id: str
+    object: Literal["model_version"] = "model_version"
+    name: str
+    version: int
+    kind: str
+    path: str
+    status: str
+    base_version_id: str | None
+    job_id: str | None
+    metrics: dict[str, Any] | None
+    lineage: dict[str, Any] | None
+    description: str | None
+    created_at: int
+    created_by: str | None
+    archived_at: int | None
+
+    @classmethod
+    def of(cls, version: ModelVersion) -> ModelVersionObject:
+        return cls(
+            id=version.id,
+            name=version.name,
+            version=version.version,
+            kind=version.kind,
+            path=version.path,
+            status=version.status,
+            base_version_id=version.base_version_id,
+            job_id=version.job_id,
+            metrics=version.metrics,
+            lineage=version.lineage,
+            description=version.description,
+            created_at=unix(version.created_at),
+            created_by=version.created_by,
+            archived_at=unix(version.archived_at),
+        )
+
+
+class AliasObject(BaseModel):
+    object: Literal["model_alias"] = "model_alias"
+    model_name: str
+    alias: str
+    model: str  # what a request passes as `model`
+    version_id: str
+    updated_at: int
+    updated_by: str | None
+
+    @classmethod
+    def of(cls, alias: ModelAlias) -> AliasObject:
+        return cls(
+            model_name=alias.model_name,
+            alias=alias.alias,
+            model=f"{alias.model_name}@{alias.alias}",
+            version_id=alias.version_id,
+            updated_at=unix(alias.updated_at),
+            updated_by=alias.updated_by,
+        )
+
+
+class AliasMoveObject(BaseModel):
+    id: int
+    object: Literal["model_alias.move"] = "model_alias.move"
+    model_name: str
+    alias: str
+    action: str
+    from_version_id: str | None
+    to_version_id: str | None
+    reason: str | None
+    actor_key_id: str | None
+    approved_by_key_id: str | None
+    created_at: int
+
+    @classmethod
+    def of(cls, entry: AliasHistory) -> AliasMoveObject:
+        return cls(
+            id=entry.id,
+            model_name=entry.model_name,
+            alias=entry.alias,
+            action=entry.action,
+            from_version_id=entry.from_version_id,
+            to_version_id=entry.to_version_id,
+            reason=entry.reason,
+            actor_key_id=entry.actor_key_id,
+            approved_by_key_id=entry.approved_by_key_id,
+            created_at=unix(entry.created_at),
+        )
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RegisterBody(Body):
+    name: str = Field(min_length=1, max_length=200)
+    path: str = Field(min_length=1, description="a checkpoint dir (config.json) or LoRA adapter dir on the server")
+    base_model: str | None = Field(default=None, description="for adapters: the model (version) it was trained on")
+    description: str | None = None
+
+
+class PromoteBody(Body):
+    alias: str = "production"
+    reason: str = Field(min_length=1)
+
+
+class RollbackBody(Body):
+    model_name: str
+    alias: str = "production"
+    reason: str = Field(min_length=1)
+
+
+def _page(items: list) -> ListResponse:
+    return ListResponse(data=items)
+
+
+@router.get("/models", name="admin_models.list")
+def list_versions(session: SessionDep, _: AdminDep, name: str | None = None) -> ListResponse[ModelVersionObject]:
+    return _page([ModelVersionObject.of(version) for version in registry.list_versions(session, name=name)])
+
+
+@router.post("/models", name="admin_models.register")
+def register_version(
+    body: RegisterBody, request: Request, session: SessionDep, principal: AdminDep
+) -> ModelVersionObject:
+    base = find_version(session, body.base_model) if body.base_model else None
+    version = registry.register_version(
+        session,
+        name=body.name,
+        path=Path(body.path),
+        base_version_id=base.id if base else None,
+        description=body.description,
+        created_by=principal.key_id,
+    )
+    session.commit()
+    set_audit_target(request, version.id)
+    return ModelVersionObject.of(version)
+
+
+@router.get("/models/{version_id}", name="admin_models.get")
+def get_version(version_id: str, session: SessionDep, _: AdminDep) -> ModelVersionObject:
+    return ModelVersionObject.of(registry.get_version(session, version_id))
+
+
+@router.get("/models/{version_id}/lineage", name="admin_models.lineage")
+def get_lineage(version_id: str, session: SessionDep, _: AdminDep) -> dict:
+    version = registry.get_version(session, version_id)
+    return {"object": "model_version.lineage", "version_id": version.id, "chain": registry.lineage(session, version)}
+
+
+@router.post("/models/{version_id}/archive", name="admin_models.archive")
+def archive_version(version_id: str, session: SessionDep, _: AdminDep) -> ModelVersionObject:
+    version = registry.archive_version(session, registry.get_version(session, version_id))
+    session.commit()
+    return ModelVersionObject.of(version)
+
+
+@router.post("/models/{version_id}/promote", name="admin_models.promote")
+def promote_version(version_id: str, body: PromoteBody, session: SessionDep, principal: AdminDep) -> AliasMoveObject:
+    version = registry.get_version(session, version_id)
+    entry = registry.promote(session, version, alias=body.alias, reason=body.reason, actor=principal.key_id)
+    session.commit()
+    return AliasMoveObject.of(entry)
+
+
+@router.get("/model_aliases", name="admin_models.aliases")
+def list_aliases(session: SessionDep, _: AdminDep, model_name: str | None = None) -> ListResponse[AliasObject]:
+    return _page([AliasObject.of(alias) for alias in registry.list_aliases(session, model_name=model_name)])
+
+
+@router.get("/model_aliases/history", name="admin_models.alias_history")
+def alias_history(
+    session: SessionDep, _: AdminDep, model_name: str | None = None, alias: str | None = None
+) -> ListResponse[AliasMoveObject]:
+    entries = registry.alias_history(session, model_name=model_name, alias=alias)
+    return _page([AliasMoveObject.of(entry) for entry in entries])
+
+
+@router.post("/model_aliases/rollback", name="admin_models.rollback")
+def rollback_alias(body: RollbackBody, request: Request, session: SessionDep, principal: AdminDep) -> AliasMoveObject:
+    entry = registry.rollback(
+        session, model_name=body.model_name, alias=body.alias, reason=body.reason, actor=principal.key_id
+    )
+    session.commit()
+    set_audit_target(request, f"{body.model_name}@{body.alias}")
+    return AliasMoveObject.of(entry)

@@ -1,0 +1,102 @@
+"""OpenAI `POST /v1/chat/completions`: the request schema; the work is `server.services.inference`."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from server.api.deps import AnalystDep
+from server.services.inference import ChatFormat, GenerationOptions
+
+router = APIRouter(tags=["inference"])
+
+MAX_N = 16
+MAX_STOP_SEQUENCES = 4
+MAX_STOP_LENGTH = 200
+MAX_TOP_LOGPROBS = 20
+
+StopSequence = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    # OpenAI sends more fields (name, tool calls); this model answers with text only.
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+
+    def as_template_input(self) -> dict:
+        content = self.content or ""
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+
+
+class SamplingFields(BaseModel):
+    """Fields chat and completions share, with OpenAI's ranges; unknown fields are ignored, as vLLM does."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(min_length=1, max_length=256)
+    max_tokens: int | None = Field(default=None, ge=1)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stop: StopSequence | list[StopSequence] | None = Field(default=None)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, ge=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _few_stop_sequences(cls, stop):
+        if isinstance(stop, list) and len(stop) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed")
+        return stop
+
+    def stop_sequences(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def options(self) -> GenerationOptions:
+        # `max_completion_tokens` replaces the deprecated `max_tokens`; either names the field in errors.
+        limit_param = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+        return GenerationOptions(
+            max_tokens=self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens,
+            max_tokens_param=limit_param,
+            n=self.n,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seed=self.seed,
+            stop=self.stop_sequences(),
+            logprobs=self.logprobs,
+            top_logprobs=self.top_logprobs or 0,
+            stream=self.stream,
+            include_usage=bool(self.stream and self.stream_options and self.stream_options.include_usage),
+        )
+
+
+@router.post("/v1/chat/completions", name="chat.completions")
+async def create_chat_completion(body: ChatCompletionRequest, request: Request, principal: AnalystDep):
+    service = request.app.state.inference
+    fmt = ChatFormat([message.as_template_input() for message in body.messages])
+    return await service.complete(request, principal, body.model, fmt, body.options())

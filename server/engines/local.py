@@ -1,0 +1,493 @@
+"""The `local` engine: `zaya_model` on CPU with batched decoding, for development, tests and the embedded default.
+
+One scheduler thread per loaded model version decodes every running sequence of that version in one forward pass
+per step (continuous batching): between steps it admits waiting requests by prefilling them together, left-padded,
+and merging their caches into the running batch (keys/values left-padded to a common length, CCA state stacked).
+Finished and cancelled sequences leave the batch at once. Positions come from each row's attention mask, so padding
+never changes a sequence's result.
+
+Adapters: an adapter version is merged into its own copy of the base weights when it is loaded (PEFT
+`merge_and_unload`) and served as a separate model; requests on the same adapter batch together. Merging keeps the
+decode path identical for base and adapter requests and supports LoRA on attention and experts alike, at the cost of
+one copy of the weights per loaded adapter (fine for the small models this engine is for; at most
+`max_loaded_models` versions stay in memory, least recently used idle ones are unloaded first).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import torch
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from server.engines.base import (
+    ChoiceDelta,
+    Engine,
+    EngineError,
+    EngineOverloaded,
+    ModelLoadError,
+    ModelRef,
+    SamplingParams,
+    TokenLogprob,
+)
+from server.engines.detokenizer import StopStringDetokenizer
+from server.engines.sampling import choice_generator, sample_token
+from zaya_model import ZayaConfig, ZayaForCausalLM
+from zaya_model.cache_zaya import ZayaCache
+
+logger = logging.getLogger(__name__)
+
+END_OF_TURN_TOKEN = "<|im_end|>"
+
+
+class LocalEngineSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="ZAYA_LOCAL_ENGINE_", extra="ignore")
+
+    # Sequences decoded together in one step (a request with n choices takes n).
+    max_batch_size: int = Field(default=16, ge=1)
+    # Requests waiting for a batch slot, per model version; one more gets 429.
+    max_queued_requests: int = Field(default=64, ge=0)
+    max_loaded_models: int = Field(default=4, ge=1)
+
+
+def end_of_sequence_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """End of turn (chat answers) and end of text (raw completions): a choice stops at either."""
+    ids = {tokenizer.eos_token_id}
+    end_of_turn = tokenizer.convert_tokens_to_ids(END_OF_TURN_TOKEN)
+    if isinstance(end_of_turn, int) and end_of_turn != tokenizer.unk_token_id:
+        ids.add(end_of_turn)
+    return frozenset(i for i in ids if i is not None)
+
+
+@dataclass
+class _Request:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    deltas: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def send(self, item: ChoiceDelta | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.deltas.put_nowait, item)
+
+
+@dataclass
+class _Sequence:
+    """One choice of a request: one row of the batch."""
+
+    request: _Request
+    index: int
+    detokenizer: StopStringDetokenizer
+    generator: torch.Generator
+    next_token: int = -1
+    generated: int = 0
+    finished: bool = False
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerStats:
+    steps: int = 0
+    max_batch_size_seen: int = 0
+    decoded_tokens: int = 0
+    running: int = 0
+
+
+class _Scheduler:
+    """Owns one model; a daemon thread admits requests and decodes all running sequences together."""
+
+    def __init__(self, model: ZayaForCausalLM, tokenizer: PreTrainedTokenizerBase, settings: LocalEngineSettings):
+        self.model, self.tokenizer, self.settings = model, tokenizer, settings
+        self.end_ids = end_of_sequence_ids(tokenizer)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.inbox: queue.Queue[_Request | None] = queue.Queue()
+        self.backlog: deque[_Request] = deque()  # taken from the inbox, waiting for room in the batch
+        self.waiting = 0
+        self.waiting_lock = threading.Lock()
+        self.rows: list[_Sequence] = []
+        self.cache: ZayaCache | None = None
+        self.mask: torch.Tensor | None = None  # [rows, cached length]: 0 on left padding
+        self.stats = SchedulerStats()
+        self.thread = threading.Thread(target=self._run, name="zaya-local-engine", daemon=True)
+        self.thread.start()
+
+    # --- called from the event loop -------------------------------------------------------------------------
+    def submit(self, request: _Request) -> None:
+        with self.waiting_lock:
+            # Room now in the batch plus the queue bound; read racily from the event loop, which is close enough.
+            capacity = max(self.settings.max_batch_size - len(self.rows), 0) + self.settings.max_queued_requests
+            if self.waiting >= capacity:
+                raise EngineOverloaded("The engine's request queue is full; retry shortly.")
+            self.waiting += 1
+        self.inbox.put(request)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.rows) or self.waiting > 0
+
+    def close(self) -> None:
+        self.inbox.put(None)
+        self.thread.join(timeout=30)
+
+    # --- the scheduler thread -------------------------------------------------------------------------------
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while True:
+                admitted = self._take_waiting(block=not self.rows)
+                if admitted is None:
+                    self._fail_all(EngineError("The model was unloaded."))
+                    return
+                try:
+                    if admitted:
+                        self._prefill(admitted)
+                    self._drop_finished()
+                    if self.rows:
+                        self._decode_step()
+                        self._drop_finished()
+                except Exception as error:  # a failed forward fails its batch, never the engine
+                    logger.exception("local engine step failed")
+                    self._fail_all(EngineError(f"Generation failed: {error}"))
+
+    def _take_waiting(self, block: bool) -> list[_Request] | None:
+        """Waiting requests that fit in the batch now, oldest first; None when the scheduler is closing."""
+        block = block and not self.backlog
+        while True:
+            try:
+                request = self.inbox.get(block=block)
+            except queue.Empty:
+                break
+            if request is None:
+                return None
+            self.backlog.append(request)
+            block = False
+        admitted: list[_Request] = []
+        free = self.settings.max_batch_size - len(self.rows)
+        while self.backlog and self.backlog[0].params.n <= free:
+            request = self.backlog.popleft()
+            with self.waiting_lock:
+                self.waiting -= 1
+            if not request.cancelled.is_set():
+                admitted.append(request)
+                free -= request.params.n
+        return admitted
+
+    def _prefill(self, requests: list[_Request]) -> None:
+        rows = [
+            _Sequence(
+                request=request,
+                index=index,
+                detokenizer=StopStringDetokenizer(self.tokenizer, request.params.stop),
+                generator=choice_generator(request.params.seed, index),
+            )
+            for request in requests
+            for index in range(request.params.n)
+        ]
+        width = max(len(row.request.prompt_token_ids) for row in rows)
+        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            prompt = row.request.prompt_token_ids
+            input_ids[i, width - len(prompt) :] = torch.tensor(prompt)
+            mask[i, width - len(prompt) :] = 1
+        output = self.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self._merge(rows, output.past_key_values, mask)
+        self._sample(rows, output.logits[:, -1])
+
+    def _decode_step(self) -> None:
+        input_ids = torch.tensor([[row.next_token] for row in self.rows])
+        self.mask = torch.cat([self.mask, self.mask.new_ones(len(self.rows), 1)], dim=-1)
+        output = self.model(
+            input_ids=input_ids,
+            attention_mask=self.mask,
+            position_ids=self.mask.sum(-1, keepdim=True) - 1,
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        self.stats.steps += 1
+        self.stats.max_batch_size_seen = max(self.stats.max_batch_size_seen, len(self.rows))
+        self._sample(self.rows, output.logits[:, -1])
+
+    def _sample(self, rows: list[_Sequence], logits: torch.Tensor) -> None:
+        for row, row_logits in zip(rows, logits, strict=True):
+            params = row.request.params
+            token = sample_token(row_logits, params, row.generator)
+            row.generated += 1
+            row.next_token = token
+            self.stats.decoded_tokens += 1
+            text, finish = "", None
+            if token in self.end_ids:
+                text, finish = row.detokenizer.flush(), "stop"
+            else:
+                if params.logprobs:
+                    row.pending_logprobs.append(self._logprob(row_logits, token, params.top_logprobs))
+                text = row.detokenizer.add(token)
+                if row.detokenizer.stopped:
+                    finish = "stop"
+                elif row.generated >= params.max_tokens:
+                    text, finish = text + row.detokenizer.flush(), "length"
+            if text or finish:
+                row.request.send(
+                    ChoiceDelta(
+                        index=row.index,
+                        text=text,
+                        logprobs=row.pending_logprobs,
+                        finish_reason=finish,
+                        completion_tokens=row.generated,
+                    )
+                )
+                row.pending_logprobs = []
+            row.finished = finish is not None
+
+    def _logprob(self, logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        alternatives = ()
+        if top:
+            values, ids = logprobs.topk(top)
+            alternatives = tuple(
+                (self.tokenizer.decode([i]), float(v)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)
+            )
+        return TokenLogprob(token=self.tokenizer.decode([token]), logprob=float(logprobs[token]), top=alternatives)
+
+    def _merge(self, rows: list[_Sequence], cache: ZayaCache, mask: torch.Tensor) -> None:
+        """Append prefilled rows to the running batch, left-padding the shorter cache to a common length."""
+        if not self.rows:
+            self.rows, self.cache, self.mask = rows, cache, mask
+            return
+        length = max(self.mask.shape[1], mask.shape[1])
+        for running, new in zip(self.cache.layers, cache.layers, strict=True):
+            running.keys = torch.cat([_left_pad(running.keys[:, :, : running.length], length),
+                                      _left_pad(new.keys[:, :, : new.length], length)])
+            running.values = torch.cat([_left_pad(running.values[:, :, : running.length], length),
+                                        _left_pad(new.values[:, :, : new.length], length)])
+            running.length = length
+            running.conv_state = torch.cat([running.conv_state, new.conv_state])
+            running.shift_state = torch.cat([running.shift_state, new.shift_state])
+        self.mask = torch.cat([_left_pad(self.mask, length), _left_pad(mask, length)])
+        self.rows = self.rows + rows
+
+    def _drop_finished(self) -> None:
+        keep = [i for i, row in enumerate(self.rows) if not row.finished and not row.request.cancelled.is_set()]
+        if len(keep) < len(self.rows):
+            self.rows = [self.rows[i] for i in keep]
+            if not self.rows:
+                self.cache = self.mask = None
+            else:
+                index = torch.tensor(keep)
+                for layer in self.cache.layers:
+                    layer.batch_select_indices(index)
+                self.mask = self.mask[index]
+                self._trim_padding()
+        self.stats.running = len(self.rows)
+
+    def _trim_padding(self) -> None:
+        """Drop leading cache columns that are padding in every row (left behind by finished long prompts)."""
+        first_real = int(self.mask.any(0).int().argmax())
+        if first_real == 0:
+            return
+        for layer in self.cache.layers:
+            layer.keys = layer.keys[:, :, first_real : layer.length].contiguous()
+            layer.values = layer.values[:, :, first_real : layer.length].contiguous()
+            layer.length -= first_real
+        self.mask = self.mask[:, first_real:]
+
+    def _fail_all(self, error: EngineError) -> None:
+        requests = {id(row.request): row.request for row in self.rows}
+        self.rows, self.cache, self.mask = [], None, None
+        self.stats.running = 0
+        while True:
+            try:
+                request = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            if request is not None:
+                self.backlog.append(request)
+        with self.waiting_lock:
+            self.waiting -= len(self.backlog)
+        requests.update((id(request), request) for request in self.backlog)
+        self.backlog.clear()
+        for request in requests.values():
+            request.send(error)
+
+
+def _left_pad(tensor: torch.Tensor, length: int) -> torch.Tensor:
+    """Left-pad a mask [rows, T] or keys/values [rows, heads, T, dim] with zeros to `length` positions."""
+    time_dim = 1 if tensor.dim() == 2 else 2
+    missing = length - tensor.shape[time_dim]
+    if missing == 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[time_dim] = missing
+    return torch.cat([tensor.new_zeros(shape), tensor], dim=time_dim)
+
+
+@dataclass
+class _Loaded:
+    scheduler: _Scheduler
+    base_version_id: str
+
+
+class LocalEngine(Engine):
+    name = "local"
+
+    def __init__(self, settings: LocalEngineSettings | None = None) -> None:
+        self.settings = settings or LocalEngineSettings()
+        self._loaded: OrderedDict[str, _Loaded] = OrderedDict()  # by served version id, least recently used first
+        self._tokenizers: dict[str, PreTrainedTokenizerBase] = {}
+        self._configs: dict[str, ZayaConfig] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    # --- loading --------------------------------------------------------------------------------------------
+    async def load_model(self, model: ModelRef) -> None:
+        await self._ensure_loaded(model, None)
+
+    async def load_adapter(self, adapter: ModelRef, base: ModelRef) -> None:
+        await self._ensure_loaded(base, adapter)
+
+    async def unload_model(self, version_id: str) -> None:
+        for served_id, loaded in list(self._loaded.items()):
+            if served_id == version_id or loaded.base_version_id == version_id:
+                await self._unload(served_id)
+        self._tokenizers.pop(version_id, None)
+        self._configs.pop(version_id, None)
+
+    async def unload_adapter(self, version_id: str) -> None:
+        await self._unload(version_id)
+
+    async def tokenizer(self, model: ModelRef) -> PreTrainedTokenizerBase:
+        if model.version_id not in self._tokenizers:
+            self._tokenizers[model.version_id] = await asyncio.to_thread(_load_tokenizer, model)
+        return self._tokenizers[model.version_id]
+
+    async def context_length(self, model: ModelRef) -> int:
+        if model.version_id not in self._configs:
+            self._configs[model.version_id] = await asyncio.to_thread(_load_config, model)
+        return self._configs[model.version_id].max_position_embeddings
+
+    async def _ensure_loaded(self, base: ModelRef, adapter: ModelRef | None) -> _Scheduler:
+        served = adapter or base
+        lock = self._locks.setdefault(served.version_id, asyncio.Lock())
+        async with lock:
+            if served.version_id not in self._loaded:
+                tokenizer = await self.tokenizer(base)
+                model = await asyncio.to_thread(_load_weights, base, adapter)
+                await self._make_room()
+                scheduler = _Scheduler(model, tokenizer, self.settings)
+                self._loaded[served.version_id] = _Loaded(scheduler, base.version_id)
+            self._loaded.move_to_end(served.version_id)
+            return self._loaded[served.version_id].scheduler
+
+    async def _make_room(self) -> None:
+        while len(self._loaded) >= self.settings.max_loaded_models:
+            idle = next((key for key, loaded in self._loaded.items() if not loaded.scheduler.busy), None)
+            if idle is None:
+                raise EngineOverloaded("Every loaded model is busy; retry shortly.")
+            await self._unload(idle)
+
+    async def _unload(self, served_id: str) -> None:
+        loaded = self._loaded.pop(served_id, None)
+        if loaded is not None:
+            await asyncio.to_thread(loaded.scheduler.close)
+
+    # --- generation -----------------------------------------------------------------------------------------
+    async def generate(
+        self,
+        model: ModelRef,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        adapter: ModelRef | None = None,
+    ) -> AsyncIterator[ChoiceDelta]:
+        if params.n > self.settings.max_batch_size:
+            raise EngineError(f"n must be at most {self.settings.max_batch_size} on this engine.", param="n")
+        if len(prompt_token_ids) + params.max_tokens > await self.context_length(model):
+            raise EngineError("The prompt plus max_tokens exceed the model's context length.", param="max_tokens")
+        scheduler = await self._ensure_loaded(model, adapter)
+        request = _Request(list(prompt_token_ids), params, asyncio.get_running_loop())
+        scheduler.submit(request)
+        try:
+            remaining = params.n
+            while remaining:
+                delta = await request.deltas.get()
+                if isinstance(delta, BaseException):
+                    raise delta
+                remaining -= delta.finish_reason is not None
+                yield delta
+        finally:
+            # Client gone, consumer closed the stream, or done: the scheduler drops the rows at its next step.
+            request.cancelled.set()
+
+    def stats(self, version_id: str) -> SchedulerStats | None:
+        """Counters of the scheduler serving `version_id` (tests and metrics)."""
+        loaded = self._loaded.get(version_id)
+        return loaded.scheduler.stats if loaded else None
+
+    def health(self) -> dict:
+        return {
+            "status": "ok",
+            "engine": self.name,
+            "loaded_models": list(self._loaded),
+            "running_sequences": sum(loaded.scheduler.stats.running for loaded in self._loaded.values()),
+            "queued_requests": sum(loaded.scheduler.waiting for loaded in self._loaded.values()),
+        }
+
+    async def close(self) -> None:
+        for served_id in list(self._loaded):
+            await self._unload(served_id)
+
+
+def _load_tokenizer(model: ModelRef) -> PreTrainedTokenizerBase:
+    try:
+        return AutoTokenizer.from_pretrained(model.path)
+    except Exception as error:
+        raise ModelLoadError(f"Model version {model.version_id} has no loadable tokenizer: {error}") from error
+
+
+def _load_config(model: ModelRef) -> ZayaConfig:
+    try:
+        return ZayaConfig.from_pretrained(model.path)
+    except Exception as error:
+        raise ModelLoadError(f"Model version {model.version_id} has no loadable config: {error}") from error
+
+
+# `from_pretrained` patches process-wide state while it builds a model (meta device, skipped inits): one at a time.
+_LOAD_LOCK = threading.Lock()
+
+
+def _load_weights(base: ModelRef, adapter: ModelRef | None) -> ZayaForCausalLM:
+    with _LOAD_LOCK:
+        try:
+            model = ZayaForCausalLM.from_pretrained(base.path, dtype=torch.float32)
+        except Exception as error:
+            raise ModelLoadError(f"Model version {base.version_id} could not be loaded: {error}") from error
+        if adapter is not None:
+            model = _merge_adapter(model, adapter)
+    return model.eval()
+
+
+def _merge_adapter(model: ZayaForCausalLM, adapter: ModelRef) -> ZayaForCausalLM:
+    from peft import PeftModel
+
+    config_path = adapter.path / "adapter_config.json"
+    if not config_path.is_file():
+        raise ModelLoadError(f"Adapter version {adapter.version_id} has no adapter_config.json.")
+    try:
+        merged = PeftModel.from_pretrained(model, adapter.path).merge_and_unload()
+    except Exception as error:
+        raise ModelLoadError(
+            f"Adapter version {adapter.version_id} cannot be applied to its base model: {error}"
+        ) from error
+    return merged

@@ -1,0 +1,218 @@
+"""`zaya run`: the whole embedded stack on one machine (what `make run` starts).
+
+1. `db upgrade` on `ZAYA_DATABASE_URL` (SQLite under `ZAYA_DATA_DIR` by default);
+2. a servable model: if no full model version is registered, a tiny ZAYA model and tokenizer are trained on the
+   synthetic bank corpus in seconds, saved atomically under `<data dir>/models/`, registered and aliased `production`;
+3. the API on 127.0.0.1:8000 plus, when `zaya worker` exists, a worker process. Ctrl-C stops both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from server.cli import CommandError, build_parser
+from server.settings import Settings
+
+BOOTSTRAP_MODEL_NAME = "zaya-tiny"
+BOOTSTRAP_CONTEXT = 2048
+WORKER_STOP_TIMEOUT_S = 30
+
+
+def build_tiny_model(output_dir: Path, *, train_steps: int = 100, seed: int = 0) -> Path:
+    """Train a tokenizer and a tiny ZAYA model on synthetic bank chats; write both to `output_dir` atomically."""
+    import torch
+
+    from finetune.datasets.synthetic import generate_chat_examples
+    from zaya_model import ZayaConfig, ZayaForCausalLM
+    from zaya_model.pretrain import generation_eos_token_ids, train_tokenizer
+
+    random.seed(seed)
+    torch.manual_seed(seed)
+    conversations = [example["messages"] for example in generate_chat_examples(90, seed=seed)]
+    plain_text = ("\n".join(message["content"] for message in conversation) for conversation in conversations)
+    tokenizer = train_tokenizer(plain_text, vocab_size=640, model_max_length=BOOTSTRAP_CONTEXT)
+    config = ZayaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        moe_intermediate_size=64,
+        num_experts=4,
+        router_hidden_size=32,
+        max_position_embeddings=BOOTSTRAP_CONTEXT,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=generation_eos_token_ids(tokenizer),
+    )
+    model = ZayaForCausalLM(config)
+    if train_steps:
+        _train(model, tokenizer, conversations, train_steps)
+    model.eval()
+
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = output_dir.parent / f".{output_dir.name}.{secrets.token_hex(4)}.tmp"
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        _fsync_tree(staging)
+        os.replace(staging, output_dir)
+        _fsync(output_dir.parent)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return output_dir
+
+
+def _train(model, tokenizer, conversations: list[list[dict]], steps: int, batch: int = 4, length: int = 96) -> None:
+    """A few hundred AdamW steps on random windows of the rendered chats: enough for bank-flavoured output."""
+    import torch
+
+    rendered = "".join(tokenizer.apply_chat_template(conversation, tokenize=False) for conversation in conversations)
+    ids = torch.tensor(tokenizer.encode(rendered, add_special_tokens=False, verbose=False))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(steps):
+        starts = torch.randint(0, len(ids) - length - 1, (batch,))
+        windows = torch.stack([ids[start : start + length] for start in starts])
+        loss = model(input_ids=windows, labels=windows).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def _fsync(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _fsync_tree(directory: Path) -> None:
+    for path in directory.rglob("*"):
+        _fsync(path)
+    _fsync(directory)
+
+
+def ensure_local_model(settings: Settings, *, train_steps: int = 100) -> str:
+    """The model name to chat with: an existing full model version, else a freshly bootstrapped one."""
+    from sqlalchemy import select
+
+    from server.db.models import ModelVersion
+    from server.db.session import make_engine, make_sessionmaker, session_scope
+    from server.services import registry
+
+    engine = make_engine(settings.database_url)
+    try:
+        sessions = make_sessionmaker(engine)
+        with sessions() as session:
+            existing = session.scalars(
+                select(ModelVersion.name)
+                .where(ModelVersion.kind == "full", ModelVersion.status == "active")
+                .order_by(ModelVersion.created_at)
+                .limit(1)
+            ).first()
+        if existing is not None:
+            print(f"model: using the registered model '{existing}'")
+            return existing
+        directory = (settings.data_dir / "models" / BOOTSTRAP_MODEL_NAME).resolve()
+        if not (directory / "config.json").is_file():  # a finished earlier bootstrap is reused
+            print(f"model: none registered; training a tiny ZAYA model on synthetic bank cases into {directory} ...")
+            build_tiny_model(directory, train_steps=train_steps)
+        with session_scope(sessions) as session:
+            version = registry.register_version(
+                session,
+                name=BOOTSTRAP_MODEL_NAME,
+                path=directory,
+                description="Tiny ZAYA model bootstrapped by `zaya run` (synthetic bank corpus).",
+            )
+            registry.promote(
+                session, version, alias=registry.DEFAULT_ALIAS, reason="bootstrapped by zaya run", actor=None
+            )
+        print(f"model: registered '{BOOTSTRAP_MODEL_NAME}' ({version.id}) as {BOOTSTRAP_MODEL_NAME}@production")
+        return BOOTSTRAP_MODEL_NAME
+    finally:
+        engine.dispose()
+
+
+def has_command(name: str) -> bool:
+    subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return name in subparsers.choices
+
+
+def _print_welcome(settings: Settings, host: str, port: int, model: str) -> None:
+    cli = f"{sys.executable} -m server.cli"
+    print(
+        f"""
+ZAYA is starting on http://{host}:{port}  (data: {settings.data_dir.resolve()}, engine: {settings.engine})
+
+Create an admin key (the secret is printed once, on the last line), in another terminal from this directory:
+    {cli} keys create --role admin --name first-admin
+Then chat:
+    curl http://{host}:{port}/v1/chat/completions -H "Authorization: Bearer $KEY" \\
+         -H 'Content-Type: application/json' \\
+         -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Summarise case 1."}}], "max_tokens": 60}}'
+Press Ctrl-C to stop.
+""",
+        flush=True,
+    )
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=WORKER_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from server.app import create_app
+    from server.db.migrations import upgrade
+
+    settings = Settings()
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        upgrade(settings.database_url)
+    except Exception as error:
+        raise CommandError(f"could not migrate {settings.database_url}: {error}") from error
+    print(f"database: at the current revision ({settings.database_url})")
+    model = ensure_local_model(settings, train_steps=args.bootstrap_train_steps)
+    host, port = args.host or settings.host, args.port or settings.port
+
+    worker = None
+    if has_command("worker"):
+        worker = subprocess.Popen([sys.executable, "-m", "server.cli", "worker"])
+        print(f"worker: started (pid {worker.pid})")
+    else:
+        print("worker: `zaya worker` is not available in this build; fine-tuning jobs will wait in the queue")
+    _print_welcome(settings, host, port, model)
+    try:
+        uvicorn.run(create_app(settings), host=host, port=port)
+    finally:
+        if worker is not None:
+            _stop(worker)
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    run = subparsers.add_parser("run", help="run the whole stack: migrate, bootstrap a local model, API + worker")
+    run.add_argument("--host", help="bind address (default: ZAYA_HOST or 127.0.0.1)")
+    run.add_argument("--port", type=int, help="port (default: ZAYA_PORT or 8000)")
+    run.add_argument(
+        "--bootstrap-train-steps", type=int, default=100, help="training steps for the bootstrapped tiny model"
+    )
+    run.set_defaults(func=_run)

@@ -1,0 +1,438 @@
+"""Fine-tuning jobs: creation and the user's controls (cancel, pause, resume), and the worker's side of the queue.
+
+The worker's side is built on leases. A claim moves a queued job to `running` and gives it a fresh random
+`lease_token` and an expiry; the worker renews the expiry with heartbeats. Every write a worker makes (heartbeat,
+event, checkpoint, final state) is an UPDATE guarded by `id = :job AND lease_token = :token AND status = 'running'`
+in the same transaction, so once a lease has been taken away (the job re-queued after its worker went silent) the
+old worker cannot change anything: a job never has two effective runners and registers its result exactly once.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select, tuple_, update
+from sqlalchemy.orm import Session
+
+from server.db.base import utcnow
+from server.db.models import Checkpoint, File, FineTuningJob, JobEvent, JobStatus, ModelVersion, new_id
+from server.errors import Conflict, InvalidRequest, NotFound
+from server.services import registry
+from server.services.model_resolution import find_version
+
+ORGANIZATION = "zaya"
+FINISHED_STATUSES = (JobStatus.succeeded, JobStatus.failed, JobStatus.cancelled)
+
+
+class LeaseLost(Exception):
+    """The job is no longer this worker's: it was re-queued, cancelled or finished by someone else."""
+
+
+# --- creation and the user's controls -------------------------------------------------------------------------------
+
+
+def usable_file(session: Session, file_id: str, param: str) -> File:
+    file = session.get(File, file_id)
+    if file is None or file.deleted_at is not None:
+        raise InvalidRequest(f"No such File object: {file_id}", param=param, code="file_not_found")
+    if file.purpose != "fine-tune":
+        raise InvalidRequest(
+            f"File {file_id} has purpose {file.purpose!r}; fine-tuning needs purpose 'fine-tune'.",
+            param=param,
+            code="invalid_file_purpose",
+        )
+    return file
+
+
+def create_job(
+    session: Session,
+    *,
+    model: str,
+    training_file: str,
+    validation_file: str | None,
+    method: dict[str, Any],
+    suffix: str | None,
+    seed: int | None,
+    metadata: dict[str, str] | None,
+    created_by: str | None,
+) -> FineTuningJob:
+    """Check the files and the base model, then queue the job. Commits."""
+    usable_file(session, training_file, "training_file")
+    if validation_file is not None:
+        usable_file(session, validation_file, "validation_file")
+    base = find_version(session, model)
+    if base.kind != "full":
+        raise InvalidRequest(
+            f"'{model}' is a LoRA adapter ({base.id}); fine-tune its base or a merged full version instead.",
+            param="model",
+            code="model_not_trainable",
+        )
+    job = FineTuningJob(
+        id=new_id("ftjob-"),
+        model=model,
+        base_version_id=base.id,
+        training_file_id=training_file,
+        validation_file_id=validation_file,
+        status=JobStatus.queued,
+        suffix=suffix,
+        seed=seed if seed is not None else secrets.randbelow(2**31),
+        method=method,
+        user_metadata=metadata,
+        created_by=created_by,
+    )
+    session.add(job)
+    session.flush()
+    add_event(session, job.id, f"Created fine-tuning job {job.id} on {base.name} v{base.version} ({base.id}).")
+    add_event(session, job.id, "Files validated; job queued.")
+    session.commit()
+    return job
+
+
+def get_job(session: Session, job_id: str) -> FineTuningJob:
+    job = session.get(FineTuningJob, job_id)
+    if job is None:
+        raise NotFound(f"No such fine-tuning job: {job_id}", param="fine_tuning_job_id", code="job_not_found")
+    return job
+
+
+def list_jobs(
+    session: Session, *, after: str | None, limit: int, metadata: dict[str, str] | None = None
+) -> tuple[list[FineTuningJob], bool]:
+    """Newest first, OpenAI-style: `after` is the last job id of the previous page."""
+    columns = (FineTuningJob.created_at, FineTuningJob.id)
+    query = select(FineTuningJob).order_by(*(column.desc() for column in columns))
+    if after is not None:
+        cursor = session.get(FineTuningJob, after)
+        if cursor is None:
+            raise InvalidRequest(f"No such fine-tuning job for 'after': {after}", param="after")
+        query = query.where(tuple_(*columns) < (cursor.created_at, cursor.id))
+    rows = list(session.scalars(query))
+    if metadata:
+        # Metadata is a small JSON object; filtering here keeps the query portable across SQLite and PostgreSQL.
+        rows = [job for job in rows if all((job.user_metadata or {}).get(k) == v for k, v in metadata.items())]
+    return rows[:limit], len(rows) > limit
+
+
+def _refuse(job: FineTuningJob, action: str) -> Conflict:
+    return Conflict(f"Cannot {action} job {job.id}: it is {job.status}.", code=f"job_not_{action}able")
+
+
+def cancel_job(session: Session, job: FineTuningJob) -> FineTuningJob:
+    """Queued or paused jobs stop at once; a running one at the worker's next step."""
+    if job.status in (JobStatus.validating_files, JobStatus.queued, JobStatus.paused):
+        job.status = JobStatus.cancelled
+        job.finished_at = utcnow()
+        job.requested_action = None
+        add_event(session, job.id, "Job cancelled.")
+    elif job.status == JobStatus.running and job.requested_action != "cancel":
+        job.requested_action = "cancel"
+        add_event(session, job.id, "Cancellation requested; the worker stops at its next step.")
+    else:
+        raise Conflict(f"Cannot cancel job {job.id}: it is {job.status}.", code="job_not_cancellable")
+    session.commit()
+    return job
+
+
+def pause_job(session: Session, job: FineTuningJob) -> FineTuningJob:
+    """A queued job is held at once; a running one checkpoints and stops at the worker's next step."""
+    if job.status == JobStatus.queued:
+        job.status = JobStatus.paused
+        add_event(session, job.id, "Job paused.")
+    elif job.status == JobStatus.running and job.requested_action is None:
+        job.requested_action = "pause"
+        add_event(session, job.id, "Pause requested; the worker checkpoints and stops at its next step.")
+    else:
+        raise _refuse(job, "paus")
+    session.commit()
+    return job
+
+
+def resume_job(session: Session, job: FineTuningJob) -> FineTuningJob:
+    if job.status != JobStatus.paused:
+        raise _refuse(job, "resum")
+    job.status = JobStatus.queued
+    job.requested_action = None
+    add_event(session, job.id, "Job resumed; queued to continue from its last checkpoint.")
+    session.commit()
+    return job
+
+
+def list_events(session: Session, job: FineTuningJob, *, after: int | None, limit: int) -> tuple[list[JobEvent], bool]:
+    """Newest first; `after` is the id of the last event of the previous page."""
+    query = select(JobEvent).where(JobEvent.job_id == job.id).order_by(JobEvent.id.desc()).limit(limit + 1)
+    if after is not None:
+        query = query.where(JobEvent.id < after)
+    rows = list(session.scalars(query))
+    return rows[:limit], len(rows) > limit
+
+
+def list_checkpoints(
+    session: Session, job: FineTuningJob, *, after: str | None, limit: int
+) -> tuple[list[Checkpoint], bool]:
+    """Newest (highest step) first; `after` is the last checkpoint id of the previous page."""
+    query = select(Checkpoint).where(Checkpoint.job_id == job.id).order_by(Checkpoint.step.desc()).limit(limit + 1)
+    if after is not None:
+        cursor = session.get(Checkpoint, after)
+        if cursor is None or cursor.job_id != job.id:
+            raise InvalidRequest(f"No such checkpoint for 'after': {after}", param="after")
+        query = query.where(Checkpoint.step < cursor.step)
+    rows = list(session.scalars(query))
+    return rows[:limit], len(rows) > limit
+
+
+def latest_checkpoint(session: Session, job_id: str) -> Checkpoint | None:
+    query = select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step.desc()).limit(1)
+    return session.scalars(query).first()
+
+
+def add_event(
+    session: Session, job_id: str, message: str, *, level: str = "info", type_: str = "message", data=None
+) -> JobEvent:
+    event = JobEvent(job_id=job_id, message=message, level=level, type=type_, data=data)
+    session.add(event)
+    return event
+
+
+def fine_tuned_model_name(job: FineTuningJob, base: ModelVersion) -> str:
+    """`ft:<base>:<org>:<suffix>:<job-id>`; a fine-tune of a fine-tune keeps the root model's name as <base>."""
+    base_name = base.name.split(":")[1] if base.name.startswith("ft:") else base.name
+    return f"ft:{base_name}:{ORGANIZATION}:{job.suffix or ''}:{job.id}"
+
+
+# --- the worker's side: claims and leases ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Lease:
+    job_id: str
+    token: str
+    worker_id: str
+    attempt: int
+
+
+def claim_next_job(session: Session, *, worker_id: str, lease_seconds: float) -> Lease | None:
+    """Atomically take the oldest queued job, or None. Commits.
+
+    PostgreSQL: the candidate row is locked with FOR UPDATE SKIP LOCKED, so concurrent workers pick different jobs
+    without waiting. SQLite: one UPDATE whose WHERE re-checks `status = 'queued'`; SQLite runs writes one at a
+    time, so exactly one claimant's UPDATE matches.
+    """
+    now = utcnow()
+    token = secrets.token_hex(16)
+    oldest_queued = (
+        select(FineTuningJob.id)
+        .where(FineTuningJob.status == JobStatus.queued)
+        .order_by(FineTuningJob.created_at, FineTuningJob.id)
+        .limit(1)
+    )
+    if session.get_bind().dialect.name == "postgresql":
+        job_id = session.scalar(oldest_queued.with_for_update(skip_locked=True))
+        if job_id is None:
+            session.rollback()
+            return None
+        target = FineTuningJob.id == job_id
+    else:
+        target = FineTuningJob.id == oldest_queued.scalar_subquery()
+    claimed = session.execute(
+        update(FineTuningJob)
+        .where(target, FineTuningJob.status == JobStatus.queued)
+        .values(
+            status=JobStatus.running,
+            worker_id=worker_id,
+            lease_token=token,
+            heartbeat_at=now,
+            lease_expires_at=now + timedelta(seconds=lease_seconds),
+            attempts=FineTuningJob.attempts + 1,
+            started_at=now,
+        )
+        .returning(FineTuningJob.id, FineTuningJob.attempts)
+        .execution_options(synchronize_session=False)
+    ).first()
+    if claimed is None:
+        session.rollback()
+        return None
+    lease = Lease(job_id=claimed.id, token=token, worker_id=worker_id, attempt=claimed.attempts)
+    add_event(session, lease.job_id, f"Worker {worker_id} started the job (attempt {lease.attempt}).")
+    session.commit()
+    return lease
+
+
+def _guard(session: Session, lease: Lease, lease_seconds: float | None = None) -> str | None:
+    """Check (and optionally extend) the lease inside the caller's transaction; returns the requested action.
+
+    The UPDATE takes the row's write lock, so a concurrent re-queue either happens before (and this raises) or
+    waits for this transaction.
+    """
+    values: dict[str, Any] = {"heartbeat_at": utcnow()}
+    if lease_seconds is not None:
+        values["lease_expires_at"] = values["heartbeat_at"] + timedelta(seconds=lease_seconds)
+    row = session.execute(
+        update(FineTuningJob)
+        .where(
+            FineTuningJob.id == lease.job_id,
+            FineTuningJob.lease_token == lease.token,
+            FineTuningJob.status == JobStatus.running,
+        )
+        .values(**values)
+        .returning(FineTuningJob.requested_action)
+        .execution_options(synchronize_session=False)
+    ).first()
+    if row is None:
+        session.rollback()
+        raise LeaseLost(f"worker {lease.worker_id} no longer holds job {lease.job_id}")
+    return row.requested_action
+
+
+def heartbeat(session: Session, lease: Lease, *, lease_seconds: float) -> str | None:
+    """Extend the lease; returns the user's pending request ('cancel', 'pause' or None). Commits."""
+    action = _guard(session, lease, lease_seconds)
+    session.commit()
+    return action
+
+
+def record_event(
+    session: Session, lease: Lease, message: str, *, level: str = "info", type_: str = "message", data=None
+) -> None:
+    _guard(session, lease)
+    add_event(session, lease.job_id, message, level=level, type_=type_, data=data)
+    session.commit()
+
+
+def record_checkpoint(session: Session, lease: Lease, *, step: int, path: str, metrics: dict | None) -> Checkpoint:
+    """One row per (job, step): a resumed run that saves the same step again replaces the row's path."""
+    _guard(session, lease)
+    checkpoint = session.scalars(
+        select(Checkpoint).where(Checkpoint.job_id == lease.job_id, Checkpoint.step == step)
+    ).first()
+    if checkpoint is None:
+        checkpoint = Checkpoint(id=new_id("ftckpt-"), job_id=lease.job_id, step=step)
+        session.add(checkpoint)
+    checkpoint.path = path
+    checkpoint.metrics = metrics
+    checkpoint.created_at = utcnow()
+    add_event(session, lease.job_id, f"Checkpoint saved at step {step}.", data={"step": step, **(metrics or {})})
+    session.commit()
+    return checkpoint
+
+
+def _end_lease(job: FineTuningJob, status: JobStatus) -> None:
+    job.status = status
+    job.worker_id = None
+    job.lease_token = None
+    job.lease_expires_at = None
+    job.requested_action = None
+    if status in FINISHED_STATUSES:
+        job.finished_at = utcnow()
+
+
+def finish_succeeded(
+    session: Session,
+    lease: Lease,
+    *,
+    output_dir: str,
+    metrics: dict | None,
+    trained_tokens: int | None,
+) -> ModelVersion:
+    """Mark the job succeeded and register its result as a model version, in one transaction. Commits."""
+    _guard(session, lease)
+    job = session.get(FineTuningJob, lease.job_id)
+    base = registry.get_version(session, job.base_version_id)
+    name = fine_tuned_model_name(job, base)
+    version = registry.register_version(
+        session,
+        name=name,
+        path=Path(output_dir),
+        base_version_id=base.id,
+        job_id=job.id,
+        metrics=metrics,
+        lineage={
+            "job_id": job.id,
+            "base_version_id": base.id,
+            "training_file": job.training_file_id,
+            "validation_file": job.validation_file_id,
+            "method": job.method,
+            "seed": job.seed,
+        },
+        created_by=job.created_by,
+    )
+    job.fine_tuned_model = name
+    job.result_model_version_id = version.id
+    job.trained_tokens = trained_tokens
+    _end_lease(job, JobStatus.succeeded)
+    add_event(session, job.id, f"Job succeeded: registered {name} as model version {version.id}.")
+    session.commit()
+    return version
+
+
+def finish_stopped(session: Session, lease: Lease, status: JobStatus, message: str, *, error: dict | None = None):
+    """End a run that did not succeed: cancelled, paused, failed, or queued again (worker shutting down). Commits."""
+    _guard(session, lease)
+    job = session.get(FineTuningJob, lease.job_id)
+    _end_lease(job, status)
+    job.error = error
+    add_event(session, job.id, message, level="error" if status == JobStatus.failed else "info")
+    session.commit()
+
+
+def requeue_expired(session: Session, *, max_attempts: int) -> list[str]:
+    """Take jobs back from workers that stopped heartbeating; re-queue them, or fail them after `max_attempts`
+    lost leases. A pending cancel or pause is honoured instead of re-queueing. Commits; returns the job ids.
+
+    Each take-back is an UPDATE guarded by the expired lease's token, so two workers reaping at once (or a reaper
+    racing a fresh claim) change a job at most once.
+    """
+    now = utcnow()
+    expired = (
+        select(FineTuningJob)
+        .where(FineTuningJob.status == JobStatus.running, FineTuningJob.lease_expires_at < now)
+        .order_by(FineTuningJob.lease_expires_at)
+    )
+    if session.get_bind().dialect.name == "postgresql":
+        expired = expired.with_for_update(skip_locked=True)
+    handled = []
+    for job in session.scalars(expired).all():
+        lost = job.lease_expirations + 1
+        if job.requested_action == "cancel":
+            status, level = JobStatus.cancelled, "warn"
+            message = f"Worker {job.worker_id} stopped responding; the requested cancellation is done."
+        elif job.requested_action == "pause":
+            status, level = JobStatus.paused, "warn"
+            message = f"Worker {job.worker_id} stopped responding; the job is paused as requested."
+        elif lost >= max_attempts:
+            status, level = JobStatus.failed, "error"
+            message = f"Gave up after {lost} attempts: the worker stopped responding each time."
+        else:
+            status, level = JobStatus.queued, "warn"
+            message = (
+                f"Worker {job.worker_id} stopped responding (lease expired); re-queued to resume from the last "
+                f"checkpoint (lost {lost} of at most {max_attempts} times)."
+            )
+        error = {"code": "worker_lost", "message": message, "param": None} if status == JobStatus.failed else None
+        taken = session.execute(
+            update(FineTuningJob)
+            .where(
+                FineTuningJob.id == job.id,
+                FineTuningJob.lease_token == job.lease_token,
+                FineTuningJob.status == JobStatus.running,
+            )
+            .values(
+                status=status,
+                lease_expirations=lost,
+                worker_id=None,
+                lease_token=None,
+                lease_expires_at=None,
+                requested_action=None,
+                finished_at=now if status in FINISHED_STATUSES else None,
+                error=error,
+            )
+            .execution_options(synchronize_session=False)
+        )
+        if taken.rowcount == 1:
+            add_event(session, job.id, message, level=level)
+            handled.append(job.id)
+    session.commit()
+    return handled

@@ -1,0 +1,288 @@
+"""The model registry: model versions (full checkpoints or LoRA adapters), aliases that point at them, and the
+immutable history of every alias move.
+
+A fine-tuned model's version is named after its `fine_tuned_model` string. Turning a request's `model` string into a
+version is `server.services.model_resolution`'s job.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from server.db.base import utcnow
+from server.db.models import AliasHistory, File, FineTuningJob, ModelAlias, ModelVersion, new_id
+from server.errors import Conflict, InvalidRequest, NotFound
+
+DEFAULT_ALIAS = "production"
+VERSION_ID_PREFIX = "mv-"
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,199}$")
+ALIAS_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+KINDS = ("full", "adapter")
+
+
+# --- reading checkpoint directories -------------------------------------------------------------------------------
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        content = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise InvalidRequest(f"{path} cannot be read as JSON: {error}", param="path") from error
+    if not isinstance(content, dict):
+        raise InvalidRequest(f"{path} is not a JSON object.", param="path")
+    return content
+
+
+def detect_kind(directory: Path) -> str:
+    """'adapter' for a PEFT adapter dir, 'full' for a checkpoint dir; refuses anything else with the reason."""
+    if not directory.is_dir():
+        raise InvalidRequest(f"{directory} is not a directory.", param="path")
+    if (directory / "adapter_config.json").is_file():
+        adapter = _read_json(directory / "adapter_config.json")
+        if not adapter.get("peft_type"):
+            raise InvalidRequest(f"{directory}/adapter_config.json has no 'peft_type'.", param="path")
+        return "adapter"
+    if (directory / "config.json").is_file():
+        config = _read_json(directory / "config.json")
+        if not config.get("model_type"):
+            raise InvalidRequest(f"{directory}/config.json has no 'model_type'.", param="path")
+        return "full"
+    raise InvalidRequest(
+        f"{directory} holds neither config.json (a checkpoint) nor adapter_config.json (a LoRA adapter).", param="path"
+    )
+
+
+# --- versions -----------------------------------------------------------------------------------------------------
+
+
+def check_name(name: str) -> str:
+    if not NAME_PATTERN.match(name) or "@" in name:
+        raise InvalidRequest(
+            f"Invalid model name {name!r}: use letters, digits, '.', '_', '-' or ':' (at most 200).", param="name"
+        )
+    return name
+
+
+def get_version(session: Session, version_id: str) -> ModelVersion:
+    version = session.get(ModelVersion, version_id)
+    if version is None:
+        raise NotFound(f"No such model version: {version_id}", param="version_id", code="model_version_not_found")
+    return version
+
+
+def list_versions(session: Session, *, name: str | None = None, include_archived: bool = True) -> list[ModelVersion]:
+    query = select(ModelVersion).order_by(ModelVersion.name, ModelVersion.version)
+    if name is not None:
+        query = query.where(ModelVersion.name == name)
+    if not include_archived:
+        query = query.where(ModelVersion.status == "active")
+    return list(session.scalars(query))
+
+
+def register_version(
+    session: Session,
+    *,
+    name: str,
+    path: Path,
+    base_version_id: str | None = None,
+    job_id: str | None = None,
+    metrics: dict | None = None,
+    lineage: dict | None = None,
+    description: str | None = None,
+    created_by: str | None = None,
+) -> ModelVersion:
+    """Add version N+1 of `name` for a checkpoint or adapter dir (checked here). Flushes; the caller commits."""
+    check_name(name)
+    path = path.resolve()
+    kind = detect_kind(path)
+    base = get_version(session, base_version_id) if base_version_id else None
+    if kind == "adapter" and base is None:
+        raise InvalidRequest("An adapter needs the model version it was trained on ('base_model').", param="base_model")
+    if kind == "adapter" and base.kind != "full":
+        raise InvalidRequest(f"The base of an adapter must be a full model; {base.id} is an adapter.", param="base")
+    latest = session.scalar(select(func.max(ModelVersion.version)).where(ModelVersion.name == name)) or 0
+    version = ModelVersion(
+        id=new_id(VERSION_ID_PREFIX),
+        name=name,
+        version=latest + 1,
+        kind=kind,
+        path=str(path),
+        base_version_id=base.id if base else None,
+        job_id=job_id,
+        metrics=metrics,
+        lineage=lineage,
+        description=description,
+        created_by=created_by,
+    )
+    session.add(version)
+    session.flush()
+    return version
+
+
+def archive_version(session: Session, version: ModelVersion) -> ModelVersion:
+    holders = session.scalars(select(ModelAlias).where(ModelAlias.version_id == version.id)).all()
+    if holders:
+        names = ", ".join(f"{alias.model_name}@{alias.alias}" for alias in holders)
+        raise Conflict(f"{version.id} is still pointed to by {names}; move those aliases first.", code="version_in_use")
+    if version.status == "archived":
+        raise Conflict(f"{version.id} is already archived.", code="already_archived")
+    version.status = "archived"
+    version.archived_at = utcnow()
+    session.flush()
+    return version
+
+
+# --- aliases ------------------------------------------------------------------------------------------------------
+
+
+def check_alias(alias: str) -> str:
+    if not ALIAS_PATTERN.match(alias) or alias.startswith(VERSION_ID_PREFIX):
+        raise InvalidRequest(
+            f"Invalid alias {alias!r}: lower-case letters, digits, '.', '_', '-', not starting with "
+            f"'{VERSION_ID_PREFIX}' (at most 64).",
+            param="alias",
+        )
+    return alias
+
+
+def _require_reason(reason: str | None) -> str:
+    if reason is None or not reason.strip():
+        raise InvalidRequest("A reason is required for every alias move.", param="reason", code="missing_required")
+    return reason.strip()
+
+
+def _find_alias(session: Session, model_name: str, alias: str) -> ModelAlias | None:
+    return session.scalars(
+        select(ModelAlias).where(ModelAlias.model_name == model_name, ModelAlias.alias == alias)
+    ).one_or_none()
+
+
+def _move_alias(
+    session: Session, *, model_name: str, alias: str, target: ModelVersion, action: str, reason: str, actor: str | None
+) -> AliasHistory:
+    current = _find_alias(session, model_name, alias)
+    previous_id = current.version_id if current else None
+    if previous_id == target.id:
+        raise Conflict(f"{model_name}@{alias} already points to {target.id}.", code="alias_unchanged")
+    if current is None:
+        current = ModelAlias(model_name=model_name, alias=alias, version_id=target.id)
+        session.add(current)
+    current.version_id = target.id
+    current.updated_at = utcnow()
+    current.updated_by = actor
+    entry = AliasHistory(
+        model_name=model_name,
+        alias=alias,
+        action=action,
+        from_version_id=previous_id,
+        to_version_id=target.id,
+        reason=reason,
+        actor_key_id=actor,
+    )
+    session.add(entry)
+    session.flush()
+    return entry
+
+
+def promote(
+    session: Session, version: ModelVersion, *, alias: str = DEFAULT_ALIAS, reason: str | None, actor: str | None
+) -> AliasHistory:
+    """Point `<version's name>@alias` at this version, recording who and why."""
+    check_alias(alias)
+    reason = _require_reason(reason)
+    if version.status != "active":
+        raise Conflict(f"{version.id} is archived and cannot be promoted.", code="version_archived")
+    return _move_alias(
+        session, model_name=version.name, alias=alias, target=version, action="promote", reason=reason, actor=actor
+    )
+
+
+def rollback(session: Session, *, model_name: str, alias: str, reason: str | None, actor: str | None) -> AliasHistory:
+    """Point the alias back at the version it held before its latest move."""
+    reason = _require_reason(reason)
+    if _find_alias(session, model_name, alias) is None:
+        raise NotFound(f"No such alias: {model_name}@{alias}", param="alias")
+    last_move = session.scalars(
+        select(AliasHistory)
+        .where(AliasHistory.model_name == model_name, AliasHistory.alias == alias)
+        .order_by(AliasHistory.id.desc())
+        .limit(1)
+    ).first()
+    if last_move is None or last_move.from_version_id is None:
+        raise Conflict(f"{model_name}@{alias} has no earlier version to roll back to.", code="nothing_to_roll_back")
+    previous = get_version(session, last_move.from_version_id)
+    if previous.status != "active":
+        raise Conflict(f"The earlier version {previous.id} is archived.", code="version_archived")
+    return _move_alias(
+        session, model_name=model_name, alias=alias, target=previous, action="rollback", reason=reason, actor=actor
+    )
+
+
+def list_aliases(session: Session, *, model_name: str | None = None) -> list[ModelAlias]:
+    query = select(ModelAlias).order_by(ModelAlias.model_name, ModelAlias.alias)
+    if model_name is not None:
+        query = query.where(ModelAlias.model_name == model_name)
+    return list(session.scalars(query))
+
+
+def alias_history(session: Session, *, model_name: str | None = None, alias: str | None = None) -> list[AliasHistory]:
+    query = select(AliasHistory).order_by(AliasHistory.id.desc())
+    if model_name is not None:
+        query = query.where(AliasHistory.model_name == model_name)
+    if alias is not None:
+        query = query.where(AliasHistory.alias == alias)
+    return list(session.scalars(query))
+
+
+# --- lineage ---------------------------------------------------------------------------------------
+
+
+def _file_summary(session: Session, file_id: str | None) -> dict | None:
+    if file_id is None:
+        return None
+    file = session.get(File, file_id)
+    if file is None:
+        return {"id": file_id}
+    return {
+        "id": file.id,
+        "filename": file.filename,
+        "bytes": file.bytes,
+        "sha256": file.sha256,
+        "deleted": file.deleted_at is not None,
+    }
+
+
+def lineage(session: Session, version: ModelVersion) -> list[dict]:
+    """The chain from this version down to its root: each with the job and dataset files that made it."""
+    chain: list[dict] = []
+    seen: set[str] = set()
+    current: ModelVersion | None = version
+    while current is not None and current.id not in seen:
+        seen.add(current.id)
+        entry: dict[str, Any] = {
+            "version_id": current.id,
+            "name": current.name,
+            "version": current.version,
+            "kind": current.kind,
+            "path": current.path,
+            "job": None,
+        }
+        job = session.get(FineTuningJob, current.job_id) if current.job_id else None
+        if job is not None:
+            entry["job"] = {
+                "id": job.id,
+                "model": job.model,
+                "method": job.method,
+                "seed": job.seed,
+                "training_file": _file_summary(session, job.training_file_id),
+                "validation_file": _file_summary(session, job.validation_file_id),
+            }
+        chain.append(entry)
+        current = session.get(ModelVersion, current.base_version_id) if current.base_version_id else None
+    return chain

@@ -1,0 +1,249 @@
+"""`zaya worker`: claims fine-tuning jobs from the database and runs them with the fine-tuning core.
+
+One job at a time per worker; run several workers (processes or machines) against one PostgreSQL database to run
+several jobs. While a job runs, a heartbeat thread extends its lease and picks up the user's cancel or pause. If a
+worker dies, its lease runs out and any worker re-queues the job (`requeue_expired`), which then resumes from its
+last checkpoint; after `max_attempts` lost leases the job fails with a clear error. Every write a worker makes is
+checked against its lease token (see `server.services.jobs`), so a worker presumed dead can no longer touch the job.
+
+Each attempt trains into its own directory (`<data dir>/jobs/<job-id>/attempt-<n>/`), so a presumed-dead worker
+that is in fact still running never writes into the directory of the attempt that replaced it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import socket
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from server.db.models import FineTuningJob, JobStatus, ModelVersion
+from server.errors import APIError
+from server.services import jobs, training
+from server.services.files import content_path
+from server.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+MAX_ERROR_MESSAGE = 2000
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    lease_seconds: float = 60.0
+    heartbeat_seconds: float = 10.0
+    max_attempts: int = 3
+    poll_seconds: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.heartbeat_seconds < self.lease_seconds:
+            raise ValueError("heartbeat interval must be positive and shorter than the lease")
+        if self.max_attempts < 1 or self.poll_seconds <= 0:
+            raise ValueError("max attempts must be at least 1 and the poll interval positive")
+
+
+class JobRun:
+    """The state one claimed job shares between the training thread (hooks) and the heartbeat thread."""
+
+    def __init__(self, sessions: sessionmaker[Session], lease: jobs.Lease, config: WorkerConfig, shutdown) -> None:
+        self.sessions = sessions
+        self.lease = lease
+        self.config = config
+        self.shutdown = shutdown
+        self.requested_action: str | None = None
+        self.lost = threading.Event()
+        self._stop_heartbeat = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name=f"heartbeat-{lease.job_id}", daemon=True)
+
+    def __enter__(self) -> JobRun:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop_heartbeat.set()
+        self._thread.join()
+
+    def _beat(self) -> None:
+        while not self._stop_heartbeat.wait(self.config.heartbeat_seconds):
+            try:
+                with self.sessions() as session:
+                    self.requested_action = jobs.heartbeat(session, self.lease, lease_seconds=self.config.lease_seconds)
+            except jobs.LeaseLost:
+                logger.warning("lost the lease on %s; stopping it", self.lease.job_id)
+                self.lost.set()
+                return
+            except Exception:
+                # A database hiccup: keep trying until the lease would have run out anyway.
+                logger.exception("heartbeat for %s failed", self.lease.job_id)
+
+    def stop_reason(self) -> str | None:
+        """What the trainer should do at its next step: None, "cancel" or "pause"."""
+        if self.lost.is_set() or self.requested_action == "cancel":
+            return "cancel"
+        if self.requested_action == "pause" or self.shutdown.is_set():
+            return "pause"
+        return None
+
+    def write(self, action, *args, **kwargs):
+        with self.sessions() as session:
+            return action(session, self.lease, *args, **kwargs)
+
+
+def json_safe(metrics: dict | None) -> dict | None:
+    """NaN and infinities are not JSON (PostgreSQL refuses them): store them as null."""
+    if metrics is None:
+        return None
+    return {
+        key: None if isinstance(value, float) and not math.isfinite(value) else value for key, value in metrics.items()
+    }
+
+
+def make_hooks(run: JobRun):
+    """The trainer's hooks, writing events, metrics and checkpoints under the job's lease."""
+    base = training.training_hooks_base()
+
+    class JobHooks(base):
+        def on_event(self, level, message, data=None):
+            run.write(jobs.record_event, message, level=training.LEVELS.get(level, "info"), data=json_safe(data))
+
+        def on_metrics(self, step, metrics):
+            run.write(jobs.record_event, f"Step {step}", type_="metrics", data=json_safe({"step": step, **metrics}))
+
+        def on_checkpoint(self, step, path, metrics):
+            run.write(jobs.record_checkpoint, step=step, path=str(path), metrics=json_safe(metrics))
+
+        def should_stop(self):
+            return run.stop_reason()
+
+    return JobHooks()
+
+
+class Worker:
+    def __init__(
+        self, settings: Settings, sessions: sessionmaker[Session], config: WorkerConfig, worker_id: str | None = None
+    ) -> None:
+        self.settings = settings
+        self.sessions = sessions
+        self.config = config
+        self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}"
+        self.shutdown = threading.Event()
+
+    def requeue_expired(self) -> list[str]:
+        with self.sessions() as session:
+            requeued = jobs.requeue_expired(session, max_attempts=self.config.max_attempts)
+        for job_id in requeued:
+            logger.warning("took back job %s from a worker that stopped heartbeating", job_id)
+        return requeued
+
+    def run_once(self) -> bool:
+        """Re-queue abandoned jobs, then claim and run one job; False when there was nothing to do."""
+        self.requeue_expired()
+        with self.sessions() as session:
+            lease = jobs.claim_next_job(session, worker_id=self.worker_id, lease_seconds=self.config.lease_seconds)
+        if lease is None:
+            return False
+        logger.info("claimed job %s (attempt %d)", lease.job_id, lease.attempt)
+        try:
+            self.run_job(lease)
+        except jobs.LeaseLost:
+            logger.warning("job %s was taken away from this worker; its result is discarded", lease.job_id)
+        return True
+
+    def run_forever(self, *, exit_when_idle: bool = False) -> None:
+        while not self.shutdown.is_set():
+            try:
+                busy = self.run_once()
+            except Exception:
+                logger.exception("worker loop error; retrying")
+                busy = False
+            if not busy:
+                if exit_when_idle:
+                    return
+                self.shutdown.wait(self.config.poll_seconds)
+
+    def _spec_for(self, session: Session, lease: jobs.Lease):
+        job = session.get(FineTuningJob, lease.job_id)
+        base = session.get(ModelVersion, job.base_version_id)
+        files = {
+            file_id: content_path(self.settings, jobs.usable_file(session, file_id, "file"))
+            for file_id in (job.training_file_id, job.validation_file_id)
+            if file_id is not None
+        }
+        spec = training.build_spec(
+            method=job.method,
+            seed=job.seed or 0,
+            model_dir=Path(base.path),
+            train_file=files[job.training_file_id],
+            validation_file=files.get(job.validation_file_id) if job.validation_file_id else None,
+            output_dir=self.settings.data_dir / "jobs" / job.id / f"attempt-{lease.attempt}",
+        )
+        checkpoint = jobs.latest_checkpoint(session, job.id)
+        resume_from = checkpoint.path if checkpoint is not None and Path(checkpoint.path).is_dir() else None
+        return spec, resume_from
+
+    def run_job(self, lease: jobs.Lease) -> None:
+        with JobRun(self.sessions, lease, self.config, self.shutdown) as run:
+            try:
+                with self.sessions() as session:
+                    spec, resume_from = self._spec_for(session, lease)
+                if resume_from is not None:
+                    run.write(jobs.record_event, f"Resuming from checkpoint {Path(resume_from).name}.")
+                result = training.run(spec, make_hooks(run), resume_from)
+            except jobs.LeaseLost:
+                raise
+            except Exception as error:
+                if run.lost.is_set():
+                    raise jobs.LeaseLost(str(error)) from error
+                logger.exception("job %s failed", lease.job_id)
+                code = "invalid_training_data" if training.is_training_error(error) else "training_error"
+                message = f"{type(error).__name__}: {error}"[:MAX_ERROR_MESSAGE]
+                run.write(
+                    jobs.finish_stopped,
+                    JobStatus.failed,
+                    f"Job failed: {message}",
+                    error={"code": code, "message": message, "param": None},
+                )
+                return
+        self._finish(run, result)
+
+    def _finish(self, run: JobRun, result) -> None:
+        if run.lost.is_set():
+            raise jobs.LeaseLost(f"lost job {run.lease.job_id} before it finished")
+        if result.status == "succeeded":
+            try:
+                run.write(
+                    jobs.finish_succeeded,
+                    output_dir=result.output_dir,
+                    metrics=json_safe(result.metrics),
+                    trained_tokens=None,
+                )
+            except APIError as error:  # the trainer's output does not load as a model version
+                failure = {"code": "registration_failed", "message": error.message, "param": None}
+                run.write(jobs.finish_stopped, JobStatus.failed, f"Job failed: {error.message}", error=failure)
+        elif result.status == "cancelled":
+            run.write(jobs.finish_stopped, JobStatus.cancelled, "Job cancelled.")
+        elif result.status == "paused" and run.requested_action == "pause":
+            run.write(jobs.finish_stopped, JobStatus.paused, "Job paused at its last checkpoint.")
+        elif result.status == "paused":  # this worker is shutting down: another one continues the job
+            run.write(jobs.finish_stopped, JobStatus.queued, f"Worker {self.worker_id} shut down; job re-queued.")
+        else:
+            message = f"The trainer returned an unknown status {result.status!r}."
+            error = {"code": "training_error", "message": message, "param": None}
+            run.write(jobs.finish_stopped, JobStatus.failed, f"Job failed: {message}", error=error)
+
+def install_signal_handlers(worker: Worker) -> None:
+    """SIGTERM / SIGINT: checkpoint the running job, put it back in the queue, exit."""
+
+    def stop(signum, _frame) -> None:
+        logger.info("signal %d: stopping after the current step", signum)
+        worker.shutdown.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+

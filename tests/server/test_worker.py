@@ -1,0 +1,203 @@
+"""The job worker with the real fine-tuning core on a tiny model: a job runs to a registered model version, and
+pause, resume and cancel reach a running job. (Leases and crash recovery: `test_worker_recovery.py`.)"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from sqlalchemy import select
+
+from server.db.models import Checkpoint, FineTuningJob, JobEvent, JobStatus, ModelVersion
+from server.services import registry
+from server.services.model_resolution import find_version
+from server.worker import Worker, WorkerConfig
+
+FAST = WorkerConfig(lease_seconds=20, heartbeat_seconds=0.2, max_attempts=3, poll_seconds=0.1)
+
+
+@pytest.fixture
+def base_model(sessions, tiny_model_dir) -> str:
+    with sessions() as session:
+        registry.register_version(session, name="zaya-tiny", path=tiny_model_dir)
+        session.commit()
+    return "zaya-tiny"
+
+
+@pytest.fixture
+def training_file(client, auth, valid_dataset) -> str:
+    response = client.post(
+        "/v1/files", headers=auth("data"), data={"purpose": "fine-tune"}, files={"file": ("t.jsonl", valid_dataset)}
+    )
+    assert response.status_code == 200, response.text
+    return response.json()["id"]
+
+
+@pytest.fixture
+def create_job(client, auth, base_model, training_file):
+    def create(max_steps: int, eval_every: int, **supervised) -> str:
+        body = {
+            "model": base_model,
+            "training_file": training_file,
+            "suffix": "bank",
+            "seed": 7,
+            "method": {
+                "type": "supervised",
+                "supervised": {
+                    "hyperparameters": {
+                        "n_epochs": 50,
+                        "batch_size": 1,
+                        "max_steps": max_steps,
+                        "eval_every": eval_every,
+                    },
+                    **supervised,
+                },
+            },
+        }
+        response = client.post("/v1/fine_tuning/jobs", headers=auth("data"), json=body)
+        assert response.status_code == 200, response.text
+        assert response.json()["status"] == "queued"
+        return response.json()["id"]
+
+    return create
+
+
+@pytest.fixture
+def worker(settings, sessions) -> Worker:
+    return Worker(settings, sessions, FAST, worker_id="test-worker")
+
+
+def job_row(sessions, job_id: str) -> FineTuningJob:
+    with sessions() as session:
+        return session.get(FineTuningJob, job_id)
+
+
+def wait_until(predicate, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_a_job_trains_and_registers_exactly_one_model_version(client, auth, worker, create_job, sessions):
+    job_id = create_job(max_steps=4, eval_every=2)
+    assert worker.run_once() is True
+    assert worker.run_once() is False  # nothing left
+
+    job = client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=auth("data")).json()
+    assert job["status"] == "succeeded", job
+    assert job["fine_tuned_model"] == f"ft:zaya-tiny:zaya:bank:{job_id}"
+    assert job["finished_at"] >= job["created_at"]
+
+    with sessions() as session:
+        versions = session.scalars(select(ModelVersion).where(ModelVersion.job_id == job_id)).all()
+        assert len(versions) == 1
+        version = versions[0]
+        assert (version.name, version.kind, version.version) == (job["fine_tuned_model"], "adapter", 1)
+        assert version.base_version_id == find_version(session, "zaya-tiny").id
+        assert version.lineage["training_file"] == job["training_file"]
+        assert find_version(session, job["fine_tuned_model"]).id == version.id
+        steps = sorted(c.step for c in session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)))
+        assert steps == [2, 4]
+
+    checkpoints = client.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints", headers=auth("data")).json()["data"]
+    assert [c["step_number"] for c in checkpoints] == [4, 2]
+    assert checkpoints[0]["fine_tuned_model_checkpoint"] == f"{job['fine_tuned_model']}:ckpt-step-4"
+    assert "train_loss" in checkpoints[0]["metrics"]
+
+    events = client.get(f"/v1/fine_tuning/jobs/{job_id}/events?limit=100", headers=auth("data")).json()["data"]
+    metric_steps = sorted(event["data"]["step"] for event in events if event["type"] == "metrics")
+    assert {1, 2, 3, 4} <= set(metric_steps)
+    assert "succeeded" in events[0]["message"]
+
+    models = {model["id"] for model in client.get("/v1/models", headers=auth("analyst")).json()["data"]}
+    assert job["fine_tuned_model"] in models
+
+    lineage = client.get(f"/v1/admin/models/{version.id}/lineage", headers=auth("admin")).json()["chain"]
+    assert [entry["name"] for entry in lineage] == [job["fine_tuned_model"], "zaya-tiny"]
+    assert lineage[0]["job"]["training_file"]["sha256"]
+
+
+def run_in_thread(worker: Worker) -> threading.Thread:
+    thread = threading.Thread(target=worker.run_once, daemon=True)
+    thread.start()
+    return thread
+
+
+def last_metrics_step(sessions, job_id: str) -> int:
+    with sessions() as session:
+        events = session.scalars(select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.type == "metrics")).all()
+        return max((event.data["step"] for event in events), default=0)
+
+
+def test_pause_checkpoints_a_running_job_and_resume_continues_it(client, auth, worker, create_job, sessions):
+    job_id = create_job(max_steps=400, eval_every=1000)
+    thread = run_in_thread(worker)
+    wait_until(lambda: last_metrics_step(sessions, job_id) >= 2)
+
+    paused = client.post(f"/v1/fine_tuning/jobs/{job_id}/pause", headers=auth("data"))
+    assert paused.status_code == 200, paused.text
+    thread.join(timeout=60)
+    job = job_row(sessions, job_id)
+    assert job.status == JobStatus.paused and job.lease_token is None
+    with sessions() as session:
+        checkpoint_steps = [c.step for c in session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id))]
+    assert len(checkpoint_steps) == 1 and 2 <= checkpoint_steps[0] < 400
+    assert worker.run_once() is False  # a paused job is not claimed
+
+    assert client.post(f"/v1/fine_tuning/jobs/{job_id}/resume", headers=auth("data")).json()["status"] == "queued"
+    # The resumed run continues after the checkpoint; cancel it there (also covers cancelling a running job).
+    thread = run_in_thread(worker)
+    wait_until(lambda: last_metrics_step(sessions, job_id) > checkpoint_steps[0])
+    assert client.post(f"/v1/fine_tuning/jobs/{job_id}/cancel", headers=auth("data")).status_code == 200
+    thread.join(timeout=60)
+    job = job_row(sessions, job_id)
+    assert job.status == JobStatus.cancelled and job.attempts == 2
+    with sessions() as session:
+        messages = [e.message for e in session.scalars(select(JobEvent).where(JobEvent.job_id == job_id))]
+    assert any(message.startswith("Resuming from checkpoint checkpoint-") for message in messages)
+    # The resumed run started after the checkpoint: no step at or before it was logged twice.
+    with sessions() as session:
+        steps = [
+            e.data["step"]
+            for e in session.scalars(select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.type == "metrics"))
+        ]
+    assert len(steps) == len(set(steps))
+    assert client.post(f"/v1/fine_tuning/jobs/{job_id}/cancel", headers=auth("data")).status_code == 409
+
+
+def test_a_job_the_trainer_refuses_fails_with_its_error_and_registers_nothing(
+    client, auth, worker, sessions, training_file, tiny_model_dir, tmp_path
+):
+    # A checkpoint without its tokenizer passes registration (config.json loads) but not the trainer's checks.
+    weights_only = tmp_path / "no-tokenizer"
+    weights_only.mkdir()
+    (weights_only / "config.json").write_text((tiny_model_dir / "config.json").read_text())
+    with sessions() as session:
+        registry.register_version(session, name="no-tokenizer", path=weights_only)
+        session.commit()
+    body = {"model": "no-tokenizer", "training_file": training_file}
+    job_id = client.post("/v1/fine_tuning/jobs", headers=auth("data"), json=body).json()["id"]
+
+    assert worker.run_once() is True
+    job = client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=auth("data")).json()
+    assert job["status"] == "failed" and job["fine_tuned_model"] is None
+    assert job["error"]["code"] == "invalid_training_data"
+    assert "line 1:" in job["error"]["message"]  # the trainer's own dataset check, with line numbers
+    with sessions() as session:
+        assert session.scalars(select(ModelVersion).where(ModelVersion.job_id == job_id)).first() is None
+
+
+def test_a_worker_shutting_down_checkpoints_its_job_and_puts_it_back_in_the_queue(worker, create_job, sessions):
+    job_id = create_job(max_steps=400, eval_every=1000)
+    thread = run_in_thread(worker)
+    wait_until(lambda: last_metrics_step(sessions, job_id) >= 2)
+    worker.shutdown.set()  # what SIGTERM does
+    thread.join(timeout=60)
+    job = job_row(sessions, job_id)
+    assert (job.status, job.lease_token, job.lease_expirations) == (JobStatus.queued, None, 0)
+    with sessions() as session:
+        assert session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)).first() is not None
+        messages = [e.message for e in session.scalars(select(JobEvent).where(JobEvent.job_id == job_id))]
+    assert "Worker test-worker shut down; job re-queued." in messages

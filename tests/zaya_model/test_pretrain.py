@@ -1,0 +1,372 @@
+"""`zaya pretrain` end to end on a micro model: exact resume, SIGTERM, rollback, checkpoint retention, balancing."""
+
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from finetune.datasets.synthetic import generate_cases, render_case_file
+from server.cli import main
+from zaya_model import ZayaForCausalLM
+from zaya_model.pretrain.presets import PretrainSettings
+from zaya_model.pretrain.tokenizer import train_tokenizer
+from zaya_model.pretrain.train import Pretrainer, PretrainError
+from zaya_model.training.callbacks import TrainingHooks
+from zaya_model.training.checkpointing import CheckpointManager, load_training_state
+
+MICRO = PretrainSettings(
+    model=dict(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        moe_intermediate_size=32,
+        num_experts=4,
+        router_hidden_size=16,
+        max_position_embeddings=128,
+    ),
+    tokenizer_vocab_size=320,
+    seq_len=32,
+    batch_size=2,
+    max_steps=6,
+    lr=1e-2,
+    warmup_steps=2,
+    dtype="fp32",
+    eval_every=3,
+    eval_rows=4,
+    save_every=3,
+    keep_last=2,
+    shuffle_buffer=8,
+    step_timeout_s=0,
+)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "cases.jsonl"
+    texts = [render_case_file(case) for case in generate_cases(120, seed=5)]
+    path.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(corpus, tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("tokenizer")
+    texts = (json.loads(line)["text"] for line in corpus.read_text().splitlines())
+    train_tokenizer(texts, vocab_size=320).save_pretrained(directory)
+    return directory
+
+
+def metrics(output: Path) -> list[dict]:
+    return [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+
+
+def step_losses(output: Path) -> dict[int, float]:
+    """The loss of every step (a step redone after a resume or rollback keeps its last value)."""
+    return {m["step"]: m["loss"] for m in metrics(output) if "loss" in m}
+
+
+def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(corpus, tokenizer_dir, tmp_path):
+    straight = Pretrainer(corpus, tmp_path / "straight", MICRO, tokenizer_path=tokenizer_dir)
+    straight.train()
+
+    first = Pretrainer(corpus, tmp_path / "resumed", MICRO, tokenizer_path=tokenizer_dir)
+    assert first.train(until_step=4).status == "completed"  # step 4 is between checkpoints (every 3)
+    assert first.step == 4
+    second = Pretrainer(corpus, tmp_path / "resumed", MICRO, tokenizer_path=tokenizer_dir)
+    assert second.step == 4
+    second.train()
+
+    expected, got = step_losses(tmp_path / "straight"), step_losses(tmp_path / "resumed")
+    assert sorted(got) == list(range(1, 7))
+    for step in expected:
+        assert abs(expected[step] - got[step]) <= 1e-6, step
+    for (name, a), b in zip(straight.model.state_dict().items(), second.model.state_dict().values(), strict=True):
+        assert torch.allclose(a, b, atol=1e-6, rtol=0), name
+
+
+def test_cli_trains_a_loadable_model_and_rerun_resumes(corpus, tmp_path):
+    output = tmp_path / "run"
+    common = ["pretrain", "--data", str(corpus), "--output", str(output), "--seq-len", "32", "--batch-size", "2",
+              "--vocab-size", "320", "--dtype", "fp32", "--save-every", "2", "--eval-every", "2", "--no-progress"]
+    assert main([*common, "--max-steps", "2"]) == 0
+    assert main([*common, "--max-steps", "4"]) == 0
+    events = metrics(output)
+    assert any(e.get("event") == "resumed" and e["step"] == 2 for e in events)
+    assert sorted(step_losses(output)) == [1, 2, 3, 4]
+
+    ours = ZayaForCausalLM.from_pretrained(output).eval()
+    stock = transformers.ZayaForCausalLM.from_pretrained(output).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(output)
+    ids = tokenizer("Customer: Omar Tanaka, student", return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert torch.allclose(ours(ids).logits, stock(ids).logits, atol=1e-5)
+    trained = load_training_state(output / "checkpoints" / "checkpoint-4")
+    assert trained["step"] == 4
+    assert ours.config.vocab_size >= len(tokenizer)
+    assert tokenizer.chat_template
+
+
+def _run_cli(argv, stdout_path):
+    with open(stdout_path, "w") as stdout, contextlib.redirect_stdout(stdout):
+        code = main(argv)
+    sys.exit(code)
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_for_a_restart(corpus, tokenizer_dir, tmp_path):
+    import multiprocessing
+
+    output = tmp_path / "run"
+    argv = ["pretrain", "--data", str(corpus), "--output", str(output), "--tokenizer", str(tokenizer_dir),
+            "--seq-len", "32", "--batch-size", "2", "--dtype", "fp32", "--max-steps", "100000",
+            "--save-every", "100000", "--no-progress"]
+    # A forked child runs the real command (a fresh interpreter would spend most of the test importing torch).
+    process = multiprocessing.get_context("fork").Process(target=_run_cli, args=(argv, tmp_path / "stdout"))
+    process.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not ((output / "metrics.jsonl").is_file() and step_losses(output)):
+            assert process.is_alive(), f"training exited early with status {process.exitcode}"
+            assert time.monotonic() < deadline, "training never started"
+            time.sleep(0.1)
+        os.kill(process.pid, signal.SIGTERM)
+        process.join(timeout=60)
+    finally:
+        process.kill()
+    assert process.exitcode == 143
+    assert "rerun the same command to resume" in (tmp_path / "stdout").read_text()
+    last_step = max(step_losses(output))
+    saved = CheckpointManager(output / "checkpoints", keep_last=2).latest()
+    assert saved.name == f"checkpoint-{last_step}"
+    assert load_training_state(saved)["step"] == last_step
+    assert any(e.get("event") == "stopped" and e["reason"] == "sigterm" for e in metrics(output))
+
+
+class PauseAt(TrainingHooks):
+    def __init__(self, step):
+        self.pause_step, self.metric_steps, self.checkpoint_steps, self.events = step, [], [], []
+
+    def on_metrics(self, step, metrics):
+        self.metric_steps.append(step)
+
+    def on_checkpoint(self, step, path, metrics):
+        self.checkpoint_steps.append(step)
+        assert Path(path).is_dir() and metrics["save_pretrained_s"] > 0
+
+    def on_event(self, level, message, data=None):
+        self.events.append(message)
+
+    def should_stop(self):
+        return "pause" if self.metric_steps[-1] >= self.pause_step else None
+
+
+def test_hooks_see_metrics_and_checkpoints_and_can_pause_the_run(corpus, tokenizer_dir, tmp_path):
+    hooks = PauseAt(2)
+    trainer = Pretrainer(corpus, tmp_path / "run", MICRO, tokenizer_path=tokenizer_dir, hooks=hooks)
+    result = trainer.train()
+    assert (result.status, result.step) == ("interrupted", 2)
+    assert hooks.metric_steps == [1, 2] and hooks.checkpoint_steps == [0, 2]
+    assert any("pause" in event for event in hooks.events)
+    assert Pretrainer(corpus, tmp_path / "run", MICRO, tokenizer_path=tokenizer_dir).step == 2
+
+
+class NaNOnForward:
+    """A forward hook that turns the embeddings into NaN on chosen training forwards (counted from 1)."""
+
+    def __init__(self, model, poisoned_calls):
+        self.calls = 0
+        self.poisoned_calls = poisoned_calls
+        model.model.embed_tokens.register_forward_hook(self)
+
+    def __call__(self, module, inputs, output):
+        if not module.training:
+            return None
+        self.calls += 1
+        return output * float("nan") if self.calls in self.poisoned_calls else None
+
+
+def test_non_finite_step_rolls_back_and_skips_the_batch(corpus, tokenizer_dir, tmp_path):
+    settings = MICRO.replace(save_every=2, eval_every=2)
+    trainer = Pretrainer(corpus, tmp_path / "run", settings, tokenizer_path=tokenizer_dir)
+    NaNOnForward(trainer.model, poisoned_calls={4})  # step 4: after the checkpoint at step 2
+    assert trainer.train().step == 6
+
+    events = metrics(tmp_path / "run")
+    rollback = next(e for e in events if e.get("event") == "rollback")
+    assert rollback["failed_step"] == 4 and rollback["batch"] == 3
+    assert rollback["checkpoint"] == "checkpoint-2" and rollback["resumed_step"] == 2
+    assert any(e.get("event") == "skipped_batch" and e["batch"] == 3 for e in events)
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    # Step 3 is redone from the checkpoint on the same batch: same loss as before the rollback.
+    step3 = [m["loss"] for m in events if m.get("step") == 3 and "loss" in m]
+    assert len(step3) == 2 and abs(step3[0] - step3[1]) <= 1e-6
+    assert load_training_state(tmp_path / "run" / "checkpoints" / "checkpoint-6")["skipped_batches"] == [3]
+
+
+def test_repeated_failures_stop_the_run(corpus, tokenizer_dir, tmp_path):
+    settings = MICRO.replace(max_rollbacks=2)
+    trainer = Pretrainer(corpus, tmp_path / "run", settings, tokenizer_path=tokenizer_dir)
+    NaNOnForward(trainer.model, poisoned_calls=set(range(2, 100)))
+    with pytest.raises(PretrainError, match="non-finite steps since the last checkpoint"):
+        trainer.train()
+    assert sum(e.get("event") == "rollback" for e in metrics(tmp_path / "run")) == 2
+
+
+def test_keeps_the_last_k_and_the_best_checkpoint(tiny_model, tmp_path):
+    from zaya_model.pretrain.tokenizer import train_tokenizer
+
+    tokenizer = train_tokenizer(["a few words to learn merges from"] * 4, vocab_size=300)
+    manager = CheckpointManager(tmp_path, keep_last=2)
+    for step, val_loss in zip(range(1, 6), [3.0, 1.0, 2.0, 4.0, None], strict=True):
+        manager.save(step, tiny_model, tokenizer, {"step": step}, val_loss=val_loss)
+    manager.wait()
+    assert manager.steps() == [2, 4, 5]
+    assert manager.best().name == "checkpoint-2"
+    assert not list(tmp_path.glob(".tmp-*"))
+    reopened = CheckpointManager(tmp_path, keep_last=2)
+    assert reopened.best().name == "checkpoint-2"
+    assert ZayaForCausalLM.from_pretrained(manager.path(2)).config.hidden_size == tiny_model.config.hidden_size
+    timings = manager.completed_writes
+    assert len(timings) == 5 and all(t["stall_s"] >= 0 and t["save_pretrained_s"] > 0 for t in timings)
+
+
+def test_balancing_stats_are_logged_and_biases_move(corpus, tokenizer_dir, tmp_path):
+    trainer = Pretrainer(corpus, tmp_path / "run", MICRO.replace(max_steps=3), tokenizer_path=tokenizer_dir)
+    initial = [layer.mlp.gate.balancing_biases.clone() for layer in trainer.model.model.layers]
+    trainer.train()
+    steps = [m for m in metrics(tmp_path / "run") if "loss" in m]
+    for record in steps:
+        assert len(record["load_imbalance"]) == len(record["skip_rate"]) == MICRO.model["num_hidden_layers"]
+        for load, skip in zip(record["expert_load"], record["skip_rate"], strict=True):
+            assert len(load) == MICRO.model["num_experts"]
+            assert sum(load) + skip == pytest.approx(1.0)
+        assert record["max_load_imbalance"] == max(record["load_imbalance"]) >= 1.0
+    moved = [layer.mlp.gate.balancing_biases for layer in trainer.model.model.layers]
+    assert any(not torch.equal(a, b) for a, b in zip(initial, moved, strict=True))
+
+
+def test_grad_accumulation_matches_one_larger_batch(corpus, tokenizer_dir, tmp_path):
+    one = Pretrainer(corpus, tmp_path / "one", MICRO.replace(max_steps=2, batch_size=2), tokenizer_path=tokenizer_dir)
+    one.train()
+    accumulated = MICRO.replace(max_steps=2, batch_size=1, grad_accum=2)
+    two = Pretrainer(corpus, tmp_path / "two", accumulated, tokenizer_path=tokenizer_dir)
+    two.train()
+    for step, loss in step_losses(tmp_path / "one").items():
+        assert step_losses(tmp_path / "two")[step] == pytest.approx(loss, abs=1e-5)
+
+
+def test_muon_trains_two_dimensional_weights(corpus, tokenizer_dir, tmp_path):
+    trainer = Pretrainer(corpus, tmp_path / "run", MICRO.replace(max_steps=2, optimizer="muon"),
+                         tokenizer_path=tokenizer_dir)
+    assert [type(o).__name__ for o in trainer.optimizers] == ["AdamW", "Muon"]
+    assert all(p.ndim == 2 for group in trainer.optimizers[1].param_groups for p in group["params"])
+    trainer.train()
+    assert all(torch.isfinite(torch.tensor(loss)) for loss in step_losses(tmp_path / "run").values())
+
+
+def test_bad_input_fails_before_training_and_keeps_checkpoints(corpus, tokenizer_dir, tmp_path, capsys):
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
+        MICRO.replace(seq_len=512)
+    assert main(["pretrain", "--data", str(corpus), "--output", str(tmp_path / "long"), "--seq-len", "4096"]) == 1
+    assert "exceeds the model's max_position_embeddings (1024)" in capsys.readouterr().err
+    assert not (tmp_path / "long").exists()
+
+    output = tmp_path / "run"
+    Pretrainer(corpus, output, MICRO.replace(max_steps=3), tokenizer_path=tokenizer_dir).train()
+    before = sorted(p.name for p in (output / "checkpoints").iterdir())
+    with pytest.raises(PretrainError, match="different settings \\(model\\)"):
+        Pretrainer(corpus, output, MICRO.replace(model={**MICRO.model, "hidden_size": 64}))
+    assert sorted(p.name for p in (output / "checkpoints").iterdir()) == before
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    assert main(["pretrain", "--data", str(corpus), "--output", str(blocker / "out"), "--no-progress"]) == 1
+    assert "not writable" in capsys.readouterr().err
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert main(["pretrain", "--data", str(empty), "--output", str(tmp_path / "x"), "--no-progress"]) == 1
+    assert "no training documents" in capsys.readouterr().err
+
+
+def _train_rank(rank, world_size, init_file, corpus, output, settings, tokenizer_dir, until_step):
+    import torch.distributed as dist
+
+    from zaya_model.training.distributed import DistributedContext
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        context = DistributedContext(rank, world_size)
+        trainer = Pretrainer(corpus, output, settings, tokenizer_path=tokenizer_dir, distributed=context)
+        trainer.train(until_step=until_step)
+    except BaseException:
+        Path(f"{init_file}.rank{rank}.error").write_text(traceback.format_exc())  # shown by the test
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_processes_match_one_with_twice_the_batch_and_resume_on_one(corpus, tokenizer_dir, tmp_path):
+    import multiprocessing
+
+    settings = MICRO.replace(max_steps=4, batch_size=4)
+    Pretrainer(corpus, tmp_path / "one", settings, tokenizer_path=tokenizer_dir).train()
+
+    # Two gloo ranks with half the batch each (forked: no second interpreter start-up), stopped after step 2...
+    context = multiprocessing.get_context("fork")
+    args = (tmp_path / "init", corpus, tmp_path / "two", settings.replace(batch_size=2), tokenizer_dir, 2)
+    ranks = [context.Process(target=_train_rank, args=(rank, 2, *args)) for rank in range(2)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(timeout=120)
+    errors = "".join(path.read_text() for path in tmp_path.glob("init.rank*.error"))
+    assert [process.exitcode for process in ranks] == [0, 0], errors
+    # ...then resumed by a single process with the same global batch.
+    resumed = Pretrainer(corpus, tmp_path / "two", settings, tokenizer_path=tokenizer_dir)
+    assert resumed.step == 2
+    resumed.train()
+
+    expected, got = step_losses(tmp_path / "one"), step_losses(tmp_path / "two")
+    assert sorted(got) == [1, 2, 3, 4]
+    for step, loss in expected.items():
+        assert got[step] == pytest.approx(loss, abs=1e-5), step
+
+
+def _stall_second_step(corpus, output, settings, tokenizer_dir, stderr_path):
+    trainer = Pretrainer(corpus, output, settings, tokenizer_path=tokenizer_dir)
+    calls = []
+
+    def stall(module, inputs, output):
+        if module.training:
+            calls.append(1)
+            if len(calls) == 2:
+                time.sleep(30)
+
+    trainer.model.model.embed_tokens.register_forward_hook(stall)
+    # faulthandler writes the stacks to sys.stderr's file descriptor.
+    with open(stderr_path, "w") as sys.stderr:
+        trainer.train()
+
+
+def test_a_stalled_step_dumps_stacks_and_exits_non_zero(corpus, tokenizer_dir, tmp_path):
+    import multiprocessing
+
+    settings = MICRO.replace(step_timeout_s=1.0)
+    args = (corpus, tmp_path / "run", settings, tokenizer_dir, tmp_path / "stderr")
+    process = multiprocessing.get_context("fork").Process(target=_stall_second_step, args=args)
+    process.start()
+    process.join(timeout=25)
+    process.kill()
+    assert process.exitcode == 1
+    dump = (tmp_path / "stderr").read_text()
+    assert "Timeout" in dump and "in train_step" in dump and "in stall" in dump
+    assert sorted(step_losses(tmp_path / "run")) == [1]

@@ -1,0 +1,584 @@
+"""Pretrain a ZAYA model on a raw-text corpus: resumable exactly, failure-tolerant, checkpointed asynchronously.
+
+Why a training loop of our own rather than transformers' `Trainer` (read against transformers 5.19's `trainer.py`):
+- Resume. `Trainer` restores the data position by replaying the dataloader and discarding the batches already
+  trained (`skip_first_batches` in `_run_epoch`): on a streaming, tokenizing corpus that re-reads and re-tokenizes
+  everything trained so far, at every restart. Our `PackedStream` saves a byte cursor, the partial row and the shuffle
+  buffer, so a resume reads the next batch directly.
+- Failure rollback. `_run_epoch` computes the gradient norm and then runs `optimizer.step()`,
+  `lr_scheduler.step()` and `global_step += 1` unconditionally; a callback can neither veto a non-finite step nor
+  rewind model, optimizer, scheduler, step counter and data position to the last good checkpoint in the middle of
+  an epoch, which is what the rollback-and-skip below does.
+- Checkpoints. `_save_checkpoint` writes synchronously, straight into `checkpoint-N`; ours are written from a CPU
+  copy on a background thread into a temporary directory, fsynced, then renamed.
+
+Each optimizer step draws `grad_accum` packed batches, sums the token losses over all of them (normalised by the
+batch's real token count, so accumulation equals one large batch), clips the gradient norm, steps AdamW (or Muon
+for 2-D hidden weights + AdamW for the rest) under a warmup + cosine schedule, then updates the routers' balancing
+biases and logs per-layer expert load, skip rate and load imbalance to `metrics.jsonl`.
+
+A non-finite loss or gradient norm reloads the last checkpoint (model, optimizer, scheduler, biases, RNG, data
+position), marks the offending batch to be skipped, and continues; more than `max_rollbacks` failures without a new
+checkpoint in between stop the run. A step running longer than `step_timeout_s` dumps every thread's stack and exits
+the process with status 1 (faulthandler), so a supervisor can restart it. SIGTERM checkpoints and stops.
+
+Data parallel under `torchrun` (see `training/distributed.py`): every rank reads the same packed stream and trains on
+its slice of each global batch, gradients and routing counts are summed across ranks, and rank 0 alone writes
+checkpoints, metrics and the tokenizer. All state is replicated, so a checkpoint written by N processes resumes on
+M (same global batch). Multi-node launch, e.g. 128 nodes x 8 MI300X (ROCm torch; "nccl" maps to RCCL):
+    torchrun --nnodes 128 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HEAD:29500 \
+        --no-python zaya pretrain --preset zaya1-base --data /shared/corpus --output /shared/run
+with `--output` on a filesystem every node sees. Not implemented: FSDP2 / ZeRO sharding with per-rank
+`torch.distributed.checkpoint` shards (replication limits the model to what one device holds with its optimizer).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import math
+import random
+import shutil
+import signal
+import threading
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedTokenizerFast
+
+from ..modeling_zaya import ZayaForCausalLM, ZayaRouter
+from ..training.balancing import BalancingBiasUpdater
+from ..training.callbacks import STOP_REASONS, TrainingHooks
+from ..training.checkpointing import (
+    CheckpointManager,
+    fsync_tree,
+    load_model_weights,
+    load_training_state,
+)
+from ..training.distributed import DistributedContext
+from .corpus import (
+    CorpusError,
+    PackedStream,
+    PackingSpec,
+    corpus_files,
+    corpus_fingerprint,
+    is_validation,
+    iter_split,
+    read_documents,
+    rows_to_batch,
+    validation_rows,
+)
+from .presets import PretrainSettings
+from .tokenizer import train_tokenizer
+
+RUN_FILE = "run.json"
+METRICS_FILE = "metrics.jsonl"
+TOKENIZER_DIR = "tokenizer"
+CHECKPOINTS_DIR = "checkpoints"
+# Settings a resumed run must share with the run that wrote the checkpoints (the rest may change, e.g. max_steps).
+# The global batch (batch_size x processes) must match too: a run may resume on a different number of processes.
+RESUME_INVARIANTS = (
+    "model", "tokenizer_vocab_size", "seq_len", "grad_accum", "optimizer", "seed", "validation_fraction",
+)
+
+
+class PretrainError(RuntimeError):
+    """A run cannot start or continue; the message says why in one line."""
+
+
+@dataclass
+class PretrainResult:
+    step: int
+    status: str  # "completed" or "interrupted"
+    last_loss: float | None
+    val_loss: float | None
+
+
+def scan_corpus(files: list[Path], seed: int, validation_fraction: float) -> tuple[int, int]:
+    """One streaming pass that rejects unreadable files early; returns (training, validation) document counts."""
+    counts = [0, 0]
+    for path in files:
+        for text, _ in read_documents(path):
+            counts[is_validation(text, seed, validation_fraction)] += 1
+    if counts[0] == 0:
+        raise CorpusError("the corpus has no training documents (is it empty?)")
+    return counts[0], counts[1]
+
+
+def warmup_cosine(settings: PretrainSettings):
+    def factor(step: int) -> float:
+        if step < settings.warmup_steps:
+            return (step + 1) / settings.warmup_steps
+        span = max(1, settings.max_steps - settings.warmup_steps)
+        progress = min(1.0, (step - settings.warmup_steps) / span)
+        cosine = 0.5 * (1 + math.cos(math.pi * progress))
+        return settings.min_lr_ratio + (1 - settings.min_lr_ratio) * cosine
+
+    return factor
+
+
+def build_optimizers(model: torch.nn.Module, settings: PretrainSettings) -> list[torch.optim.Optimizer]:
+    """AdamW for everything, or Muon for the 2-D hidden weights (not embeddings/head) and AdamW for the rest."""
+    matrices, decayed, plain = [], [], []
+    for name, parameter in model.named_parameters():
+        if not parameter.requires_grad:
+            continue
+        is_embedding = "embed_tokens" in name or "lm_head" in name
+        if settings.optimizer == "muon" and parameter.ndim == 2 and not is_embedding:
+            matrices.append(parameter)
+        elif parameter.ndim >= 2:
+            decayed.append(parameter)
+        else:
+            plain.append(parameter)
+    groups = [{"params": decayed, "weight_decay": settings.weight_decay}, {"params": plain, "weight_decay": 0.0}]
+    optimizers: list[torch.optim.Optimizer] = [torch.optim.AdamW(groups, lr=settings.lr, betas=(0.9, 0.95))]
+    if matrices:
+        # "match_rms_adamw" scales Muon's update to AdamW's RMS, so one learning rate serves both.
+        muon = torch.optim.Muon(
+            matrices, lr=settings.lr, weight_decay=settings.weight_decay, adjust_lr_fn="match_rms_adamw"
+        )
+        optimizers.append(muon)
+    return optimizers
+
+
+def autocast_dtype(setting: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype for a `dtype` setting, or None for plain fp32."""
+    if setting == "fp32":
+        return None
+    if device.type == "cuda":
+        supported = torch.cuda.is_bf16_supported()
+    elif setting == "bf16":
+        # Ask Linux for AMX permission first: without it bf16 matmuls hang on AMX CPUs. Without native bf16
+        # (AVX512-BF16 or AMX) autocast is emulated and slower than fp32, so it is refused.
+        if hasattr(torch.cpu, "_init_amx"):
+            torch.cpu._init_amx()
+        supported = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    else:
+        supported = False  # "auto" on CPU: fp32 (tiny models gain nothing from bf16 here)
+    if setting == "bf16" and not supported:
+        raise PretrainError(f"bf16 is not supported on {device.type} here; use --dtype fp32")
+    return torch.bfloat16 if supported else None
+
+
+class Pretrainer:
+    """Sets up (or resumes) a run in `output`; `train()` runs it."""
+
+    def __init__(
+        self,
+        data: str | Path,
+        output: str | Path,
+        settings: PretrainSettings,
+        tokenizer_path: str | Path | None = None,
+        progress: bool = False,
+        hooks: TrainingHooks | None = None,
+        distributed: DistributedContext | None = None,
+    ):
+        self.output = Path(output)
+        self.settings = settings
+        self.progress = progress
+        self.hooks = hooks or TrainingHooks()
+        self.dist = distributed or DistributedContext.from_environment()
+        self.device = self.dist.device()
+        self.autocast = autocast_dtype(settings.dtype, self.device)
+        self.files = corpus_files(data)
+        self._prepare_output()
+        self.checkpoints = CheckpointManager(
+            self.output / CHECKPOINTS_DIR, keep_last=settings.keep_last, clean=self.dist.is_main
+        )
+        resume_from = self.checkpoints.latest()
+        self._check_run_file(resumed=resume_from is not None)
+        if resume_from is None and self.dist.is_main:
+            scan_corpus(self.files, settings.seed, settings.validation_fraction)
+        self.tokenizer = self._load_or_train_tokenizer(tokenizer_path)
+        self.config = settings.model_config(self.tokenizer)
+        torch.manual_seed(settings.seed)
+        self.model = ZayaForCausalLM(self.config).to(self.device).train()
+        self.optimizers = build_optimizers(self.model, settings)
+        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, warmup_cosine(settings)) for o in self.optimizers]
+        self.balancing = BalancingBiasUpdater(self.model, lr=settings.balancing_lr)
+        spec = PackingSpec(
+            seq_len=settings.seq_len,
+            bos_token_id=self.tokenizer.bos_token_id,
+            eos_token_id=self.tokenizer.eos_token_id,
+            pad_token_id=self.tokenizer.pad_token_id,
+            seed=settings.seed,
+            validation_fraction=settings.validation_fraction,
+        )
+        self.stream = PackedStream(self.files, self.tokenizer, spec, shuffle_buffer=settings.shuffle_buffer)
+        self.validation = validation_rows(self.files, self.tokenizer, spec, settings.eval_rows)
+        self.step = 0
+        self.saved_step: int | None = None
+        self.skipped_batches: set[int] = set()
+        self.failures_since_checkpoint = 0
+        self.last_val_loss: float | None = None
+        self.checkpoint_timings: list[dict[str, float]] = []  # stall vs. save_pretrained time of each write
+        self._stop_signal: int | None = None
+        if resume_from is not None:
+            self._load(resume_from)
+            self._log({"event": "resumed", "step": self.step, "checkpoint": resume_from.name})
+            self.hooks.on_event("info", f"resumed from {resume_from.name}", {"step": self.step})
+        self.dist.barrier()  # every rank is set up before rank 0 writes the first checkpoint
+
+    # ----- set-up -----
+
+    def _prepare_output(self) -> None:
+        try:
+            self.output.mkdir(parents=True, exist_ok=True)
+            probe = self.output / f".write-probe-{self.dist.rank}"  # one per rank: ranks probe at once
+            probe.write_text("ok")
+            probe.unlink()
+        except OSError as error:
+            raise PretrainError(f"output directory {self.output} is not writable: {error.strerror}") from None
+
+    def _check_run_file(self, resumed: bool) -> None:
+        run_path = self.output / RUN_FILE
+        current = {
+            "settings": self.settings.to_dict(),
+            "global_batch_size": self.settings.batch_size * self.dist.world_size,
+            "corpus": corpus_fingerprint(self.files),
+        }
+        if resumed and run_path.is_file():
+            previous = json.loads(run_path.read_text())
+            changed = [k for k in RESUME_INVARIANTS if previous["settings"].get(k) != current["settings"][k]]
+            if previous.get("global_batch_size") != current["global_batch_size"]:
+                changed.append("batch_size x processes")
+            if changed:
+                raise PretrainError(
+                    f"{self.output} holds a run with different settings ({', '.join(changed)}); "
+                    "use a new --output or the original settings"
+                )
+            if previous["corpus"] != current["corpus"]:
+                raise PretrainError(f"the corpus changed since the run in {self.output} started; use a new --output")
+        if not self.dist.is_main:
+            return
+        temporary = run_path.with_name(f".tmp-{RUN_FILE}")
+        temporary.write_text(json.dumps(current, indent=2))
+        temporary.replace(run_path)
+
+    def _load_or_train_tokenizer(self, tokenizer_path: str | Path | None) -> PreTrainedTokenizerFast:
+        saved = self.output / TOKENIZER_DIR
+        if not saved.is_dir() and self.dist.is_main:
+            self._save_tokenizer(self._new_tokenizer(tokenizer_path), saved)
+        self.dist.barrier()  # the other ranks read what rank 0 trained
+        return PreTrainedTokenizerFast.from_pretrained(saved)
+
+    def _new_tokenizer(self, tokenizer_path: str | Path | None) -> PreTrainedTokenizerFast:
+        if tokenizer_path is not None:
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(tokenizer_path)
+            if tokenizer.bos_token_id is None or tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
+                raise PretrainError(f"tokenizer {tokenizer_path} needs BOS, EOS and PAD tokens")
+        else:
+            texts = iter_split(self.files, "train", self.settings.seed, self.settings.validation_fraction)
+            tokenizer = train_tokenizer(texts, self.settings.tokenizer_vocab_size)
+        tokenizer.model_max_length = self.settings.max_positions
+        return tokenizer
+
+    def _save_tokenizer(self, tokenizer: PreTrainedTokenizerFast, saved: Path) -> None:
+        temporary = self.output / f".tmp-{TOKENIZER_DIR}"
+        shutil.rmtree(temporary, ignore_errors=True)
+        tokenizer.save_pretrained(temporary)
+        fsync_tree(temporary)
+        temporary.rename(saved)
+
+    # ----- checkpoints -----
+
+    def _training_state(self) -> dict[str, Any]:
+        rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        return {
+            "step": self.step,
+            "optimizers": [o.state_dict() for o in self.optimizers],
+            "schedulers": [s.state_dict() for s in self.schedulers],
+            "balancing": self.balancing.state_dict(),
+            "data": self.stream.state_dict(),
+            "rng": rng,
+            "skipped_batches": sorted(self.skipped_batches),
+            "settings": self.settings.to_dict(),
+        }
+
+    def _save(self, val_loss: float | None = None, block: bool = False) -> None:
+        """Checkpoint (rank 0 writes: every rank holds the same state); `block` waits until it is on disk."""
+        self.failures_since_checkpoint = 0
+        self.saved_step = self.step
+        if not self.dist.is_main:
+            if block:
+                self.dist.barrier()
+            return
+        stall_s = self.checkpoints.save(
+            self.step, self.model, self.tokenizer, self._training_state(), val_loss=val_loss, block=block
+        )
+        if block:
+            self.dist.barrier()
+        self._log({"event": "checkpoint", "step": self.step, "stall_s": round(stall_s, 4), "val_loss": val_loss})
+
+    def _load(self, directory: Path) -> None:
+        load_model_weights(self.model, directory)
+        state = load_training_state(directory)
+        for optimizer, saved in zip(self.optimizers, state["optimizers"], strict=True):
+            optimizer.load_state_dict(saved)
+        for scheduler, saved in zip(self.schedulers, state["schedulers"], strict=True):
+            scheduler.load_state_dict(saved)
+        self.balancing.load_state_dict(state["balancing"])
+        self.stream.load_state_dict(state["data"])
+        random.setstate(_python_rng_state(state["rng"]["python"]))
+        torch.set_rng_state(state["rng"]["torch"])
+        if "cuda" in state["rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        self.skipped_batches = set(state["skipped_batches"])
+        self.step = state["step"]
+        self.saved_step = self.step
+        for router in self._routers():
+            router.routed_token_counts = None
+
+    def _routers(self) -> list[ZayaRouter]:
+        return [module for module in self.model.modules() if isinstance(module, ZayaRouter)]
+
+    # ----- steps -----
+
+    def _next_step_batches(self) -> tuple[int, list[dict[str, torch.Tensor]]]:
+        """The micro-batches of the next optimizer step and the stream index that names them (for skipping)."""
+        while True:
+            index = self.stream.batches_drawn
+            batches = [self._next_local_batch() for _ in range(self.settings.grad_accum)]
+            if index not in self.skipped_batches:
+                return index, batches
+            self._log({"event": "skipped_batch", "batch": index, "step": self.step})
+
+    def _next_local_batch(self) -> dict[str, torch.Tensor]:
+        """This rank's rows of the next global batch (every rank reads the same stream, so no state diverges)."""
+        size = self.settings.batch_size
+        batch = self.stream.next_batch(size * self.dist.world_size)
+        return {key: value[self.dist.rank * size : (self.dist.rank + 1) * size] for key, value in batch.items()}
+
+    def _forward_loss(self, batch: dict[str, torch.Tensor], num_items: torch.Tensor) -> torch.Tensor:
+        batch = {key: value.to(self.device) for key, value in batch.items()}
+        context = torch.autocast(self.device.type, dtype=self.autocast) if self.autocast else nullcontext()
+        with context:
+            return self.model(**batch, use_cache=False, num_items_in_batch=num_items).loss
+
+    def train_step(self) -> dict[str, Any] | None:
+        """One optimizer step; returns its metrics, or None when a non-finite step was rolled back."""
+        started = time.perf_counter()
+        batch_index, batches = self._next_step_batches()
+        num_items = sum((batch["labels"][:, 1:] != -100).sum() for batch in batches).to(self.device)
+        self.dist.sum_(num_items)  # each rank's loss is its share of the global mean
+        loss = torch.zeros((), device=self.device)
+        for batch in batches:
+            micro_loss = self._forward_loss(batch, num_items)
+            micro_loss.backward()
+            loss += micro_loss.detach()
+        self.dist.sum_(loss)
+        self.dist.sum_gradients(list(self.model.parameters()))
+        max_norm = self.settings.max_grad_norm if self.settings.max_grad_norm > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
+            self._rollback(batch_index, loss.item(), grad_norm.item())
+            return None
+        learning_rate = self.schedulers[0].get_last_lr()[0]
+        for router in self._routers():  # every rank updates the biases from the global counts
+            if router.routed_token_counts is not None:
+                self.dist.sum_(router.routed_token_counts)
+        for optimizer, scheduler in zip(self.optimizers, self.schedulers, strict=True):
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+        balance = self.balancing.step()
+        self.step += 1
+        tokens = sum(batch["input_ids"].numel() for batch in batches) * self.dist.world_size
+        return {
+            "step": self.step,
+            "loss": loss.item(),
+            "grad_norm": grad_norm.item(),
+            "lr": learning_rate,
+            "tokens_per_s": tokens / (time.perf_counter() - started),
+            "max_load_imbalance": balance["max_load_imbalance"],
+            "load_imbalance": balance["load_imbalance"],
+            "skip_rate": balance["skip_rate"],
+            "expert_load": balance["expert_load"],
+        }
+
+    def _rollback(self, batch_index: int, loss: float, grad_norm: float) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        self.failures_since_checkpoint += 1
+        if self.failures_since_checkpoint > self.settings.max_rollbacks:
+            raise PretrainError(
+                f"{self.failures_since_checkpoint} non-finite steps since the last checkpoint "
+                f"(latest at step {self.step}, loss {loss}, grad norm {grad_norm}); stopping"
+            )
+        self.checkpoints.wait()
+        self.dist.barrier()  # rank 0's last checkpoint is on disk
+        checkpoint = self.checkpoints.latest()
+        skipped = self.skipped_batches | {batch_index}
+        failures = self.failures_since_checkpoint
+        failed_step = self.step + 1
+        self._load(checkpoint)
+        self.skipped_batches = skipped
+        self.failures_since_checkpoint = failures
+        self._log(
+            {
+                "event": "rollback",
+                "failed_step": failed_step,
+                "batch": batch_index,
+                "loss": loss,
+                "grad_norm": grad_norm,
+                "checkpoint": checkpoint.name,
+                "resumed_step": self.step,
+            }
+        )
+        self.hooks.on_event(
+            "warning",
+            f"non-finite step {failed_step} (loss {loss}, grad norm {grad_norm}): rolled back to {checkpoint.name}, "
+            f"skipping batch {batch_index}",
+            {"step": self.step, "batch": batch_index},
+        )
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        """Mean token loss over the held-out rows (None when the split is empty)."""
+        if not self.validation:
+            return None
+        self.model.eval()
+        total, count = 0.0, 0
+        context = torch.autocast(self.device.type, dtype=self.autocast) if self.autocast else nullcontext()
+        for start in range(0, len(self.validation), self.settings.batch_size):
+            batch = rows_to_batch(self.validation[start : start + self.settings.batch_size])
+            batch = {key: value.to(self.device) for key, value in batch.items()}
+            labels = batch.pop("labels")
+            with context:
+                logits = self.model(**batch, use_cache=False).logits.float()
+            targets = labels[:, 1:]
+            total += torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100, reduction="sum"
+            ).item()
+            count += int((targets != -100).sum())
+        self.model.train()
+        return total / max(count, 1)
+
+    # ----- the run -----
+
+    def train(self, until_step: int | None = None) -> PretrainResult:
+        """Train to `max_steps` (or stop after `until_step`), checkpointing on the way; SIGTERM saves and stops."""
+        settings = self.settings
+        target = settings.max_steps if until_step is None else min(until_step, settings.max_steps)
+        previous_handler = self._install_sigterm_handler()
+        bar = self._progress_bar(target)
+        metrics: dict[str, Any] | None = None
+        try:
+            if self.saved_step is None:
+                self._save()  # step 0: the first rollback target (a rollback waits for it to be on disk)
+            while self.step < target:
+                if settings.step_timeout_s > 0:
+                    faulthandler.dump_traceback_later(settings.step_timeout_s, exit=True)
+                metrics = self.train_step()
+                faulthandler.cancel_dump_traceback_later()
+                self._drain_checkpoint_timings()
+                if metrics is None:
+                    if bar is not None:
+                        bar.n = self.step
+                        bar.refresh()
+                    continue
+                self._log(metrics)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+                self.hooks.on_metrics(self.step, metrics)
+                stop_reason = self._stop_reason()
+                if stop_reason is not None:
+                    if stop_reason != "cancel":
+                        self._save(block=True)
+                        self._drain_checkpoint_timings()
+                    self._log({"event": "stopped", "reason": stop_reason, "step": self.step})
+                    self.hooks.on_event("info", f"stopped at step {self.step}: {stop_reason}", {"step": self.step})
+                    return PretrainResult(self.step, "interrupted", metrics["loss"], self.last_val_loss)
+                if self.step % settings.eval_every == 0 or self.step % settings.save_every == 0:
+                    self.last_val_loss = self.evaluate()
+                    self._log({"event": "eval", "step": self.step, "val_loss": self.last_val_loss})
+                if self.step % settings.save_every == 0:
+                    self._save(val_loss=self.last_val_loss)
+            if self.step != self.saved_step:
+                self.last_val_loss = self.evaluate()
+                self._log({"event": "eval", "step": self.step, "val_loss": self.last_val_loss})
+                self._save(val_loss=self.last_val_loss)
+            self.checkpoints.wait()
+            self._drain_checkpoint_timings()
+            if self.step >= settings.max_steps and self.dist.is_main:
+                self._export_final()
+            return PretrainResult(self.step, "completed", metrics["loss"] if metrics else None, self.last_val_loss)
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+            self.checkpoints.wait()
+            if bar is not None:
+                bar.close()
+            if previous_handler is not None:
+                signal.signal(signal.SIGTERM, previous_handler)
+
+    def _export_final(self) -> None:
+        """Copy the last checkpoint's model and tokenizer to the output directory itself (config.json last)."""
+        source = self.checkpoints.path(self.step)
+        names = sorted(
+            p.name for p in source.iterdir() if p.is_file() and p.name not in ("training_state.pt", "config.json")
+        )
+        temporary = self.output / ".tmp-final"
+        shutil.rmtree(temporary, ignore_errors=True)
+        temporary.mkdir()
+        for name in [*names, "config.json"]:
+            shutil.copy2(source / name, temporary / name)
+        fsync_tree(temporary)
+        for name in [*names, "config.json"]:
+            (temporary / name).replace(self.output / name)
+        temporary.rmdir()
+        self._log({"event": "exported", "step": self.step, "directory": str(self.output)})
+
+    def _stop_reason(self) -> str | None:
+        """"sigterm" or the hooks' "pause"/"cancel" when the run should stop after this step, else None."""
+        request = self.hooks.should_stop()
+        if request is not None and request not in STOP_REASONS:
+            raise ValueError(f"should_stop() returned {request!r}; expected None, 'cancel' or 'pause'")
+        if self._stop_signal is not None:
+            request = "sigterm"
+        # Ranks agree: any rank's save-and-stop beats a cancel, any stop beats going on.
+        codes = {None: 0, "cancel": 1, "pause": 2, "sigterm": 2}
+        agreed = self.dist.max(codes[request])
+        if codes[request] != agreed:
+            request = {0: None, 1: "cancel", 2: "sigterm"}[agreed]  # another rank was signalled
+        return request
+
+    def _install_sigterm_handler(self):
+        if threading.current_thread() is not threading.main_thread():
+            return None
+
+        def request_stop(signum, frame):
+            self._stop_signal = signum
+
+        return signal.signal(signal.SIGTERM, request_stop)
+
+    def _progress_bar(self, target: int):
+        if not self.progress or not self.dist.is_main:
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=target, initial=self.step, desc="pretrain", unit="step", dynamic_ncols=True)
+
+    def _drain_checkpoint_timings(self) -> None:
+        while self.checkpoints.completed_writes:
+            timing = self.checkpoints.completed_writes.pop(0)
+            self.checkpoint_timings.append(timing)
+            self._log({"event": "checkpoint_written", **timing})
+            self.hooks.on_checkpoint(timing["step"], str(self.checkpoints.path(timing["step"])), timing)
+
+    def _log(self, record: dict[str, Any]) -> None:
+        if not self.dist.is_main:
+            return
+        with (self.output / METRICS_FILE).open("a") as handle:
+            handle.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
+
+
+def _python_rng_state(state) -> tuple:
+    version, internal, gauss = state
+    return version, tuple(internal), gauss
