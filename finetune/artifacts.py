@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from zaya_model.atomic_io import fsync_path, fsync_tree
+
 BASE_MODEL_FILE = "base_model.json"  # in an adapter dir: which base model the adapter was trained on
 METRICS_FILE = "metrics.json"  # in a checkpoint dir: step, train/valid loss, valid token accuracy
 _CONFIG_KEYS_IGNORED = {"_name_or_path", "dtype", "torch_dtype", "transformers_version", "architectures", "use_cache"}
@@ -39,30 +41,16 @@ def atomic_directory(destination: str | os.PathLike[str]) -> Iterator[Path]:
 
 def publish_directory(staging: Path, destination: Path) -> None:
     """fsync every file of `staging`, then rename it to `destination` (replacing an older one)."""
-    for path in staging.rglob("*"):
-        if path.is_file():
-            _fsync(path)
-    _fsync(staging)
+    fsync_tree(staging)
     previous = None
     if destination.exists():
         previous = destination.with_name(f".{destination.name}.previous")
         shutil.rmtree(previous, ignore_errors=True)
         os.replace(destination, previous)
     os.replace(staging, destination)
-    _fsync(destination.parent)
+    fsync_path(destination.parent)
     if previous is not None:
         shutil.rmtree(previous, ignore_errors=True)
-
-
-def write_json(path: str | os.PathLike[str], data: Any) -> None:
-    """Write JSON atomically (temp file + fsync + rename)."""
-    path = Path(path)
-    temporary = path.with_name(f".{path.name}.partial")
-    with open(temporary, "w", encoding="utf-8") as file:
-        json.dump(data, file, indent=2)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(temporary, path)
 
 
 def base_model_fingerprint(model: torch.nn.Module) -> str:
@@ -79,11 +67,3 @@ def save_generation_files(directory: str | os.PathLike[str], model: torch.nn.Mod
     """Tokenizer and generation config (its `eos_token_id` lists the end-of-turn token) beside the weights."""
     tokenizer.save_pretrained(directory)
     model.generation_config.save_pretrained(directory)
-
-
-def _fsync(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)

@@ -37,6 +37,7 @@ from transformers import (
 )
 
 from zaya_model import ZayaConfig, ZayaForCausalLM
+from zaya_model.atomic_io import write_json_atomic
 from zaya_model.pretrain import generation_eos_token_ids
 from zaya_model.training.callbacks import (
     HooksCallback,
@@ -53,7 +54,6 @@ from .artifacts import (
     base_model_fingerprint,
     publish_directory,
     save_generation_files,
-    write_json,
 )
 from .data import IGNORE_INDEX, TokenizedDataset, make_collator, read_examples, token_statistics
 from .datasets.validation import ValidationReport, validate_dataset
@@ -278,8 +278,8 @@ def _write_outputs(
         trainer.model.save_pretrained(staging)
         save_generation_files(staging, base, tokenizer)
         if kind == "adapter":
-            write_json(staging / BASE_MODEL_FILE, {"fingerprint": fingerprint, "model_dir": spec.model_dir})
-        write_json(staging / METRICS_FILE, metrics)
+            write_json_atomic(staging / BASE_MODEL_FILE, {"fingerprint": fingerprint, "model_dir": spec.model_dir})
+        write_json_atomic(staging / METRICS_FILE, metrics)
     if not spec.merge_adapter:
         return final_dir, kind
     merged_dir = Path(spec.output_dir) / "merged"
@@ -287,7 +287,7 @@ def _write_outputs(
         merged = trainer.model.merge_and_unload()
         merged.save_pretrained(staging)
         save_generation_files(staging, merged, tokenizer)
-        write_json(staging / METRICS_FILE, metrics)
+        write_json_atomic(staging / METRICS_FILE, metrics)
     return merged_dir, "full"
 
 
@@ -320,9 +320,9 @@ class _FinetuneTrainer(Trainer):
             self.state.save_to_json(str(staging / "trainer_state.json"))
             save_generation_files(staging, self.model, self.processing_class)
             if self.fingerprint:
-                write_json(staging / BASE_MODEL_FILE, {"fingerprint": self.fingerprint})
+                write_json_atomic(staging / BASE_MODEL_FILE, {"fingerprint": self.fingerprint})
             metrics = self._checkpoint_metrics()
-            write_json(staging / METRICS_FILE, metrics)
+            write_json_atomic(staging / METRICS_FILE, metrics)
             publish_directory(staging, Path(run_dir) / name)
         except Exception as error:  # torch, safetensors and json each raise their own type for a full disk
             raise CheckpointWriteError(f"could not write checkpoint {name} in {run_dir}: {error}") from error

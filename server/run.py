@@ -9,10 +9,7 @@
 from __future__ import annotations
 
 import argparse
-import os
 import random
-import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -30,6 +27,7 @@ def build_tiny_model(output_dir: Path, *, train_steps: int = 100, seed: int = 0)
     """Train a tokenizer and a tiny ZAYA model on synthetic bank chats; write both to `output_dir` atomically."""
     import torch
 
+    from finetune.artifacts import atomic_directory
     from finetune.datasets.synthetic import generate_chat_examples
     from zaya_model import ZayaConfig, ZayaForCausalLM
     from zaya_model.pretrain import generation_eos_token_ids, train_tokenizer
@@ -59,16 +57,9 @@ def build_tiny_model(output_dir: Path, *, train_steps: int = 100, seed: int = 0)
         _train(model, tokenizer, conversations, train_steps)
     model.eval()
 
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = output_dir.parent / f".{output_dir.name}.{secrets.token_hex(4)}.tmp"
-    try:
+    with atomic_directory(output_dir) as staging:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        _fsync_tree(staging)
-        os.replace(staging, output_dir)
-        _fsync(output_dir.parent)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return output_dir
 
 
@@ -87,20 +78,6 @@ def _train(model, tokenizer, conversations: list[list[dict]], steps: int, batch:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-
-
-def _fsync(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
-def _fsync_tree(directory: Path) -> None:
-    for path in directory.rglob("*"):
-        _fsync(path)
-    _fsync(directory)
 
 
 def ensure_local_model(settings: Settings, *, train_steps: int = 100) -> str:

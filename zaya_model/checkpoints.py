@@ -34,6 +34,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .atomic_io import fsync_path
+
 CONFIG_NAME = "config.json"
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -575,16 +577,7 @@ def _shard_files(tensors: Mapping[str, torch.Tensor], max_shard_bytes: int) -> l
 
 def _write_synced(path: Path, write: Callable[[Path], object]) -> None:
     write(path)
-    with open(path, "rb") as handle:
-        os.fsync(handle.fileno())
-
-
-def _fsync_directory(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
+    fsync_path(path)
 
 
 def save_legacy_checkpoint(
@@ -629,7 +622,7 @@ def save_legacy_checkpoint(
         if len(set(weight_map.values())) > 1:
             index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
             _write_synced(staging / SAFE_WEIGHTS_INDEX_NAME, lambda p: p.write_text(json.dumps(index, indent=2) + "\n"))
-        _fsync_directory(staging)
+        fsync_path(staging)
         _replace_directory(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -649,7 +642,7 @@ def _replace_directory(staging: Path, out_dir: Path) -> None:
         previous = _sibling(out_dir, "old")
         os.replace(out_dir, previous)
     os.replace(staging, out_dir)
-    _fsync_directory(out_dir.parent)
+    fsync_path(out_dir.parent)
     if previous is not None:
         shutil.rmtree(previous)
 

@@ -8,16 +8,9 @@ import secrets
 from pathlib import Path
 
 from server.errors import PayloadTooLarge
+from zaya_model.atomic_io import fsync_path
 
 INCOMING_DIR = ".incoming"
-
-
-def fsync_directory(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class StreamedFile:
@@ -59,7 +52,7 @@ class StreamedFile:
         self.finish_writing()
         final_path = self.directory / name
         os.replace(self.temp_path, final_path)
-        fsync_directory(self.directory)
+        fsync_path(self.directory)
         self.committed_path = final_path
         return final_path
 

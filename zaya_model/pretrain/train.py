@@ -50,15 +50,11 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerFast
 
+from ..atomic_io import fsync_tree
 from ..modeling_zaya import ZayaForCausalLM, ZayaRouter
 from ..training.balancing import BalancingBiasUpdater
 from ..training.callbacks import STOP_REASONS, TrainingHooks
-from ..training.checkpointing import (
-    CheckpointManager,
-    fsync_tree,
-    load_model_weights,
-    load_training_state,
-)
+from ..training.checkpointing import CheckpointManager, load_model_weights, load_training_state
 from ..training.distributed import DistributedContext
 from .corpus import (
     CorpusError,

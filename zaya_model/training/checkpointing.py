@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from ..atomic_io import fsync_path, fsync_tree, write_json_atomic
+
 CHECKPOINT_PREFIX = "checkpoint-"
 TRAINING_STATE_FILE = "training_state.pt"
 INDEX_FILE = "index.json"
@@ -30,34 +32,6 @@ INDEX_FILE = "index.json"
 
 class CheckpointWriteError(RuntimeError):
     """A background checkpoint write failed (disk full, permissions, ...)."""
-
-
-def fsync_tree(directory: Path) -> None:
-    """Flush every file under `directory`, then the directories themselves, to disk."""
-    for path in sorted(directory.rglob("*")):
-        if path.is_file():
-            with path.open("rb") as handle:
-                os.fsync(handle.fileno())
-    for path in [*sorted(p for p in directory.rglob("*") if p.is_dir()), directory]:
-        fsync_directory(path)
-
-
-def fsync_directory(directory: Path) -> None:
-    descriptor = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
-def write_json_atomic(path: Path, payload: Any) -> None:
-    temporary = path.with_name(f".tmp-{path.name}")
-    with temporary.open("w") as handle:
-        json.dump(payload, handle, indent=2)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
-    fsync_directory(path.parent)
 
 
 def cpu_copy(value: Any) -> Any:
@@ -180,7 +154,7 @@ class CheckpointManager:
             shutil.rmtree(previous)
         else:
             os.rename(temporary, final)
-        fsync_directory(self.directory)
+        fsync_path(self.directory)
         self._record(step, val_loss)
         self.completed_writes.append(
             {
