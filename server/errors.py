@@ -41,3 +41,18 @@ class Conflict(APIError):
 
 class PayloadTooLarge(APIError):
     status_code = 413
+
+
+class TooManyRequests(APIError):
+    status_code = 429
+    type = "rate_limit_error"
+
+
+class GenerationFailed(APIError):
+    status_code = 500
+    type = "server_error"
+
+
+class ServiceUnavailable(APIError):
+    status_code = 503
+    type = "server_error"

@@ -27,28 +27,13 @@ from server.db.models import InferenceRecord
 from server.db.session import session_scope
 from server.engines import create_engine
 from server.engines.base import ChoiceDelta, Engine, EngineError, EngineOverloaded, ModelLoadError, SamplingParams
-from server.errors import APIError, InvalidRequest
+from server.errors import APIError, GenerationFailed, InvalidRequest, ServiceUnavailable, TooManyRequests
 from server.services.model_resolution import ServableModel, resolve
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer
-
-
-class TooManyRequests(APIError):
-    status_code = 429
-    type = "rate_limit_error"
-
-
-class GenerationFailed(APIError):
-    status_code = 500
-    type = "server_error"
-
-
-class ServiceUnavailable(APIError):
-    status_code = 503
-    type = "server_error"
 
 
 @dataclass(frozen=True)
