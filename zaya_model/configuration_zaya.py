@@ -96,6 +96,9 @@ class ZayaConfig(PreTrainedConfig):
             raise ValueError("`num_attention_heads` must be a multiple of `num_key_value_heads`.")
         if self.skip_expert_mode not in SKIP_EXPERT_MODES:
             raise ValueError(f"`skip_expert_mode` must be one of {SKIP_EXPERT_MODES}, got {self.skip_expert_mode!r}.")
+        if self.cca_time0 < 1 or self.cca_time1 < 1:
+            kernels = f"cca_time0={self.cca_time0}, cca_time1={self.cca_time1}"
+            raise ValueError(f"CCA kernel sizes must be >= 1, got {kernels}.")
         if set(self.layer_types) != {"hybrid"}:
             raise ValueError("Only `hybrid` (full causal attention + MoE) layers are supported.")
         if len(self.layer_types) != self.num_hidden_layers:

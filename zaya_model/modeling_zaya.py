@@ -129,7 +129,8 @@ class ZayaCCAProjection(nn.Module):
         window, seq = torch.cat((history, qk), dim=1), qk.shape[1]
         lagged = [window[:, self.history - lag : self.history - lag + seq] for lag in range(self.history + 1)]
         if lag_masks is not None:
-            lagged = [states * mask for states, mask in zip(lagged, lag_masks, strict=True)]
+            # `lag_masks` always covers lag 1 (the value shift), which may be one more lag than the kernels read.
+            lagged = [states * mask for states, mask in zip(lagged, lag_masks[: self.history + 1], strict=True)]
         depthwise_weight = self.conv_qk_depthwise.weight[:, 0, :]  # [channels, k0]; index 0 = oldest frame
         # Depthwise outputs at times t-(k1-1) ... t, as seen from output token t.
         depthwise_out = []
@@ -186,7 +187,9 @@ class ZayaCCAProjection(nn.Module):
         value = torch.cat((value_current, value_delayed), dim=-1).view(batch, seq, self.num_key_value_heads, -1)
 
         if past_key_values is not None:
-            full_history = torch.cat((conv_history, qk), dim=1)[:, -self.history :]
+            window = torch.cat((conv_history, qk), dim=1)
+            # Sliced from the front: `[:, -history:]` would keep everything when the kernels read no history.
+            full_history = window[:, window.shape[1] - self.history :]
             past_key_values.update_cca_state(self.layer_idx, full_history.detach(), delayed[:, -1].detach())
         return query, key, value
 

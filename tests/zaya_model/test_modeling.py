@@ -28,6 +28,30 @@ def test_config_round_trips_and_rejects_bad_values(tmp_path):
         ZayaConfig(**TINY_ZAYA, num_experts_per_tok=2)
     with pytest.raises(ValueError, match="skip_expert_mode"):
         ZayaConfig(**TINY_ZAYA, skip_expert_mode="identity")
+    with pytest.raises(ValueError, match="cca_time0=0"):
+        ZayaConfig(**TINY_ZAYA, cca_time0=0)
+
+
+@pytest.mark.parametrize("kernels", [(1, 1), (3, 2)])
+@torch.no_grad()
+def test_other_cca_kernel_sizes_decode_and_pack_exactly(kernels):
+    # (1, 1): the convolutions read no history, only the value shift does; (3, 2): longer than ZAYA1's (2, 2).
+    torch.manual_seed(0)
+    config = ZayaConfig(**TINY_ZAYA, cca_time0=kernels[0], cca_time1=kernels[1])
+    model = randomize_zaya(ZayaForCausalLM(config)).eval()
+    input_ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(1))
+    full = model(input_ids).logits
+    out = model(input_ids[:, :36], use_cache=True)  # long enough for the Conv1d path
+    pieces, cache = [out.logits], out.past_key_values
+    for step in range(36, 40):
+        pieces.append(model(input_ids[:, step : step + 1], past_key_values=cache, use_cache=True).logits)
+    assert (torch.cat(pieces, dim=1) - full).abs().max() <= 1e-5
+
+    documents = [input_ids[0, :7], input_ids[0, 7:8], input_ids[0, 8:20]]
+    position_ids = torch.cat([torch.arange(len(d)) for d in documents])[None]
+    packed = model(torch.cat(documents)[None], position_ids=position_ids, use_cache=False).logits[0]
+    separate = torch.cat([model(d[None], use_cache=False).logits[0] for d in documents])
+    assert (packed - separate).abs().max() <= 1e-5
 
 
 @pytest.mark.parametrize("skip_mode", ["zero", "scaled_input"])
