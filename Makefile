@@ -9,14 +9,14 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 ZAYA_TEST_POSTGRES_URL ?= postgresql+psycopg://postgres@127.0.0.1:5432/test
 
-.PHONY: install install-vllm test test-vllm lint run bench clean
+.PHONY: install install-vllm test test-vllm lint browser run bench demo clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch first and pinned: an unpinned resolve would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,pii]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -37,15 +37,22 @@ $(VLLM_STAMP): pyproject.toml
 install-vllm: $(VLLM_STAMP)
 
 test-vllm: install-vllm
-	VLLM_CPU_KVCACHE_SPACE=1 VLLM_NO_USAGE_STATS=1 $(VLLM_VENV)/bin/pytest -p no:cacheprovider tests/zaya_model/test_vllm_plugin.py
+	VLLM_CPU_KVCACHE_SPACE=1 VLLM_NO_USAGE_STATS=1 $(VLLM_VENV)/bin/pytest -p no:cacheprovider \
+		$$(find tests -name 'test_vllm_*.py' | sort)
 
 lint: install
 	$(BIN)/ruff check .
 
-# The whole suite (server tests on SQLite), then the database-backed server tests again on PostgreSQL.
-test: install lint
-	$(BIN)/pytest
-	ZAYA_TEST_DATABASE_URL=$(ZAYA_TEST_POSTGRES_URL) $(BIN)/pytest tests/server
+# Debian's chromium for the console's browser tests (driven by Playwright; `playwright install` is never run).
+browser:
+	command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium)
+
+# The whole suite (server tests on SQLite), then the database-backed server tests again on PostgreSQL; one pytest
+# worker per core (tests are single-threaded and isolated: own database schema, temp dirs and free ports).
+PYTEST_WORKERS ?= 2
+test: install lint browser
+	$(BIN)/pytest -n $(PYTEST_WORKERS)
+	ZAYA_TEST_DATABASE_URL=$(ZAYA_TEST_POSTGRES_URL) $(BIN)/pytest -n $(PYTEST_WORKERS) tests/server
 	$(MAKE) test-vllm
 
 run: install
@@ -53,6 +60,10 @@ run: install
 
 bench: install
 	$(BIN)/python benchmarks/model_bench.py
+
+# LoRA fine-tuning of `zaya run`'s tiny model on the disposition task; prints held-out scores before and after.
+demo: install
+	$(BIN)/python -m finetune.demo
 
 clean:
 	rm -rf $(VENV) var .pytest_cache

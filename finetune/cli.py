@@ -50,11 +50,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pii = commands.add_parser(
         "pii",
         help="scan for personal data; optionally write a redacted copy",
-        description="Count IBANs, card numbers, SSNs, account numbers, e-mails and phone numbers per type.",
+        description="Count IBANs, card numbers, SSNs, account numbers, e-mails and phone numbers per type "
+        "(and person names with --person-model).",
     )
     pii.add_argument("file", help="JSONL file")
     pii.add_argument("--redact", metavar="OUT", help="write a copy with typed placeholders such as [IBAN]")
     pii.add_argument("--region", default="US", help="country for phone numbers without a country code")
+    pii.add_argument(
+        "--person-model",
+        metavar="SPACY_PIPELINE",
+        help="also find person names with this installed spaCy pipeline (name or directory; extra `pii`)",
+    )
     pii.add_argument("--json", action="store_true", help="print the report as JSON")
     pii.set_defaults(func=run_pii)
 
@@ -88,6 +94,19 @@ def _register_finetune(subparsers: argparse._SubParsersAction) -> None:
     finetune.add_argument("--eval-every", type=int, metavar="N", help="evaluate and checkpoint every N steps")
     finetune.add_argument("--early-stopping-patience", type=int, metavar="N", help="evaluations without progress")
     finetune.add_argument("--max-seq-len", type=int, metavar="N", help="longest example in tokens")
+    finetune.add_argument(
+        "--keep-checkpoints",
+        type=int,
+        metavar="K",
+        help="keep only the newest K checkpoints and the best (default all)",
+    )
+    finetune.add_argument(
+        "--balancing-bias-lr",
+        type=float,
+        default=1e-3,
+        metavar="LR",
+        help="full fine-tuning's router balancing (0: off)",
+    )
     finetune.add_argument("--no-packing", action="store_true", help="pad examples instead of packing them")
     finetune.add_argument("--merge", action="store_true", help="also merge the adapter into a full checkpoint")
     finetune.add_argument("--resume", metavar="CHECKPOINT", help="continue a paused run from its checkpoint dir")
@@ -138,6 +157,8 @@ def run_finetune_command(args: argparse.Namespace) -> int:
         max_seq_len=args.max_seq_len,
         packing=not args.no_packing,
         merge_adapter=args.merge,
+        keep_checkpoints=args.keep_checkpoints,
+        balancing_bias_lr=args.balancing_bias_lr,
     )
     hooks = _ProgressBarHooks()
     try:
@@ -196,6 +217,9 @@ class _ProgressBarHooks:
     def on_checkpoint(self, step: int, path: str, metrics: dict) -> None:
         self._write(f"step {step}: checkpoint {path}")
 
+    def on_checkpoint_deleted(self, step: int, path: str) -> None:
+        self._write(f"step {step}: removed older checkpoint {path}")
+
     def should_stop(self) -> str | None:
         return None
 
@@ -245,10 +269,15 @@ def run_preview(args: argparse.Namespace) -> int:
 
 
 def run_pii(args: argparse.Namespace) -> int:
+    from finetune.datasets.person_names import PersonModelError
     from finetune.datasets.pii import scan_file
 
     try:
-        report = scan_file(_existing(args.file), redact_to=args.redact, default_region=args.region)
+        report = scan_file(
+            _existing(args.file), redact_to=args.redact, default_region=args.region, person_model=args.person_model
+        )
+    except PersonModelError as error:
+        raise CommandError(f"--person-model: {error}") from None
     except OSError as error:
         raise CommandError(f"cannot write the redacted copy: {error}") from None
     if args.json:

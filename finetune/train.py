@@ -10,8 +10,11 @@ loss and mean token accuracy every `eval_every` steps, early stopping, best chec
 
 Every directory is written under a temporary name and renamed into place. Errors: `FinetuneError` (bad spec or
 dataset; the message starts with the field name), `CheckpointWriteError` (disk full or unwritable; earlier checkpoints
-stay intact), `NonFiniteLossError` (the loss diverged). The routers' balancing biases stay as the base model has them:
-fine-tuning does not run the balancing-bias update.
+stay intact), `NonFiniteLossError` (the loss diverged).
+
+Full fine-tuning updates the routers' balancing biases after every optimizer step as pretraining does
+(`finetune.balancing`); LoRA leaves them as the base model has them. With `keep_checkpoints` set, only the newest
+that many checkpoints and the best by validation loss stay on disk (`finetune.rotation`).
 """
 
 from __future__ import annotations
@@ -55,8 +58,10 @@ from .artifacts import (
     publish_directory,
     save_generation_files,
 )
+from .balancing import BalancingBiasCallback
 from .data import IGNORE_INDEX, TokenizedDataset, make_collator, read_examples, token_statistics
 from .datasets.validation import ValidationReport, validate_dataset
+from .rotation import rotate_checkpoints
 
 METHODS = ("lora", "full")
 DEFAULT_LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj_current", "v_proj_delayed", "o_proj"]
@@ -113,6 +118,8 @@ class FinetuneSpec:
     max_seq_len: int | None = None  # default: the model's max_position_embeddings
     packing: bool = True
     merge_adapter: bool = False
+    keep_checkpoints: int | None = None  # keep the newest N checkpoints (and the best); None keeps every one
+    balancing_bias_lr: float = 1e-3  # full fine-tuning's balancing-bias update rate (as pretraining); 0: off
 
 
 @dataclass
@@ -161,7 +168,8 @@ def validate_spec(spec: FinetuneSpec) -> None:
             raise FinetuneError("lora_target_modules: must be a non-empty list of module names")
     elif spec.merge_adapter:
         raise FinetuneError("merge_adapter: only a LoRA run has an adapter to merge (method is 'full')")
-    for name in ("max_steps", "eval_every", "early_stopping_patience"):
+    _check_number("balancing_bias_lr", spec.balancing_bias_lr, 0.0, 1.0)
+    for name in ("max_steps", "eval_every", "early_stopping_patience", "keep_checkpoints"):
         if getattr(spec, name) is not None:
             _check_int(name, getattr(spec, name), 1, 1 << 40)
     if spec.max_seconds is not None:
@@ -234,6 +242,12 @@ def run_finetune(
     wall_time = WallTimeCallback(spec.max_seconds, hooks) if spec.max_seconds is not None else None
     if wall_time is not None:
         callbacks.insert(1, wall_time)
+    balancing = None
+    if spec.method == "full" and spec.balancing_bias_lr > 0:
+        balancing = BalancingBiasCallback(model, spec.balancing_bias_lr)
+        if resume_from is not None:
+            balancing.load(Path(resume_from))
+        callbacks.append(balancing)  # runs at every step end, before any checkpoint of that step is saved
     if spec.early_stopping_patience is not None:
         callbacks.append(EarlyStoppingCallback(early_stopping_patience=spec.early_stopping_patience))
     trainer = _FinetuneTrainer(
@@ -248,6 +262,8 @@ def run_finetune(
         callbacks=callbacks,
         hooks=hooks,
         fingerprint=fingerprint if spec.method == "lora" else None,
+        balancing=balancing,
+        keep_checkpoints=spec.keep_checkpoints,
     )
     trainer.remove_callback(PrinterCallback)  # progress goes to the hooks, not to stdout
     if resume_from is not None:
@@ -294,10 +310,20 @@ def _write_outputs(
 class _FinetuneTrainer(Trainer):
     """Trainer whose checkpoints are written atomically, carry metrics.json and are reported to the hooks."""
 
-    def __init__(self, *args: Any, hooks: TrainingHooks, fingerprint: str | None, **kwargs: Any):
+    def __init__(
+        self,
+        *args: Any,
+        hooks: TrainingHooks,
+        fingerprint: str | None,
+        balancing: BalancingBiasCallback | None,
+        keep_checkpoints: int | None,
+        **kwargs: Any,
+    ):
         super().__init__(*args, **kwargs)
         self.hooks = hooks
         self.fingerprint = fingerprint
+        self.balancing = balancing
+        self.keep_checkpoints = keep_checkpoints
         self.checkpoints: dict[int, dict] = {}
         self._staging_root: str | None = None
 
@@ -321,6 +347,8 @@ class _FinetuneTrainer(Trainer):
             save_generation_files(staging, self.model, self.processing_class)
             if self.fingerprint:
                 write_json_atomic(staging / BASE_MODEL_FILE, {"fingerprint": self.fingerprint})
+            if self.balancing is not None:
+                self.balancing.save(staging)
             metrics = self._checkpoint_metrics()
             write_json_atomic(staging / METRICS_FILE, metrics)
             publish_directory(staging, Path(run_dir) / name)
@@ -332,6 +360,16 @@ class _FinetuneTrainer(Trainer):
         path = os.path.join(run_dir, name)
         self.checkpoints[self.state.global_step] = {"step": self.state.global_step, "path": path, "metrics": metrics}
         self.hooks.on_checkpoint(self.state.global_step, path, metrics)
+        if self.keep_checkpoints is not None:
+            self._rotate(run_dir)
+
+    def _rotate(self, run_dir: str) -> None:
+        """Keep the newest `keep_checkpoints` and the best (which `load_best_model_at_end` reloads at the end)."""
+        for step in rotate_checkpoints(run_dir, self.keep_checkpoints, self.state.best_global_step or None):
+            record = self.checkpoints.pop(step, None)
+            self.hooks.on_checkpoint_deleted(
+                step, record["path"] if record else os.path.join(run_dir, f"checkpoint-{step}")
+            )
 
     def _checkpoint_metrics(self) -> dict:
         """OpenAI's checkpoint metrics: step, the latest train loss, the latest validation loss and token accuracy."""

@@ -10,12 +10,17 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from server.api.errors import install_error_handlers
+from server.api.limits import BodySizeLimitMiddleware
 from server.api.metrics import Metrics
 from server.api.middleware import install_middleware
+from server.api.openapi import install_openapi
+from server.api.ratelimit import RateLimits
 from server.api.routes import api_router
+from server.console import install_console
 from server.db.migrations import schema_is_current
 from server.db.session import make_engine, make_sessionmaker
 from server.services.inference import InferenceService
+from server.services.storage import remove_stale_uploads
 from server.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -31,6 +36,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if not schema_is_current(engine):
             raise RuntimeError("The database schema is missing or out of date: run `zaya db upgrade` first.")
         settings.files_dir.mkdir(parents=True, exist_ok=True)
+        if removed := remove_stale_uploads(settings.files_dir):
+            logger.warning("removed %d temp files of uploads cut off by an earlier crash", removed)
+        await app.state.inference.start()
         yield
         await app.state.inference.close()
         engine.dispose()
@@ -41,9 +49,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.sessionmaker = make_sessionmaker(engine)
     app.state.metrics = Metrics(app.state.sessionmaker)
     app.state.inference = InferenceService(settings, app.state.sessionmaker)
+    app.state.rate_limits = RateLimits(settings)
     install_error_handlers(app)
+    # Added first, so it runs inside the request middleware (after authentication, and audited).
+    app.add_middleware(BodySizeLimitMiddleware, settings=settings)
     install_middleware(app)
     app.include_router(api_router)
+    install_openapi(app)
+    # Last, so its middleware runs first: it turns a console session into the API key the API authenticates.
+    install_console(app)
     return app
 
 

@@ -5,16 +5,26 @@ Services raise these; the handlers in `server.api.errors` turn them (and every o
 
 from __future__ import annotations
 
+CLOSE_CONNECTION = {"Connection": "close"}
+
 
 class APIError(Exception):
     status_code = 400
     type = "invalid_request_error"
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers
 
 
 class InvalidRequest(APIError):
@@ -42,10 +52,22 @@ class Conflict(APIError):
 class PayloadTooLarge(APIError):
     status_code = 413
 
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        # The rest of the body is never read: close the connection rather than let the server take it all in.
+        super().__init__(message, param=param, code=code, headers=dict(CLOSE_CONNECTION))
+
 
 class TooManyRequests(APIError):
     status_code = 429
     type = "rate_limit_error"
+
+
+class RateLimited(TooManyRequests):
+    """A key used up its requests or tokens for the current window: retry after `retry_after_s` seconds."""
+
+    def __init__(self, message: str, *, retry_after_s: int | None, param: str | None = None) -> None:
+        headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
+        super().__init__(message, param=param, code="rate_limit_exceeded", headers=headers)
 
 
 class GenerationFailed(APIError):
@@ -55,4 +77,11 @@ class GenerationFailed(APIError):
 
 class ServiceUnavailable(APIError):
     status_code = 503
+    type = "server_error"
+
+
+class InsufficientStorage(APIError):
+    """The server's disk is full: nothing was stored; the request can be retried once space is freed."""
+
+    status_code = 507
     type = "server_error"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -25,8 +25,28 @@ class Settings(BaseSettings):
     # Limit for every other request body (JSON).
     max_request_bytes: int = Field(default=8 * 1024**2, gt=0)
 
+    # Per-key rate limits (0 turns one off), counted over fixed windows of `rate_limit_window_s` (a minute).
+    # Tokens are a request's prompt plus its max_tokens (times n), charged when it is admitted.
+    rate_limit_requests_per_minute: int = Field(default=600, ge=0)
+    rate_limit_tokens_per_minute: int = Field(default=1_000_000, ge=0)
+    rate_limit_window_s: int = Field(default=60, ge=1)
+    # Where the counters live (a `limits` storage URI). "memory://" keeps them per API process; with several
+    # processes use a shared store (e.g. "redis://host:6379", needs the `redis` package) so the limits hold overall.
+    rate_limit_storage_uri: str = "memory://"
+
     # `last_used_at` is written at most this often per key, so authentication stays a read on the hot path.
     key_last_used_resolution_s: float = Field(default=60.0, ge=0)
+
+    # Web console sessions (`/console`): an encrypted cookie that ends after this long without a user action.
+    console_idle_timeout_s: float = Field(default=1800.0, gt=0)
+    # Key for the session cookies; empty means a random one per server process (sessions end on restart). Set it
+    # when several server processes share the traffic or sessions should survive a restart.
+    console_secret: SecretStr = SecretStr("")
+
+    # Governance of alias moves: a second admin key approves each promotion/rollback (four-eyes), and a promotion
+    # whose held-out loss is worse than the current holder's is refused (evaluation gate).
+    four_eyes: bool = False
+    evaluation_gate: bool = True
 
     @model_validator(mode="after")
     def _default_database_url(self) -> Settings:

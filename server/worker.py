@@ -23,7 +23,7 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from server.db.models import FineTuningJob, JobStatus, ModelVersion
+from server.db.models import File, FineTuningJob, JobStatus, ModelVersion
 from server.errors import APIError
 from server.services import jobs, training
 from server.services.files import content_path
@@ -141,13 +141,57 @@ class Worker:
             logger.warning("took back job %s from a worker that stopped heartbeating", job_id)
         return requeued
 
+    def validate_pending(self) -> list[str]:
+        """Validate the files of jobs waiting in `validating_files`; queue them, or fail them naming file and line."""
+        with self.sessions() as session:
+            job_ids = jobs.jobs_to_validate(session)
+        for job_id in job_ids:
+            with self.sessions() as session:
+                error = self._file_error(session, session.get(FineTuningJob, job_id))
+                if jobs.finish_validation(session, job_id, error) and error is not None:
+                    logger.warning("job %s failed file validation: %s", job_id, error["message"])
+        return job_ids
+
+    def _file_error(self, session: Session, job: FineTuningJob) -> dict | None:
+        """The job's error if one of its files fails the fine-tuning validator for its base model, else None."""
+        base = session.get(ModelVersion, job.base_version_id) if job.base_version_id else None
+        if base is None:
+            message = f"The job's base model version {job.base_version_id} does not exist."
+            return {"code": "model_not_found", "message": message, "param": "model"}
+        max_seq_len = ((job.method.get("supervised") or {}).get("hyperparameters") or {}).get("max_seq_len")
+        checks = [("training_file", job.training_file_id, job.validation_file_id)]
+        if job.validation_file_id is not None:
+            checks.append(("validation_file", job.validation_file_id, None))
+        for param, file_id, other_id in checks:
+            try:
+                file = jobs.usable_file(session, file_id, param)
+                other = content_path(self.settings, session.get(File, other_id)) if other_id else None
+                problems = training.dataset_problems(
+                    content_path(self.settings, file),
+                    model_dir=Path(base.path),
+                    max_seq_len=max_seq_len,
+                    other_path=other,
+                )
+            except APIError as error:
+                problems, file = [error.message], None
+            except Exception as error:  # an unreadable file or base model: the job cannot run as it is
+                logger.exception("validating %s of job %s failed", param, job.id)
+                problems, file = [f"{type(error).__name__}: {error}"], None
+            if problems:
+                name = f"{file_id} ({file.filename})" if file is not None else file_id
+                message = f"{param} {name} is invalid for {base.name} v{base.version}: " + "; ".join(problems)
+                return {"code": f"invalid_{param}", "message": message[:MAX_ERROR_MESSAGE], "param": param}
+        return None
+
     def run_once(self) -> bool:
-        """Re-queue abandoned jobs, then claim and run one job; False when there was nothing to do."""
+        """Re-queue abandoned jobs, validate new jobs' files, then claim and run one job; False when there was
+        nothing to do."""
         self.requeue_expired()
+        validated = self.validate_pending()
         with self.sessions() as session:
             lease = jobs.claim_next_job(session, worker_id=self.worker_id, lease_seconds=self.config.lease_seconds)
         if lease is None:
-            return False
+            return bool(validated)
         logger.info("claimed job %s (attempt %d)", lease.job_id, lease.attempt)
         try:
             self.run_job(lease)
@@ -237,6 +281,7 @@ class Worker:
             error = {"code": "training_error", "message": message, "param": None}
             run.write(jobs.finish_stopped, JobStatus.failed, f"Job failed: {message}", error=error)
 
+
 def install_signal_handlers(worker: Worker) -> None:
     """SIGTERM / SIGINT: checkpoint the running job, put it back in the queue, exit."""
 
@@ -246,4 +291,3 @@ def install_signal_handlers(worker: Worker) -> None:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-

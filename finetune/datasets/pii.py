@@ -10,9 +10,9 @@ Detection uses maintained, offline libraries wherever they fit and patterns only
 - EMAIL: a pattern (no library adds anything for e-mail addresses).
 - ACCOUNT_NUMBER: digits introduced by "account", "acct" or "a/c" (an account number has no checksum to test).
 
-Not scanned: person names. Finding them needs a statistical NER model (Presidio's default is spaCy's
-`en_core_web_lg`); spaCy's models are released on GitHub, not on PyPI, so they cannot be installed offline from the
-package registry this project installs from. The report says so in `not_scanned`.
+- PERSON (optional): a spaCy NER pipeline named by `person_model` (`finetune.datasets.person_names`, extra `pii`).
+  A statistical model is needed for names and spaCy's are released on GitHub, not on PyPI, so none is installed by
+  default; without one the report lists PERSON in `not_scanned`. On overlap the structured types above win.
 
 JSON lines are scanned value by value (keys are structure, not data) and re-serialised after redaction, so the
 redacted copy is still a valid dataset; lines that are not JSON are scanned and redacted as raw text. Bytes that
@@ -33,9 +33,13 @@ import phonenumbers
 from stdnum import iban, luhn
 from stdnum.us import ssn
 
+from .person_names import PersonFinder, load_person_finder
+
 PII_TYPES = ("EMAIL", "IBAN", "CARD_NUMBER", "US_SSN", "ACCOUNT_NUMBER", "PHONE_NUMBER")
+PERSON = "PERSON"
 NOT_SCANNED = {
-    "PERSON": "person names need a spaCy NER model, and spaCy models cannot be installed offline from PyPI",
+    PERSON: "person names need a spaCy NER pipeline: install the `pii` extra and a pipeline wheel such as "
+    "en_core_web_sm, then pass --person-model",
 }
 
 _EMAIL = re.compile(r"\b[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}\b")
@@ -56,10 +60,11 @@ class PiiMatch:
     text: str
 
 
-def find_pii(text: str, default_region: str = "US") -> list[PiiMatch]:
-    """Non-overlapping matches sorted by position; on overlap the earlier type in `PII_TYPES` wins."""
+def find_pii(text: str, default_region: str = "US", person_finder: PersonFinder | None = None) -> list[PiiMatch]:
+    """Non-overlapping matches sorted by position; on overlap the earlier type in `PII_TYPES` wins, then PERSON."""
     accepted: list[PiiMatch] = []
-    for pii_type, finder in _FINDERS.items():
+    finders = {**_FINDERS, PERSON: person_finder} if person_finder is not None else _FINDERS
+    for pii_type, finder in finders.items():
         for start, end in finder(text, default_region):
             if all(end <= other.start or start >= other.end for other in accepted):
                 accepted.append(PiiMatch(pii_type, start, end, text[start:end]))
@@ -104,15 +109,22 @@ def scan_file(
     redact_to: str | os.PathLike[str] | None = None,
     default_region: str = "US",
     max_example_lines: int = 10,
+    person_model: str | None = None,
 ) -> PiiReport:
-    """Stream `path` once; with `redact_to`, write the redacted copy atomically (nothing appears on failure)."""
+    """Stream `path` once; with `redact_to`, write the redacted copy atomically (nothing appears on failure).
+    `person_model`: a spaCy pipeline (name or directory) that also finds person names; `PersonModelError` if unusable.
+    """
+    person_finder = load_person_finder(person_model) if person_model is not None else None
     report = PiiReport(path=os.fspath(path))
+    if person_finder is not None:
+        report.counts[PERSON], report.example_lines[PERSON] = 0, []
+        del report.not_scanned[PERSON]
 
     def redacted_lines() -> Iterator[str]:
         with open(path, encoding="utf-8", errors="replace") as file:
             for line_number, line in enumerate(file, start=1):
                 report.n_lines = line_number
-                redacted, found = _redact_line(line.rstrip("\r\n"), default_region)
+                redacted, found = _redact_line(line.rstrip("\r\n"), default_region, person_finder)
                 for pii_type in {match.type for match in found}:
                     if len(report.example_lines[pii_type]) < max_example_lines:
                         report.example_lines[pii_type].append(line_number)
@@ -131,11 +143,11 @@ def scan_file(
     return report
 
 
-def _redact_line(line: str, default_region: str) -> tuple[str, list[PiiMatch]]:
+def _redact_line(line: str, default_region: str, person_finder: PersonFinder | None) -> tuple[str, list[PiiMatch]]:
     found: list[PiiMatch] = []
 
     def redact(text: str) -> str:
-        matches = find_pii(text, default_region)
+        matches = find_pii(text, default_region, person_finder)
         found.extend(matches)
         return redact_text(text, matches)
 

@@ -195,10 +195,20 @@ def _read_records(path: str | os.PathLike[str], report: ValidationReport) -> Ite
                 report.add(Problem(line_number, None, "invalid_json", "empty line"))
                 continue
             try:
-                yield line_number, json.loads(text)
+                record = json.loads(text)
+                # A lone surrogate escape ("\ud800") decodes to a string that is not Unicode: nothing downstream
+                # (hashing, tokenizers) can encode it.
+                json.dumps(record, ensure_ascii=False).encode("utf-8")
             except json.JSONDecodeError as error:
                 message = f"invalid JSON: {error.msg} (column {error.colno})"
                 report.add(Problem(line_number, None, "invalid_json", message))
+            except RecursionError:
+                report.add(Problem(line_number, None, "invalid_json", "invalid JSON: nested too deeply"))
+            except UnicodeEncodeError:
+                message = "a \\u escape encodes a lone surrogate, which is not valid Unicode"
+                report.add(Problem(line_number, None, "invalid_unicode", message))
+            else:
+                yield line_number, record
 
 
 def _example_hashes(path: str | os.PathLike[str]) -> dict[bytes, int]:

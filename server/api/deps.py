@@ -6,16 +6,21 @@ Authentication itself runs in `server.api.middleware` before routing (so even a 
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Request
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from server.db.models import ApiKey, Role
 from server.errors import Forbidden, Unauthorized
 from server.settings import Settings
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -36,8 +41,19 @@ def get_settings(request: Request) -> Settings:
 
 
 def get_session(request: Request) -> Iterator[Session]:
-    with request.app.state.sessionmaker() as session:
+    session = request.app.state.sessionmaker()
+    try:
         yield session
+    finally:
+        # Runs once the answer is decided, possibly after it started: a database that went away in between
+        # (the rollback on close fails) must not break that answer. The dead connection is dropped from the pool.
+        try:
+            session.close()
+        except SQLAlchemyError as error:
+            reason = str(getattr(error, "orig", None) or error).splitlines()[0]
+            logger.warning("closing a database session failed (%s); dropping its connection", reason)
+            with contextlib.suppress(SQLAlchemyError):
+                session.invalidate()
 
 
 def get_principal(request: Request) -> Principal:

@@ -8,12 +8,17 @@ from http import HTTPStatus
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DataError, DBAPIError, InterfaceError, OperationalError, SQLAlchemyError
+from sqlalchemy.exc import TimeoutError as SQLAlchemyTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.errors import APIError
 
 logger = logging.getLogger(__name__)
 
+DATABASE_RETRY_AFTER_S = 2
+
+UNION_MEMBER_TAGS = frozenset({"str", "int", "float", "bool", "bytes", "list", "dict", "none"})
 ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
 
 
@@ -36,25 +41,37 @@ def error_response(
 
 
 async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
-    return error_response(exc.status_code, exc.message, type_=exc.type, param=exc.param, code=exc.code)
+    return error_response(
+        exc.status_code, exc.message, type_=exc.type, param=exc.param, code=exc.code, headers=exc.headers
+    )
 
 
 async def _http_exception(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
     message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
-    return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
+    param = getattr(exc, "param", None)  # set by our own subclasses (server.api.limits)
+    return error_response(exc.status_code, message, param=param, headers=getattr(exc, "headers", None))
 
 
 def _field_name(location: tuple) -> str | None:
-    """("body", "messages", 0, "role") -> "messages[0].role"; a whole-body error names no field."""
+    """("body", "messages", 0, "role") -> "messages[0].role"; a whole-body error names no field.
+
+    Pydantic also puts the union member tried in the location ("str", "list[int]", "function-before[...]"); JSON
+    field names here never look like that, so those parts are left out.
+    """
     name = ""
     for part in location[1:]:
-        name += f"[{part}]" if isinstance(part, int) else f".{part}"
+        if isinstance(part, int):
+            name += f"[{part}]"
+        elif not (part in UNION_MEMBER_TAGS or any(mark in part for mark in "[(-")):
+            name += f".{part}"
     return name.lstrip(".") or None
 
 
 async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
-    first = errors[0] if errors else {"type": "", "loc": (), "msg": "invalid request"}
+    # A validator's own message (our checks) says more than the type errors of the other union members.
+    explained = [error for error in errors if error["type"] == "value_error"]
+    first = (explained or errors or [{"type": "", "loc": (), "msg": "invalid request"}])[0]
     if first["type"] == "json_invalid":
         detail = first.get("ctx", {}).get("error", "")
         return error_response(400, f"The request body is not valid JSON ({detail}).", code="invalid_json")
@@ -65,7 +82,43 @@ async def _validation_error(_request: Request, exc: RequestValidationError) -> J
     return error_response(400, message, param=param, code="invalid_value")
 
 
+def _database_unreachable(exc: Exception) -> bool:
+    """The database is down, restarting or overloaded (not a bug in a query): the request may simply be retried."""
+    if isinstance(exc, OperationalError | InterfaceError | SQLAlchemyTimeoutError):
+        return True
+    return isinstance(exc, DBAPIError) and exc.connection_invalidated
+
+
+def database_unavailable(request: Request, exc: Exception) -> JSONResponse | None:
+    """503 + Retry-After when `exc` says the database is unreachable; None for any other error."""
+    if not _database_unreachable(exc):
+        return None
+    # The driver's message only: SQLAlchemy's own text would repeat the statement's parameters (key prefixes).
+    reason = str(getattr(exc, "orig", None) or type(exc).__name__).splitlines()[0]
+    logger.error("database unavailable on %s %s: %s", request.method, request.url.path, reason)
+    return error_response(
+        503,
+        "The database is unavailable; retry shortly.",
+        code="database_unavailable",
+        headers={"Retry-After": str(DATABASE_RETRY_AFTER_S)},
+    )
+
+
+async def _unstorable_value(request: Request, exc: DataError) -> JSONResponse:
+    """The database refused a value the request carried (a NUL character, too long, out of range): a client error."""
+    reason = str(getattr(exc, "orig", None) or "invalid value").splitlines()[0]
+    logger.info("refused an unstorable value on %s %s: %s", request.method, request.url.path, reason)
+    return error_response(400, f"A value in the request cannot be stored: {reason}.", code="invalid_value")
+
+
+async def _database_error(request: Request, exc: SQLAlchemyError) -> JSONResponse:
+    return database_unavailable(request, exc) or await _unhandled(request, exc)
+
+
 async def _unhandled(request: Request, exc: Exception) -> JSONResponse:
+    # Also reached by errors escaping a middleware (after which uvicorn closes the connection).
+    if (unavailable := database_unavailable(request, exc)) is not None:
+        return unavailable
     logger.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
     return error_response(500, "The server had an error while processing your request.")
 
@@ -74,4 +127,6 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_exception)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(DataError, _unstorable_value)
+    app.add_exception_handler(SQLAlchemyError, _database_error)
     app.add_exception_handler(Exception, _unhandled)

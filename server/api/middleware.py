@@ -1,7 +1,8 @@
-"""One request middleware: body size limit, authentication, audit log and metrics, in that order.
+"""One request middleware: authentication, per-key request rate limit, audit log and metrics, in that order.
 
 Authentication runs here, before routing and body parsing, so every route except `/health` is authenticated by
 construction and a malformed body without a key still gets 401. Role checks are per route (`server.api.deps`).
+Body size limits are `server.api.limits`, which runs inside this middleware so refused bodies are audited too.
 """
 
 from __future__ import annotations
@@ -11,20 +12,20 @@ import time
 from datetime import timedelta
 
 from fastapi import FastAPI, Request, Response
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.concurrency import run_in_threadpool
 from starlette.routing import BaseRoute, Match
 
 from server.api.deps import Principal
-from server.api.errors import error_response
+from server.api.errors import database_unavailable, error_response
 from server.db.session import session_scope
+from server.errors import RateLimited
 from server.services import audit, keys
 
 logger = logging.getLogger(__name__)
 
 PUBLIC_PATHS = frozenset({"/health"})
 MUTATING_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
-# Routes whose body is streamed to disk and bounded by their own, larger limit (uploads).
-STREAMED_BODY_PATHS = frozenset({"/v1/files"})
 
 
 def _bearer_token(request: Request) -> str | None:
@@ -43,9 +44,9 @@ def _route_of(request: Request) -> tuple[BaseRoute | None, dict]:
     return None, {}
 
 
-def _declared_body_too_large(request: Request, limit: int) -> bool:
-    declared = request.headers.get("content-length", "")
-    return request.url.path not in STREAMED_BODY_PATHS and declared.isdigit() and int(declared) > limit
+def _storable(text: str, max_length: int | None = None) -> str:
+    """Client-chosen text as the audit log can hold it: hostile requests (NUL characters, huge ids) are logged too."""
+    return text.replace("\x00", "\ufffd")[:max_length]
 
 
 def install_middleware(app: FastAPI) -> None:
@@ -67,24 +68,32 @@ def install_middleware(app: FastAPI) -> None:
             audit.record(
                 session,
                 actor_key_id=principal.key_id if principal else None,
-                action=action,
-                method=request.method,
-                path=request.url.path,
-                target=target,
+                action=_storable(action, 64),
+                method=_storable(request.method, 8),
+                path=_storable(request.url.path),
+                target=_storable(target, 256) if target is not None else None,
                 status_code=status_code,
                 client_address=request.client.host if request.client else None,
             )
 
     async def respond(request: Request, call_next) -> Response:
-        if _declared_body_too_large(request, settings.max_request_bytes):
-            return error_response(413, f"Request body exceeds {settings.max_request_bytes} bytes.")
         if request.url.path not in PUBLIC_PATHS:
             token = _bearer_token(request)
-            principal = await run_in_threadpool(authenticate, token) if token else None
+            try:
+                principal = await run_in_threadpool(authenticate, token) if token else None
+            except SQLAlchemyError as error:
+                # Answered here: an error escaping a middleware makes uvicorn drop the client's connection.
+                if (unavailable := database_unavailable(request, error)) is None:
+                    raise
+                return unavailable
             if principal is None:
                 message = "Invalid API key." if token else "Missing API key: send 'Authorization: Bearer <key>'."
                 return error_response(401, message, code="invalid_api_key")
             request.state.principal = principal
+            try:
+                app.state.rate_limits.check_request(principal.key_id)
+            except RateLimited as error:
+                return error_response(429, error.message, code=error.code, headers=error.headers)
         return await call_next(request)
 
     @app.middleware("http")

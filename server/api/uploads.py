@@ -11,12 +11,14 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
-from server.errors import InvalidRequest, PayloadTooLarge
+from server.api.limits import BodyTooLarge
+from server.errors import InsufficientStorage, InvalidRequest, PayloadTooLarge
 from server.services.storage import StreamedFile
 
 MAX_FIELD_BYTES = 64 * 1024
 # After refusing an oversized upload, read (and drop) up to this much more so the client sees the 413
-# instead of a reset connection; beyond it the connection is simply closed.
+# instead of a reset connection; beyond it the connection is simply closed. The body limit of
+# `server.api.limits` ends the drain sooner.
 DRAIN_LIMIT_BYTES = 64 * 1024**2
 
 
@@ -108,7 +110,7 @@ async def _drain(chunks: AsyncIterator[bytes]) -> None:
             drained += len(chunk)
             if drained > DRAIN_LIMIT_BYTES:
                 return
-    except ClientDisconnect:
+    except (ClientDisconnect, BodyTooLarge):
         return
 
 
@@ -132,7 +134,7 @@ async def receive_multipart(request: Request, *, file_field: str, open_file) -> 
         if not receiver.complete:
             # python-multipart does not check this itself: a body cut short must not pass as a whole file.
             raise InvalidRequest("The multipart body ended before its closing boundary.", param=file_field)
-    except PayloadTooLarge:
+    except (PayloadTooLarge, InsufficientStorage):
         _discard(receiver.upload)
         await _drain(chunks)
         raise

@@ -10,7 +10,7 @@ import secrets
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import JSON, BigInteger, Boolean, ForeignKey, Index, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column
 
 from server.db.base import Base, utcnow
@@ -198,6 +198,41 @@ class AliasHistory(Base):
     actor_key_id: Mapped[str | None] = mapped_column(ForeignKey("api_keys.id"))
     approved_by_key_id: Mapped[str | None] = mapped_column(ForeignKey("api_keys.id"))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # Four-eyes moves: the approval request they came from and when it was made (`created_at` is when it applied).
+    approval_id: Mapped[str | None] = mapped_column(ForeignKey("alias_approvals.id"))
+    requested_at: Mapped[datetime | None]
+    # The evaluation gate's inputs for a promotion: both held-out losses and whether `force` was used.
+    evaluation: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+
+
+class ApprovalStatus(enum.StrEnum):
+    pending = "pending"
+    approved = "approved"
+    rejected = "rejected"
+
+
+class AliasApproval(Base):
+    """An alias move waiting for a second admin (four-eyes rule). Decided once; the move itself lands in
+    `alias_history` with a pointer back here."""
+
+    __tablename__ = "alias_approvals"
+    __table_args__ = (Index("ix_alias_approvals_status_created_at", "status", "created_at"),)
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("aliasreq-"))
+    model_name: Mapped[str] = mapped_column(String(200))
+    alias: Mapped[str] = mapped_column(String(64))
+    action: Mapped[str] = mapped_column(String(16))
+    # The holder when requested: approving after the alias moved otherwise is refused (the request is stale).
+    from_version_id: Mapped[str | None] = mapped_column(ForeignKey("model_versions.id"))
+    to_version_id: Mapped[str] = mapped_column(ForeignKey("model_versions.id"))
+    reason: Mapped[str] = mapped_column(Text)
+    force: Mapped[bool] = mapped_column(Boolean, default=False)
+    status: Mapped[str] = mapped_column(String(16), default=ApprovalStatus.pending)
+    requested_by: Mapped[str | None] = mapped_column(ForeignKey("api_keys.id"))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    decided_by: Mapped[str | None] = mapped_column(ForeignKey("api_keys.id"))
+    decided_at: Mapped[datetime | None]
+    decision_reason: Mapped[str | None] = mapped_column(Text)
 
 
 class AuditLog(Base):

@@ -10,11 +10,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import anyio
 from fastapi import Request
@@ -34,6 +35,13 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer
+ENGINE_LOADING_RETRY_AFTER_S = 5
+OVERLOADED_RETRY_AFTER_S = 1
+
+EngineState = Literal["not_started", "loading", "ready", "failed"]
+READY_ENGINE_STATES = frozenset({"not_started", "ready"})
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -200,28 +208,100 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
-class InferenceService:
-    """One per app: owns the engine (created on first use, so apps that never infer load nothing)."""
+def _import_model_libraries() -> None:
+    """Import transformers' lazily loaded pieces once, in one thread: its lazy module is not safe to import from two
+    threads at once (seen as `cannot import name 'AutoTokenizer' from 'transformers'` on a request made while the
+    engine loaded)."""
+    import transformers
 
-    def __init__(self, settings, sessionmaker, engine: Engine | None = None) -> None:
+    import zaya_model.modeling_zaya  # noqa: F401
+
+    for name in ("AutoConfig", "AutoTokenizer", "PreTrainedTokenizerFast", "PreTrainedModel", "Trainer"):
+        getattr(transformers, name)
+
+
+class InferenceService:
+    """One per app: owns the engine.
+
+    The app's startup calls `start`, which creates the engine in a thread (vLLM takes minutes) while `/health` reports
+    it `loading`; a failure there is kept (`failed`, with its message) until restart. Without `start` (a service used
+    on its own) the engine is created on first use.
+    """
+
+    def __init__(
+        self,
+        settings,
+        sessionmaker,
+        engine: Engine | None = None,
+        engine_factory: Callable[[str], Engine] = create_engine,
+    ) -> None:
         self.settings, self.sessionmaker = settings, sessionmaker
         self._engine = engine
+        self._engine_factory = engine_factory
+        self._engine_state: EngineState = "ready" if engine is not None else "not_started"
+        self._engine_error: str | None = None
+        self._starting: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        if self._engine_state == "not_started":
+            # Before the engine's thread and request threads (fine-tuning jobs, tokenizers) import them side by side.
+            await asyncio.to_thread(_import_model_libraries)
+            self._engine_state = "loading"
+            self._starting = asyncio.create_task(self._create_engine())
+
+    async def _create_engine(self) -> None:
+        try:
+            engine = await asyncio.to_thread(self._engine_factory, self.settings.engine)
+        except Exception as error:
+            logger.exception("the %s inference engine failed to start", self.settings.engine)
+            # Shown by the unauthenticated /health: the first line only, the details are in the log.
+            reason = error.message if isinstance(error, EngineError) else f"{type(error).__name__}: {error}"
+            self._engine_error = reason.splitlines()[0][:200]
+            self._engine_state = "failed"
+            return
+        self._engine, self._engine_state = engine, "ready"
 
     @property
     def engine(self) -> Engine:
-        if self._engine is None:
-            try:
-                self._engine = create_engine(self.settings.engine)
-            except EngineError as error:
-                raise ServiceUnavailable(error.message, code="engine_unavailable") from error
+        if self._engine is not None:
+            return self._engine
+        if self._engine_state == "loading":
+            raise ServiceUnavailable(
+                "The inference engine is still starting; retry shortly.",
+                code="engine_loading",
+                headers={"Retry-After": str(ENGINE_LOADING_RETRY_AFTER_S)},
+            )
+        if self._engine_state == "failed":
+            raise ServiceUnavailable(
+                f"The inference engine failed to start: {self._engine_error}", code="engine_unavailable"
+            )
+        try:
+            self._engine = self._engine_factory(self.settings.engine)
+        except EngineError as error:
+            raise ServiceUnavailable(error.message, code="engine_unavailable") from error
+        self._engine_state = "ready"
         return self._engine
 
     async def close(self) -> None:
+        if self._starting is not None:
+            await asyncio.gather(self._starting, return_exceptions=True)
         if self._engine is not None:
             await self._engine.close()
 
     def health(self) -> dict:
-        return self._engine.health() if self._engine is not None else {"status": "ok", "engine": self.settings.engine}
+        """`{"status": "ready" | "not_started" | "loading" | "failed" | <the engine's own status>, "kind", ...}`.
+
+        `not_started` is ready too: the engine is created on first use.
+        """
+        report = {"status": self._engine_state, "kind": self.settings.engine}
+        if self._engine_error is not None:
+            report["error"] = self._engine_error
+        if self._engine is not None:
+            details = self._engine.health()
+            report.update({key: value for key, value in details.items() if key not in ("status", "engine")})
+            if details.get("status") != "ok":
+                report["status"] = details.get("status", "unavailable")
+        return report
 
     # --- the request flow -------------------------------------------------------------------------------------
     async def complete(
@@ -233,6 +313,9 @@ class InferenceService:
             record.model_version_id = servable.version_id
             prompt, params = await self._prepare(servable, fmt, options)
             record.prompt_tokens = len(prompt)
+            request.app.state.rate_limits.charge_tokens(
+                principal.key_id, len(prompt) + params.max_tokens * params.n, param=options.max_tokens_param
+            )
             deltas = self.engine.generate(servable.base, prompt, params, adapter=servable.adapter)
             first = await _first_delta(deltas)
         except APIError as error:
@@ -447,9 +530,10 @@ async def _first_delta(deltas: AsyncIterator[ChoiceDelta]) -> ChoiceDelta:
     try:
         return await anext(deltas)
     except EngineOverloaded as error:
-        raise TooManyRequests(error.message, code="engine_overloaded") from error
+        # The queue drains in about a decode batch's time: a second is a fair hint for clients to back off.
+        headers = {"Retry-After": str(OVERLOADED_RETRY_AFTER_S)}
+        raise TooManyRequests(error.message, code="engine_overloaded", headers=headers) from error
     except ModelLoadError as error:
         raise ServiceUnavailable(error.message, code="model_unavailable") from error
     except EngineError as error:
         raise InvalidRequest(error.message, param=error.param) from error
-

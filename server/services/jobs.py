@@ -60,7 +60,8 @@ def create_job(
     metadata: dict[str, str] | None,
     created_by: str | None,
 ) -> FineTuningJob:
-    """Check the files and the base model, then queue the job. Commits."""
+    """Check the files and the base model, then store the job in `validating_files`: a worker validates its files
+    against the base model (`finish_validation`) and queues it. Commits."""
     usable_file(session, training_file, "training_file")
     if validation_file is not None:
         usable_file(session, validation_file, "validation_file")
@@ -77,7 +78,7 @@ def create_job(
         base_version_id=base.id,
         training_file_id=training_file,
         validation_file_id=validation_file,
-        status=JobStatus.queued,
+        status=JobStatus.validating_files,
         suffix=suffix,
         seed=seed if seed is not None else secrets.randbelow(2**31),
         method=method,
@@ -87,9 +88,44 @@ def create_job(
     session.add(job)
     session.flush()
     add_event(session, job.id, f"Created fine-tuning job {job.id} on {base.name} v{base.version} ({base.id}).")
-    add_event(session, job.id, "Files validated; job queued.")
+    add_event(session, job.id, "Validating the training and validation files.")
     session.commit()
     return job
+
+
+def jobs_to_validate(session: Session, *, limit: int = 10) -> list[str]:
+    """The oldest jobs waiting in `validating_files`."""
+    query = (
+        select(FineTuningJob.id)
+        .where(FineTuningJob.status == JobStatus.validating_files)
+        .order_by(FineTuningJob.created_at, FineTuningJob.id)
+        .limit(limit)
+    )
+    return list(session.scalars(query))
+
+
+def finish_validation(session: Session, job_id: str, error: dict | None) -> bool:
+    """Queue a job whose files passed validation, or fail it with `error` (naming the file and its lines). Commits.
+
+    A guarded UPDATE: False when the job left `validating_files` meanwhile (cancelled, or another worker finished
+    validating it first), and then nothing changes.
+    """
+    status = JobStatus.failed if error is not None else JobStatus.queued
+    moved = session.execute(
+        update(FineTuningJob)
+        .where(FineTuningJob.id == job_id, FineTuningJob.status == JobStatus.validating_files)
+        .values(status=status, error=error, finished_at=utcnow() if error is not None else None)
+        .execution_options(synchronize_session=False)
+    )
+    if moved.rowcount != 1:
+        session.rollback()
+        return False
+    if error is None:
+        add_event(session, job_id, "Files validated; job queued.")
+    else:
+        add_event(session, job_id, f"File validation failed: {error['message']}", level="error")
+    session.commit()
+    return True
 
 
 def get_job(session: Session, job_id: str) -> FineTuningJob:

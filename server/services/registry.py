@@ -8,7 +8,9 @@ version is `server.services.model_resolution`'s job.
 from __future__ import annotations
 
 import json
+import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,14 +18,19 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from server.db.base import utcnow
-from server.db.models import AliasHistory, File, FineTuningJob, ModelAlias, ModelVersion, new_id
+from server.db.models import AliasApproval, AliasHistory, File, FineTuningJob, ModelAlias, ModelVersion, new_id
 from server.errors import Conflict, InvalidRequest, NotFound
+from server.services.adapters import prepare_adapter
 
 DEFAULT_ALIAS = "production"
 VERSION_ID_PREFIX = "mv-"
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,199}$")
 ALIAS_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 KINDS = ("full", "adapter")
+# Where a version's held-out loss is read from, first found wins: the fine-tuning trainer's metrics.
+HELD_OUT_LOSS_METRICS = ("best_valid_loss", "valid_loss")
+# What `finetune` writes beside a checkpoint or adapter (finetune.artifacts.METRICS_FILE; not imported: torch).
+METRICS_FILE = "metrics.json"
 
 
 # --- reading checkpoint directories -------------------------------------------------------------------------------
@@ -97,15 +104,27 @@ def register_version(
     description: str | None = None,
     created_by: str | None = None,
 ) -> ModelVersion:
-    """Add version N+1 of `name` for a checkpoint or adapter dir (checked here). Flushes; the caller commits."""
+    """Add version N+1 of `name` for a checkpoint or adapter dir (checked here). Flushes; the caller commits.
+
+    Without `metrics`, the trainer's `metrics.json` in the directory (if any) is recorded, so a fine-tuned output
+    registered by hand keeps its held-out loss for the evaluation gate.
+    """
     check_name(name)
     path = path.resolve()
     kind = detect_kind(path)
+    if metrics is None and (path / METRICS_FILE).is_file():
+        # NaN and infinities are not JSON (PostgreSQL refuses them): stored as null.
+        metrics = {
+            key: None if isinstance(value, float) and not math.isfinite(value) else value
+            for key, value in _read_json(path / METRICS_FILE).items()
+        }
     base = get_version(session, base_version_id) if base_version_id else None
     if kind == "adapter" and base is None:
         raise InvalidRequest("An adapter needs the model version it was trained on ('base_model').", param="base_model")
     if kind == "adapter" and base.kind != "full":
         raise InvalidRequest(f"The base of an adapter must be a full model; {base.id} is an adapter.", param="base")
+    if kind == "adapter":
+        prepare_adapter(path, Path(base.path))  # a bad adapter fails here; expert adapters are merged here
     latest = session.scalar(select(func.max(ModelVersion.version)).where(ModelVersion.name == name)) or 0
     version = ModelVersion(
         id=new_id(VERSION_ID_PREFIX),
@@ -151,62 +170,112 @@ def check_alias(alias: str) -> str:
     return alias
 
 
-def _require_reason(reason: str | None) -> str:
+def require_reason(reason: str | None) -> str:
     if reason is None or not reason.strip():
         raise InvalidRequest("A reason is required for every alias move.", param="reason", code="missing_required")
     return reason.strip()
 
 
-def _find_alias(session: Session, model_name: str, alias: str) -> ModelAlias | None:
+def find_alias(session: Session, model_name: str, alias: str) -> ModelAlias | None:
     return session.scalars(
         select(ModelAlias).where(ModelAlias.model_name == model_name, ModelAlias.alias == alias)
     ).one_or_none()
 
 
-def _move_alias(
-    session: Session, *, model_name: str, alias: str, target: ModelVersion, action: str, reason: str, actor: str | None
-) -> AliasHistory:
-    current = _find_alias(session, model_name, alias)
-    previous_id = current.version_id if current else None
-    if previous_id == target.id:
-        raise Conflict(f"{model_name}@{alias} already points to {target.id}.", code="alias_unchanged")
-    if current is None:
-        current = ModelAlias(model_name=model_name, alias=alias, version_id=target.id)
-        session.add(current)
-    current.version_id = target.id
-    current.updated_at = utcnow()
-    current.updated_by = actor
-    entry = AliasHistory(
-        model_name=model_name,
-        alias=alias,
-        action=action,
-        from_version_id=previous_id,
-        to_version_id=target.id,
-        reason=reason,
-        actor_key_id=actor,
-    )
-    session.add(entry)
-    session.flush()
-    return entry
+@dataclass(frozen=True)
+class PlannedMove:
+    """An alias move that passed every check; `apply_move` makes it, now or once a second admin approves it."""
+
+    model_name: str
+    alias: str
+    action: str  # "promote" or "rollback"
+    from_version_id: str | None  # the holder when planned: the move is refused if the alias moved since
+    target: ModelVersion
+    evaluation: dict | None  # the evaluation gate's inputs (promotions with the gate on)
 
 
-def promote(
-    session: Session, version: ModelVersion, *, alias: str = DEFAULT_ALIAS, reason: str | None, actor: str | None
-) -> AliasHistory:
-    """Point `<version's name>@alias` at this version, recording who and why."""
+# --- the evaluation gate ------------------------------------------------------------------------------------------
+
+
+def held_out_loss(version: ModelVersion) -> float | None:
+    """The version's loss on its job's validation file: the best evaluation (the trainer keeps the best checkpoint),
+    else the last one. None when nothing was recorded (no validation file, or registered without metrics)."""
+    for key in HELD_OUT_LOSS_METRICS:
+        value = (version.metrics or {}).get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
+    return None
+
+
+def evaluation_gate(candidate: ModelVersion, holder: ModelVersion | None, *, label: str, force: bool) -> dict:
+    """Refuse a promotion to `label` (`name@alias`) that would make it worse on held-out loss.
+
+    - no current holder, or a holder without a held-out loss: allowed (nothing to compare against);
+    - both losses known: refused when the candidate's is higher (equal is allowed); `force` does not override this;
+    - the holder has a loss but the candidate has none: refused unless `force` (the reason says why).
+    Returns what was compared, for the alias history.
+    """
+    candidate_loss = held_out_loss(candidate)
+    holder_loss = held_out_loss(holder) if holder is not None else None
+    record = {
+        "metric": "held_out_loss",
+        "candidate_version_id": candidate.id,
+        "candidate_loss": candidate_loss,
+        "holder_version_id": holder.id if holder is not None else None,
+        "holder_loss": holder_loss,
+        "forced": False,
+    }
+    if holder_loss is None:
+        return record
+    if candidate_loss is None:
+        if not force:
+            raise Conflict(
+                f"Evaluation gate: {candidate.id} has no recorded held-out (validation) loss, so it cannot be compared "
+                f"with {holder.id}, the current {label} (held-out loss {holder_loss:.6g}). Train it with a "
+                "validation file, or promote with force=true and a reason.",
+                param="force",
+                code="evaluation_missing",
+            )
+        return {**record, "forced": True}
+    if candidate_loss > holder_loss:
+        raise Conflict(
+            f"Evaluation gate: {candidate.id} has held-out loss {candidate_loss:.6g}, worse than {holder_loss:.6g} "
+            f"of {holder.id}, the current {label}.",
+            param="version_id",
+            code="evaluation_gate_failed",
+        )
+    return record
+
+
+# --- moves --------------------------------------------------------------------------------------------------------
+
+
+def plan_promotion(
+    session: Session, version: ModelVersion, *, alias: str = DEFAULT_ALIAS, gate: bool = True, force: bool = False
+) -> PlannedMove:
+    """Check a promotion of `version` to `<its name>@alias` (alias, status, evaluation gate) without making it."""
     check_alias(alias)
-    reason = _require_reason(reason)
     if version.status != "active":
         raise Conflict(f"{version.id} is archived and cannot be promoted.", code="version_archived")
-    return _move_alias(
-        session, model_name=version.name, alias=alias, target=version, action="promote", reason=reason, actor=actor
+    current = find_alias(session, version.name, alias)
+    if current is not None and current.version_id == version.id:
+        raise Conflict(f"{version.name}@{alias} already points to {version.id}.", code="alias_unchanged")
+    holder = get_version(session, current.version_id) if current is not None else None
+    evaluation = evaluation_gate(version, holder, label=f"{version.name}@{alias}", force=force) if gate else None
+    return PlannedMove(
+        model_name=version.name,
+        alias=alias,
+        action="promote",
+        from_version_id=holder.id if holder is not None else None,
+        target=version,
+        evaluation=evaluation,
     )
 
 
-def rollback(session: Session, *, model_name: str, alias: str, reason: str | None, actor: str | None) -> AliasHistory:
-    """Point the alias back at the version it held before its latest move."""
-    reason = _require_reason(reason)
-    if _find_alias(session, model_name, alias) is None:
+def plan_rollback(session: Session, *, model_name: str, alias: str) -> PlannedMove:
+    """Check a move of the alias back to the version it held before its latest move, without making it."""
+    current = find_alias(session, model_name, alias)
+    if current is None:
         raise NotFound(f"No such alias: {model_name}@{alias}", param="alias")
     last_move = session.scalars(
         select(AliasHistory)
@@ -219,9 +288,81 @@ def rollback(session: Session, *, model_name: str, alias: str, reason: str | Non
     previous = get_version(session, last_move.from_version_id)
     if previous.status != "active":
         raise Conflict(f"The earlier version {previous.id} is archived.", code="version_archived")
-    return _move_alias(
-        session, model_name=model_name, alias=alias, target=previous, action="rollback", reason=reason, actor=actor
+    return PlannedMove(
+        model_name=model_name,
+        alias=alias,
+        action="rollback",
+        from_version_id=current.version_id,
+        target=previous,
+        evaluation=None,
     )
+
+
+def apply_move(
+    session: Session,
+    move: PlannedMove,
+    *,
+    reason: str,
+    actor: str | None,
+    approval: AliasApproval | None = None,
+    approved_by: str | None = None,
+) -> AliasHistory:
+    """Move the alias and append the history entry. Flushes; the caller commits."""
+    current = find_alias(session, move.model_name, move.alias)
+    previous_id = current.version_id if current else None
+    label = f"{move.model_name}@{move.alias}"
+    if previous_id != move.from_version_id:
+        raise Conflict(
+            f"{label} points to {previous_id or 'nothing'} now, not {move.from_version_id or 'nothing'} as when this "
+            "move was requested.",
+            code="alias_moved",
+        )
+    if previous_id == move.target.id:
+        raise Conflict(f"{label} already points to {move.target.id}.", code="alias_unchanged")
+    if current is None:
+        current = ModelAlias(model_name=move.model_name, alias=move.alias, version_id=move.target.id)
+        session.add(current)
+    current.version_id = move.target.id
+    current.updated_at = utcnow()
+    current.updated_by = actor
+    entry = AliasHistory(
+        model_name=move.model_name,
+        alias=move.alias,
+        action=move.action,
+        from_version_id=previous_id,
+        to_version_id=move.target.id,
+        reason=reason,
+        actor_key_id=actor,
+        approved_by_key_id=approved_by,
+        approval_id=approval.id if approval is not None else None,
+        requested_at=approval.created_at if approval is not None else None,
+        evaluation=move.evaluation,
+    )
+    session.add(entry)
+    session.flush()
+    return entry
+
+
+def promote(
+    session: Session,
+    version: ModelVersion,
+    *,
+    alias: str = DEFAULT_ALIAS,
+    reason: str | None,
+    actor: str | None,
+    gate: bool = True,
+    force: bool = False,
+) -> AliasHistory:
+    """Point `<version's name>@alias` at this version now, recording who and why."""
+    reason = require_reason(reason)
+    move = plan_promotion(session, version, alias=alias, gate=gate, force=force)
+    return apply_move(session, move, reason=reason, actor=actor)
+
+
+def rollback(session: Session, *, model_name: str, alias: str, reason: str | None, actor: str | None) -> AliasHistory:
+    """Point the alias back at the version it held before its latest move, now."""
+    reason = require_reason(reason)
+    return apply_move(session, plan_rollback(session, model_name=model_name, alias=alias), reason=reason, actor=actor)
 
 
 def list_aliases(session: Session, *, model_name: str | None = None) -> list[ModelAlias]:

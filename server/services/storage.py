@@ -2,15 +2,35 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import os
 import secrets
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
-from server.errors import PayloadTooLarge
+from server.errors import InsufficientStorage, PayloadTooLarge
 from zaya_model.atomic_io import fsync_path
 
 INCOMING_DIR = ".incoming"
+# A temp file nobody wrote to for this long belongs to an upload that died with its server (kill -9, power loss).
+STALE_UPLOAD_S = 24 * 3600
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+@contextlib.contextmanager
+def disk_full_is_507() -> Iterator[None]:
+    """A full disk (or quota) is the server's state, not a bug: answer 507 with a clear message instead of a 500."""
+    try:
+        yield
+    except OSError as error:
+        if error.errno not in DISK_FULL_ERRNOS:
+            raise
+        raise InsufficientStorage(
+            "The server has no space left to store this file; nothing was stored.", param="file", code="disk_full"
+        ) from error
 
 
 class StreamedFile:
@@ -21,19 +41,22 @@ class StreamedFile:
 
     def __init__(self, directory: Path, max_bytes: int) -> None:
         incoming = directory / INCOMING_DIR
-        incoming.mkdir(parents=True, exist_ok=True)
+        with disk_full_is_507():
+            incoming.mkdir(parents=True, exist_ok=True)
         self.directory = directory
         self.max_bytes = max_bytes
         self.temp_path = incoming / f"{secrets.token_hex(8)}.part"
         self.size = 0
         self._hash = hashlib.sha256()
-        self._handle = open(self.temp_path, "xb")  # noqa: SIM115  (closed in commit/discard)
+        with disk_full_is_507():
+            self._handle = open(self.temp_path, "xb")  # noqa: SIM115  (closed in commit/discard)
         self.committed_path: Path | None = None
 
     def write(self, data: bytes) -> None:
         if self.size + len(data) > self.max_bytes:
             raise PayloadTooLarge(f"File exceeds the upload limit of {self.max_bytes} bytes.", param="file")
-        self._handle.write(data)
+        with disk_full_is_507():
+            self._handle.write(data)
         self._hash.update(data)
         self.size += len(data)
 
@@ -44,8 +67,9 @@ class StreamedFile:
     def finish_writing(self) -> None:
         """Flush and fsync, so the temp file can be read (validated) and then renamed."""
         if not self._handle.closed:
-            self._handle.flush()
-            os.fsync(self._handle.fileno())
+            with disk_full_is_507():
+                self._handle.flush()
+                os.fsync(self._handle.fileno())
             self._handle.close()
 
     def commit(self, name: str) -> Path:
@@ -58,5 +82,18 @@ class StreamedFile:
 
     def discard(self) -> None:
         if not self._handle.closed:
-            self._handle.close()
+            with contextlib.suppress(OSError):  # closing flushes: on a full disk that fails, and we drop it anyway
+                self._handle.close()
         self.temp_path.unlink(missing_ok=True)
+
+
+def remove_stale_uploads(directory: Path, *, max_age_s: float = STALE_UPLOAD_S) -> int:
+    """Delete temp files of uploads cut off by a crash. Only old ones: another server may be receiving the rest."""
+    removed = 0
+    cutoff = time.time() - max_age_s
+    for part in (directory / INCOMING_DIR).glob("*.part"):
+        with contextlib.suppress(FileNotFoundError):
+            if part.stat().st_mtime < cutoff:
+                part.unlink()
+                removed += 1
+    return removed

@@ -59,6 +59,20 @@ def build_spec(
     )
 
 
+def dataset_problems(path: Path, *, model_dir: Path, max_seq_len: int | None, other_path: Path | None) -> list[str]:
+    """The fine-tuning validator's line-numbered problems in a job's file, checked as the trainer will check it:
+    with the base model's tokenizer (chat template, special tokens) and sequence limit. Empty when valid."""
+    from transformers import AutoTokenizer
+
+    from finetune.datasets.validation import validate_dataset
+    from zaya_model import ZayaConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    limit = max_seq_len or ZayaConfig.from_pretrained(model_dir).max_position_embeddings
+    report = validate_dataset(path, tokenizer=tokenizer, max_seq_len=limit, other_path=other_path, max_problems=10)
+    return report.problem_lines()
+
+
 def check_spec(spec) -> None:
     """The trainer's own checks (ranges, paths), as a 400 naming the field."""
     from finetune.train import FinetuneError, validate_spec

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -62,8 +63,12 @@ def trained(model_dir, tmp_path_factory):
         "3",
         "--learning-rate-multiplier",
         "50",
+        "--keep-checkpoints",
+        "1",
     ]
     assert main(argv) == 0
+    # Checkpoints at every epoch end (steps 3, 6, 9, 12); without validation there is no best, so only the newest.
+    assert os.listdir(directory / "out" / "checkpoints") == ["checkpoint-12"]
     return directory / "out", str(train), str(held_out)
 
 

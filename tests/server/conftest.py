@@ -189,3 +189,17 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     ZayaForCausalLM(config).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_adapter_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """A PEFT LoRA adapter on `tiny_model_dir`'s attention projections: registrable as an adapter version (adapters
+    are checked against their base at registration)."""
+    import peft
+
+    from zaya_model import ZayaForCausalLM
+
+    config = peft.LoraConfig(r=2, target_modules=["q_proj", "k_proj", "v_proj_current", "v_proj_delayed", "o_proj"])
+    directory = tmp_path_factory.mktemp("tiny-adapter")
+    peft.get_peft_model(ZayaForCausalLM.from_pretrained(tiny_model_dir), config).save_pretrained(directory)
+    return directory

@@ -9,6 +9,7 @@ import pytest
 
 from server.db.models import Checkpoint, File, FineTuningJob, JobEvent
 from server.services import registry
+from server.worker import Worker, WorkerConfig
 
 
 @pytest.fixture
@@ -30,7 +31,7 @@ def training_file(data_client, valid_dataset) -> str:
     return data_client.files.create(file=("train.jsonl", io.BytesIO(valid_dataset)), purpose="fine-tune").id
 
 
-def test_create_list_retrieve_cancel_with_the_openai_client(data_client, base_model, training_file, sessions):
+def test_create_list_retrieve_cancel_with_the_openai_client(data_client, base_model, training_file, settings, sessions):
     job = data_client.fine_tuning.jobs.create(
         model=base_model,
         training_file=training_file,
@@ -47,7 +48,7 @@ def test_create_list_retrieve_cancel_with_the_openai_client(data_client, base_mo
         },
     )
     assert job.object == "fine_tuning.job" and job.id.startswith("ftjob-")
-    assert (job.status, job.model, job.training_file, job.seed) == ("queued", base_model, training_file, 42)
+    assert (job.status, job.model, job.training_file, job.seed) == ("validating_files", base_model, training_file, 42)
     assert job.fine_tuned_model is None and job.finished_at is None and job.error is None
     assert job.method.type == "supervised"
     assert job.method.supervised.hyperparameters.n_epochs == 2
@@ -66,7 +67,7 @@ def test_create_list_retrieve_cancel_with_the_openai_client(data_client, base_mo
 
     events = list(data_client.fine_tuning.jobs.list_events(job.id, limit=1))
     assert len(events) == 2 and all(e.object == "fine_tuning.job.event" for e in events)  # auto-paginated by id
-    assert events[0].message == "Files validated; job queued." and events[0].level == "info"
+    assert events[0].message == "Validating the training and validation files." and events[0].level == "info"
     assert list(data_client.fine_tuning.jobs.checkpoints.list(job.id)) == []
 
     cancelled = data_client.fine_tuning.jobs.cancel(job.id)
@@ -76,6 +77,10 @@ def test_create_list_retrieve_cancel_with_the_openai_client(data_client, base_mo
     with pytest.raises(openai.ConflictError):
         data_client.fine_tuning.jobs.resume(job.id)
 
+    with pytest.raises(openai.ConflictError):  # only a queued (validated) job can be held
+        data_client.fine_tuning.jobs.pause(second.id)
+    Worker(settings, sessions, WorkerConfig()).validate_pending()
+    assert data_client.fine_tuning.jobs.retrieve(second.id).status == "queued"
     assert data_client.fine_tuning.jobs.pause(second.id).status == "paused"
     with pytest.raises(openai.ConflictError):
         data_client.fine_tuning.jobs.pause(second.id)
@@ -140,16 +145,13 @@ def test_bad_job_requests_get_a_clear_4xx_and_create_nothing(
 
 
 def test_files_of_the_wrong_purpose_deleted_files_and_adapters_are_refused(
-    client, auth, base_model, valid_dataset, sessions, tmp_path
+    client, auth, base_model, valid_dataset, sessions, tiny_adapter_dir
 ):
     with sessions() as session:
         other = File(filename="a.jsonl", purpose="assistants", bytes=1, sha256="0" * 64)
         session.add(other)
-        adapter_dir = tmp_path / "adapter"
-        adapter_dir.mkdir()
-        (adapter_dir / "adapter_config.json").write_text('{"peft_type": "LORA"}')
         registry.register_version(
-            session, name="an-adapter", path=adapter_dir, base_version_id=registry.list_versions(session)[0].id
+            session, name="an-adapter", path=tiny_adapter_dir, base_version_id=registry.list_versions(session)[0].id
         )
         session.commit()
         other_id = other.id

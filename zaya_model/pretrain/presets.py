@@ -32,6 +32,10 @@ class PretrainSettings:
     max_grad_norm: float = 1.0
     balancing_lr: float = 1e-3
     dtype: str = "auto"  # "auto" (bf16 autocast on accelerators that support it), "fp32" or "bf16"
+    # "none": every rank holds the whole model and optimizer, rank 0 writes `save_pretrained` checkpoints.
+    # "fsdp": FSDP2 shards parameters, gradients and optimizer state; every rank writes its shard of each checkpoint
+    # (torch.distributed.checkpoint), which any number of processes can resume.
+    sharding: str = "none"
     seed: int = 0
     validation_fraction: float = 0.05
     eval_every: int = 50
@@ -53,6 +57,11 @@ class PretrainSettings:
             raise ValueError(f"optimizer must be adamw or muon, not {self.optimizer!r}")
         if self.dtype not in ("auto", "fp32", "bf16"):
             raise ValueError(f"dtype must be auto, fp32 or bf16, not {self.dtype!r}")
+        if self.sharding not in ("none", "fsdp"):
+            raise ValueError(f"sharding must be none or fsdp, not {self.sharding!r}")
+        if self.sharding == "fsdp" and self.optimizer == "muon":
+            # Muon orthogonalises each whole matrix; FSDP hands the optimizer only a row shard of it.
+            raise ValueError("optimizer muon needs whole weight matrices; use --optimizer adamw with --sharding fsdp")
         if self.warmup_steps < 0 or self.lr <= 0:
             raise ValueError("warmup_steps must be >= 0 and lr > 0")
         if self.seq_len > self.max_positions:

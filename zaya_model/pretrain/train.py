@@ -11,6 +11,8 @@ Why a training loop of our own rather than transformers' `Trainer` (read against
   an epoch, which is what the rollback-and-skip below does.
 - Checkpoints. `_save_checkpoint` writes synchronously, straight into `checkpoint-N`; ours are written from a CPU
   copy on a background thread into a temporary directory, fsynced, then renamed.
+The reasons are behaviour, not speed: `benchmarks/pretrain_bench.py` times this loop against `Trainer` on the same
+model, rows and optimizer settings.
 
 Each optimizer step draws `grad_accum` packed batches, sums the token losses over all of them (normalised by the
 batch's real token count, so accumulation equals one large batch), clips the gradient norm, steps AdamW (or Muon
@@ -23,13 +25,23 @@ checkpoint in between stop the run. A step running longer than `step_timeout_s` 
 the process with status 1 (faulthandler), so a supervisor can restart it. SIGTERM checkpoints and stops.
 
 Data parallel under `torchrun` (see `training/distributed.py`): every rank reads the same packed stream and trains on
-its slice of each global batch, gradients and routing counts are summed across ranks, and rank 0 alone writes
-checkpoints, metrics and the tokenizer. All state is replicated, so a checkpoint written by N processes resumes on
-M (same global batch). Multi-node launch, e.g. 128 nodes x 8 MI300X (ROCm torch; "nccl" maps to RCCL):
+its slice of each global batch; routing counts are summed across ranks, and so are gradients, one of two ways:
+- `sharding="none"` (DDP-style): every rank holds the whole model and optimizer, gradients are all-reduced, and rank 0
+  alone writes `save_pretrained` checkpoints.
+- `sharding="fsdp"` (FSDP2, ZeRO-3-style, `training/sharding.py`): parameters, gradients and AdamW state are sharded
+  over the ranks; every rank writes its own shard of each checkpoint in parallel with `torch.distributed.checkpoint`
+  (`training/distributed_checkpoint.py`), asynchronously, and the final model is gathered into a `save_pretrained`
+  export. DCP reshards on load, so a checkpoint written by N processes resumes on M (1 included). Muon is refused
+  here: it orthogonalises whole matrices and FSDP gives it row shards.
+Either way a run may resume on a different number of processes with the same global batch (batch_size x processes);
+rank 0 alone writes metrics, the loss plot and the tokenizer. Multi-node launch, e.g. 128 nodes x 8 MI300X (ROCm
+torch; "nccl" maps to RCCL):
     torchrun --nnodes 128 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HEAD:29500 \
-        --no-python zaya pretrain --preset zaya1-base --data /shared/corpus --output /shared/run
-with `--output` on a filesystem every node sees. Not implemented: FSDP2 / ZeRO sharding with per-rank
-`torch.distributed.checkpoint` shards (replication limits the model to what one device holds with its optimizer).
+        --no-python zaya pretrain --preset zaya1-base --optimizer adamw --sharding fsdp --data /shared/corpus \
+        --output /shared/run
+with `--output` on a filesystem every node sees (each rank writes its shard files there). Sharded async saves
+coordinate over a gloo group of their own beside the training backend, as DCP requires a CPU backend for them, so they
+work under NCCL/RCCL too (only tested on CPU with gloo: there is no GPU here).
 """
 
 from __future__ import annotations
@@ -48,6 +60,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import PreTrainedTokenizerFast
 
 from ..atomic_io import fsync_tree
@@ -56,6 +69,8 @@ from ..training.balancing import BalancingBiasUpdater
 from ..training.callbacks import STOP_REASONS, TrainingHooks
 from ..training.checkpointing import CheckpointManager, load_model_weights, load_training_state
 from ..training.distributed import DistributedContext
+from ..training.distributed_checkpoint import ShardedCheckpointManager, load_sharded
+from ..training.sharding import is_sharded, local_scalar, shard_model
 from .corpus import (
     CorpusError,
     PackedStream,
@@ -68,18 +83,21 @@ from .corpus import (
     rows_to_batch,
     validation_rows,
 )
+from .plot import write_loss_plot
 from .presets import PretrainSettings
 from .tokenizer import train_tokenizer
 
 RUN_FILE = "run.json"
 METRICS_FILE = "metrics.jsonl"
+LOSS_PLOT_FILE = "loss.png"
 TOKENIZER_DIR = "tokenizer"
 CHECKPOINTS_DIR = "checkpoints"
 # Settings a resumed run must share with the run that wrote the checkpoints (the rest may change, e.g. max_steps).
 # The global batch (batch_size x processes) must match too: a run may resume on a different number of processes.
 RESUME_INVARIANTS = (
-    "model", "tokenizer_vocab_size", "seq_len", "grad_accum", "optimizer", "seed", "validation_fraction",
+    "model", "tokenizer_vocab_size", "seq_len", "grad_accum", "optimizer", "seed", "validation_fraction", "sharding",
 )
+_DEFAULTS = PretrainSettings()  # for settings added after a run.json was written
 
 
 class PretrainError(RuntimeError):
@@ -131,7 +149,9 @@ def build_optimizers(model: torch.nn.Module, settings: PretrainSettings) -> list
         else:
             plain.append(parameter)
     groups = [{"params": decayed, "weight_decay": settings.weight_decay}, {"params": plain, "weight_decay": 0.0}]
-    optimizers: list[torch.optim.Optimizer] = [torch.optim.AdamW(groups, lr=settings.lr, betas=(0.9, 0.95))]
+    # fused: one kernel for all parameters (CPU and CUDA/ROCm); the per-tensor default took ~4x longer per step here.
+    adamw = torch.optim.AdamW(groups, lr=settings.lr, betas=(0.9, 0.95), fused=True)
+    optimizers: list[torch.optim.Optimizer] = [adamw]
     if matrices:
         # "match_rms_adamw" scales Muon's update to AdamW's RMS, so one learning rate serves both.
         muon = torch.optim.Muon(
@@ -182,9 +202,16 @@ class Pretrainer:
         self.autocast = autocast_dtype(settings.dtype, self.device)
         self.files = corpus_files(data)
         self._prepare_output()
-        self.checkpoints = CheckpointManager(
-            self.output / CHECKPOINTS_DIR, keep_last=settings.keep_last, clean=self.dist.is_main
-        )
+        self.sharded_checkpoints = settings.sharding == "fsdp"
+        plot = self._write_loss_plot if self.dist.is_main else None
+        if self.sharded_checkpoints:
+            self.checkpoints = ShardedCheckpointManager(
+                self.output / CHECKPOINTS_DIR, settings.keep_last, is_main=self.dist.is_main, after_write=plot
+            )
+        else:
+            self.checkpoints = CheckpointManager(
+                self.output / CHECKPOINTS_DIR, settings.keep_last, clean=self.dist.is_main, after_write=plot
+            )
         resume_from = self.checkpoints.latest()
         self._check_run_file(resumed=resume_from is not None)
         if resume_from is None and self.dist.is_main:
@@ -193,6 +220,8 @@ class Pretrainer:
         self.config = settings.model_config(self.tokenizer)
         torch.manual_seed(settings.seed)
         self.model = ZayaForCausalLM(self.config).to(self.device).train()
+        if self.sharded_checkpoints and self.dist.enabled:  # one process has nothing to shard
+            shard_model(self.model)
         self.optimizers = build_optimizers(self.model, settings)
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, warmup_cosine(settings)) for o in self.optimizers]
         self.balancing = BalancingBiasUpdater(self.model, lr=settings.balancing_lr)
@@ -239,7 +268,8 @@ class Pretrainer:
         }
         if resumed and run_path.is_file():
             previous = json.loads(run_path.read_text())
-            changed = [k for k in RESUME_INVARIANTS if previous["settings"].get(k) != current["settings"][k]]
+            saved = {k: previous["settings"].get(k, getattr(_DEFAULTS, k)) for k in RESUME_INVARIANTS}
+            changed = [k for k in RESUME_INVARIANTS if saved[k] != current["settings"][k]]
             if previous.get("global_batch_size") != current["global_batch_size"]:
                 changed.append("batch_size x processes")
             if changed:
@@ -286,9 +316,8 @@ class Pretrainer:
         rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
-        return {
+        state = {
             "step": self.step,
-            "optimizers": [o.state_dict() for o in self.optimizers],
             "schedulers": [s.state_dict() for s in self.schedulers],
             "balancing": self.balancing.state_dict(),
             "data": self.stream.state_dict(),
@@ -296,11 +325,23 @@ class Pretrainer:
             "skipped_batches": sorted(self.skipped_batches),
             "settings": self.settings.to_dict(),
         }
+        if not self.sharded_checkpoints:  # sharded runs keep the optimizer state in the per-rank shards
+            state["optimizers"] = [o.state_dict() for o in self.optimizers]
+        return state
 
     def _save(self, val_loss: float | None = None, block: bool = False) -> None:
-        """Checkpoint (rank 0 writes: every rank holds the same state); `block` waits until it is on disk."""
+        """Checkpoint (rank 0 writes, or every rank its shard); `block` waits until it is on disk."""
         self.failures_since_checkpoint = 0
         self.saved_step = self.step
+        if self.sharded_checkpoints:
+            training_state = self._training_state() if self.dist.is_main else {}
+            stall_s = self.checkpoints.save(
+                self.step, self.model, self.optimizers, self.tokenizer, training_state, val_loss, block
+            )
+            if block:
+                self.dist.barrier()  # rank 0 has renamed the checkpoint into place
+            self._log({"event": "checkpoint", "step": self.step, "stall_s": round(stall_s, 4), "val_loss": val_loss})
+            return
         if not self.dist.is_main:
             if block:
                 self.dist.barrier()
@@ -313,10 +354,13 @@ class Pretrainer:
         self._log({"event": "checkpoint", "step": self.step, "stall_s": round(stall_s, 4), "val_loss": val_loss})
 
     def _load(self, directory: Path) -> None:
-        load_model_weights(self.model, directory)
         state = load_training_state(directory)
-        for optimizer, saved in zip(self.optimizers, state["optimizers"], strict=True):
-            optimizer.load_state_dict(saved)
+        if self.sharded_checkpoints:
+            load_sharded(directory, self.model, self.optimizers)
+        else:
+            load_model_weights(self.model, directory)
+            for optimizer, saved in zip(self.optimizers, state["optimizers"], strict=True):
+                optimizer.load_state_dict(saved)
         for scheduler, saved in zip(self.schedulers, state["schedulers"], strict=True):
             scheduler.load_state_dict(saved)
         self.balancing.load_state_dict(state["balancing"])
@@ -369,9 +413,10 @@ class Pretrainer:
             micro_loss.backward()
             loss += micro_loss.detach()
         self.dist.sum_(loss)
-        self.dist.sum_gradients(list(self.model.parameters()))
+        if not is_sharded(self.model):  # FSDP reduce-scatters the gradients during backward
+            self.dist.sum_gradients(list(self.model.parameters()))
         max_norm = self.settings.max_grad_norm if self.settings.max_grad_norm > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        grad_norm = local_scalar(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
         if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
             self._rollback(batch_index, loss.item(), grad_norm.item())
             return None
@@ -503,7 +548,7 @@ class Pretrainer:
                 self._save(val_loss=self.last_val_loss)
             self.checkpoints.wait()
             self._drain_checkpoint_timings()
-            if self.step >= settings.max_steps and self.dist.is_main:
+            if self.step >= settings.max_steps:
                 self._export_final()
             return PretrainResult(self.step, "completed", metrics["loss"] if metrics else None, self.last_val_loss)
         finally:
@@ -515,17 +560,34 @@ class Pretrainer:
                 signal.signal(signal.SIGTERM, previous_handler)
 
     def _export_final(self) -> None:
-        """Copy the last checkpoint's model and tokenizer to the output directory itself (config.json last)."""
-        source = self.checkpoints.path(self.step)
-        names = sorted(
-            p.name for p in source.iterdir() if p.is_file() and p.name not in ("training_state.pt", "config.json")
-        )
+        """Put the final model and tokenizer in the output directory itself (config.json last; rank 0 writes)."""
         temporary = self.output / ".tmp-final"
+        if self.sharded_checkpoints:
+            # Collective: every rank sends its shards, rank 0 receives the full state (in CPU memory).
+            full_state = get_model_state_dict(
+                self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
+            if self.dist.is_main:
+                shutil.rmtree(temporary, ignore_errors=True)
+                self.model.save_pretrained(temporary, state_dict=full_state)
+                self.tokenizer.save_pretrained(temporary)
+                self._move_into_output(temporary)
+            self.dist.barrier()
+            return
+        if not self.dist.is_main:
+            return
+        source = self.checkpoints.path(self.step)
         shutil.rmtree(temporary, ignore_errors=True)
         temporary.mkdir()
-        for name in [*names, "config.json"]:
-            shutil.copy2(source / name, temporary / name)
+        for path in source.iterdir():
+            if path.is_file() and path.name != "training_state.pt":
+                shutil.copy2(path, temporary / path.name)
+        self._move_into_output(temporary)
+
+    def _move_into_output(self, temporary: Path) -> None:
+        """fsync the export in `temporary`, then rename its files into the output directory, config.json last."""
         fsync_tree(temporary)
+        names = sorted(p.name for p in temporary.iterdir() if p.name != "config.json")
         for name in [*names, "config.json"]:
             (temporary / name).replace(self.output / name)
         temporary.rmdir()
@@ -560,6 +622,10 @@ class Pretrainer:
         from tqdm import tqdm
 
         return tqdm(total=target, initial=self.step, desc="pretrain", unit="step", dynamic_ncols=True)
+
+    def _write_loss_plot(self, step: int) -> None:
+        """Redraw the loss curve next to the checkpoints (runs on the checkpoint writer thread, rank 0)."""
+        write_loss_plot(self.output / METRICS_FILE, self.output / LOSS_PLOT_FILE)
 
     def _drain_checkpoint_timings(self) -> None:
         while self.checkpoints.completed_writes:

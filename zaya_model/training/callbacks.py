@@ -43,6 +43,9 @@ class TrainingHooks:
     def on_checkpoint(self, step: int, path: str, metrics: dict) -> None:
         """A checkpoint was written (atomically) to `path`."""
 
+    def on_checkpoint_deleted(self, step: int, path: str) -> None:
+        """An older checkpoint was removed by rotation (only the newest K and the best are kept)."""
+
     def should_stop(self) -> str | None:
         """Polled after every optimizer step: None to go on, "cancel" to stop, "pause" to checkpoint then stop."""
         return None

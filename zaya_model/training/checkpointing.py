@@ -8,6 +8,10 @@ Saving stalls training only while the state is copied to CPU memory; a backgroun
 into `.tmp-checkpoint-<step>`, fsyncs every file and the directory, and renames it into place, so a crash never
 leaves a half-written `checkpoint-<step>`. `index.json` (written the same way) records each checkpoint's
 validation loss and which one is best. One write runs at a time: a save waits for the previous one.
+
+Each finished write appends its timings to `completed_writes`: `stall_s` (training paused: `wait_s` waiting for the
+previous write, plus the CPU copy), `save_pretrained_s` (what the same `save_pretrained` would have stalled training
+for had it run synchronously) and `write_s` (the whole background write).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +67,14 @@ def load_model_weights(model: torch.nn.Module, directory: Path) -> None:
 
 
 class CheckpointManager:
-    def __init__(self, directory: str | Path, keep_last: int, clean: bool = True):
+    def __init__(
+        self,
+        directory: str | Path,
+        keep_last: int,
+        clean: bool = True,
+        after_write: Callable[[int], None] | None = None,
+    ):
+        """`after_write(step)` runs on the writer thread once a checkpoint is in place (e.g. to redraw a plot)."""
         if keep_last < 1:
             raise ValueError("keep_last must be at least 1")
         self.directory = Path(directory)
@@ -75,6 +87,7 @@ class CheckpointManager:
         self.index.setdefault("val_loss", {})
         self.index.setdefault("best_step", None)
         self.completed_writes: list[dict[str, float]] = []  # timings of finished writes, drained by the trainer
+        self.after_write = after_write
         self._writer: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -108,12 +121,13 @@ class CheckpointManager:
         """Snapshot the state and write it in the background; returns the seconds training was stalled."""
         started = time.perf_counter()
         self.wait()
+        wait_s = time.perf_counter() - started
         model_state = cpu_copy(model.state_dict())
         training_state = cpu_copy(training_state)
         stall_s = time.perf_counter() - started
         self._writer = threading.Thread(
             target=self._write_guarded,
-            args=(step, model, tokenizer, model_state, training_state, val_loss, stall_s),
+            args=(step, model, tokenizer, model_state, training_state, val_loss, (stall_s, wait_s)),
             name=f"checkpoint-{step}",
             daemon=False,
         )
@@ -137,12 +151,17 @@ class CheckpointManager:
         except BaseException as error:  # surfaced on the training thread by wait()
             self._error = error
 
-    def _write(self, step, model, tokenizer, model_state, training_state, val_loss, stall_s) -> None:
+    def _write(self, step, model, tokenizer, model_state, training_state, val_loss, stalls) -> None:
         started = time.perf_counter()
         temporary = self.directory / f".tmp-{CHECKPOINT_PREFIX}{step}"
         temporary.mkdir()
         model.save_pretrained(temporary, state_dict=model_state)
         save_pretrained_s = time.perf_counter() - started
+        timing = {"step": step, "stall_s": stalls[0], "wait_s": stalls[1], "save_pretrained_s": save_pretrained_s}
+        self._publish(step, temporary, tokenizer, training_state, val_loss, timing, started)
+
+    def _publish(self, step, temporary, tokenizer, training_state, val_loss, timing, started) -> None:
+        """Add the tokenizer and training state to `temporary`, fsync it, rename it to `checkpoint-<step>`."""
         tokenizer.save_pretrained(temporary)
         torch.save(training_state, temporary / TRAINING_STATE_FILE)
         fsync_tree(temporary)
@@ -156,14 +175,9 @@ class CheckpointManager:
             os.rename(temporary, final)
         fsync_path(self.directory)
         self._record(step, val_loss)
-        self.completed_writes.append(
-            {
-                "step": step,
-                "stall_s": stall_s,
-                "save_pretrained_s": save_pretrained_s,
-                "write_s": time.perf_counter() - started,
-            }
-        )
+        self.completed_writes.append({**timing, "write_s": time.perf_counter() - started})
+        if self.after_write is not None:
+            self.after_write(step)
 
     def _record(self, step: int, val_loss: float | None) -> None:
         if val_loss is not None:

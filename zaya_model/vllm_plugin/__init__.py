@@ -15,6 +15,12 @@ def register() -> None:
     # vLLM's bf16 AMX kernels run before the process asks Linux for AMX permission (SIGILL): ask first.
     if hasattr(torch.cpu, "_init_amx"):
         torch.cpu._init_amx()
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        from .cpu_lora import fix_cpu_lora_slot_indexing
+
+        fix_cpu_lora_slot_indexing()
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 

@@ -1,10 +1,13 @@
-"""Checks that a PEFT LoRA adapter can be served per request on a ZAYA checkpoint, before vLLM loads it.
+"""Checks that a PEFT LoRA adapter can be served on a ZAYA checkpoint, before vLLM loads it, and expert merging.
 
 vLLM applies LoRA per request to the attention projections only. Its own loader rejects some adapters it cannot
 apply but silently skips others (PEFT stores a fused expert `gate_up_proj` adapter under `experts.base_layer`,
 which vLLM ignores), and an adapter trained on another base fails late with a shape error. `check_adapter` reads
 only the adapter's config and tensor shapes, so callers can refuse an adapter with a clear message at registration.
-Adapters that train expert weights are served by merging them (`merge_and_unload`) into a full checkpoint.
+
+Adapters that train expert weights (PEFT `target_parameters`, the fine-tuning default) are merged at registration:
+`merge_expert_adapter` writes the base with the adapter merged (`merge_and_unload`) to `merged_checkpoint(adapter)`,
+a full checkpoint that engines serve as its own model.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from safetensors import safe_open
 from ..configuration_zaya import ZayaConfig
 
 SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj_current", "v_proj_delayed", "o_proj")
+MERGED_DIR = "merged"
 
 
 class AdapterError(ValueError):
@@ -39,14 +43,8 @@ def projection_shapes(config: ZayaConfig) -> dict[str, tuple[int, int]]:
 def check_adapter(adapter_dir: str | Path, model_dir: str | Path) -> None:
     """Raise `AdapterError` unless the adapter in `adapter_dir` is a LoRA on `model_dir`'s attention projections."""
     adapter_dir = Path(adapter_dir)
-    config_path, weights_path = adapter_dir / "adapter_config.json", adapter_dir / "adapter_model.safetensors"
-    if not config_path.is_file() or not weights_path.is_file():
-        raise AdapterError(
-            f"{adapter_dir}: not a PEFT adapter (needs adapter_config.json and adapter_model.safetensors)"
-        )
-    adapter_config = json.loads(config_path.read_text())
-    if adapter_config.get("peft_type") != "LORA":
-        raise AdapterError(f"{adapter_dir}: only LoRA adapters can be served, got {adapter_config.get('peft_type')!r}")
+    adapter_config = _read_config(adapter_dir)
+    weights_path = adapter_dir / "adapter_model.safetensors"
     if adapter_config.get("target_parameters"):
         raise AdapterError(
             f"{adapter_dir}: the adapter trains expert weights ({adapter_config['target_parameters']}); per-request "
@@ -89,3 +87,53 @@ def _layer_index(module: str) -> int | None:
         if before == "layers" and after.isdigit():
             return int(after)
     return None
+
+
+def _read_config(adapter_dir: Path) -> dict:
+    config_path, weights_path = adapter_dir / "adapter_config.json", adapter_dir / "adapter_model.safetensors"
+    if not config_path.is_file() or not weights_path.is_file():
+        raise AdapterError(
+            f"{adapter_dir}: not a PEFT adapter (needs adapter_config.json and adapter_model.safetensors)"
+        )
+    try:
+        adapter_config = json.loads(config_path.read_text())
+    except ValueError as error:
+        raise AdapterError(f"{config_path}: not valid JSON ({error})") from error
+    if adapter_config.get("peft_type") != "LORA":
+        raise AdapterError(f"{adapter_dir}: only LoRA adapters can be served, got {adapter_config.get('peft_type')!r}")
+    return adapter_config
+
+
+def trains_experts(adapter_dir: str | Path) -> bool:
+    """Whether the adapter has LoRA on the fused expert weights (served merged, not per request)."""
+    config_path = Path(adapter_dir) / "adapter_config.json"
+    try:
+        return bool(json.loads(config_path.read_text()).get("target_parameters"))
+    except (OSError, ValueError):
+        return False
+
+
+def merged_checkpoint(adapter_dir: str | Path) -> Path:
+    """Where registration writes the full checkpoint of an expert adapter merged into its base."""
+    return Path(adapter_dir) / MERGED_DIR
+
+
+def merge_expert_adapter(adapter_dir: str | Path, model_dir: str | Path, staging: Path) -> None:
+    """Write `model_dir` with the adapter merged into it (weights, tokenizer) to `staging`; `AdapterError` if the
+    adapter does not fit this base (another base's shapes, unknown modules)."""
+    from peft import PeftModel
+    from transformers import AutoTokenizer
+
+    from ..modeling_zaya import ZayaForCausalLM
+
+    adapter_dir, model_dir = Path(adapter_dir), Path(model_dir)
+    _read_config(adapter_dir)
+    model = ZayaForCausalLM.from_pretrained(model_dir, dtype="auto")
+    try:
+        merged = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
+    except (RuntimeError, ValueError, KeyError) as error:
+        raise AdapterError(
+            f"{adapter_dir}: cannot be applied to {model_dir} (adapter for another base model?): {error}"
+        ) from error
+    merged.save_pretrained(staging)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(staging)

@@ -1,5 +1,6 @@
 """Admin: the model registry. Versions (list, get, register, archive, lineage), aliases (promote, rollback, list,
-history). Every mutation is a POST, so the audit middleware records it; alias moves also land in `alias_history`.
+history) and, with the four-eyes rule on, the approval requests alias moves become (list, get, approve, reject).
+Every mutation is a POST, so the audit middleware records it; alias moves also land in `alias_history`.
 """
 
 from __future__ import annotations
@@ -7,13 +8,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi import APIRouter, Request, Response
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
-from server.api.deps import AdminDep, SessionDep, set_audit_target
+from server.api.deps import AdminDep, SessionDep, SettingsDep, set_audit_target
 from server.api.schemas import ListResponse, unix
-from server.db.models import AliasHistory, ModelAlias, ModelVersion
-from server.services import registry
+from server.db.models import AliasApproval, AliasHistory, ApprovalStatus, ModelAlias, ModelVersion
+from server.services import approvals, registry
 from server.services.model_resolution import find_version
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"])
@@ -88,6 +89,9 @@ class AliasMoveObject(BaseModel):
     reason: str | None
     actor_key_id: str | None
     approved_by_key_id: str | None
+    approval_id: str | None
+    requested_at: int | None
+    evaluation: dict[str, Any] | None
     created_at: int
 
     @classmethod
@@ -102,7 +106,49 @@ class AliasMoveObject(BaseModel):
             reason=entry.reason,
             actor_key_id=entry.actor_key_id,
             approved_by_key_id=entry.approved_by_key_id,
+            approval_id=entry.approval_id,
+            requested_at=unix(entry.requested_at),
+            evaluation=entry.evaluation,
             created_at=unix(entry.created_at),
+        )
+
+
+class ApprovalObject(BaseModel):
+    id: str
+    object: Literal["model_alias.approval"] = "model_alias.approval"
+    model_name: str
+    alias: str
+    action: str
+    from_version_id: str | None
+    to_version_id: str
+    reason: str
+    force: bool
+    status: str
+    requested_by: str | None
+    created_at: int
+    decided_by: str | None
+    decided_at: int | None
+    decision_reason: str | None
+    move: AliasMoveObject | None  # the alias history entry, once approved
+
+    @classmethod
+    def of(cls, approval: AliasApproval, move: AliasHistory | None = None) -> ApprovalObject:
+        return cls(
+            id=approval.id,
+            model_name=approval.model_name,
+            alias=approval.alias,
+            action=approval.action,
+            from_version_id=approval.from_version_id,
+            to_version_id=approval.to_version_id,
+            reason=approval.reason,
+            force=approval.force,
+            status=approval.status,
+            requested_by=approval.requested_by,
+            created_at=unix(approval.created_at),
+            decided_by=approval.decided_by,
+            decided_at=unix(approval.decided_at),
+            decision_reason=approval.decision_reason,
+            move=AliasMoveObject.of(move) if move is not None else None,
         )
 
 
@@ -120,12 +166,18 @@ class RegisterBody(Body):
 class PromoteBody(Body):
     alias: str = "production"
     reason: str = Field(min_length=1)
+    # Promote a version without a recorded held-out loss over a holder that has one (the evaluation gate).
+    force: StrictBool = False
 
 
 class RollbackBody(Body):
     model_name: str
     alias: str = "production"
     reason: str = Field(min_length=1)
+
+
+class DecisionBody(Body):
+    reason: str | None = None
 
 
 def _page(items: list) -> ListResponse:
@@ -173,12 +225,40 @@ def archive_version(version_id: str, session: SessionDep, _: AdminDep) -> ModelV
     return ModelVersionObject.of(version)
 
 
-@router.post("/models/{version_id}/promote", name="admin_models.promote")
-def promote_version(version_id: str, body: PromoteBody, session: SessionDep, principal: AdminDep) -> AliasMoveObject:
+def _moved_or_requested(
+    outcome: AliasHistory | AliasApproval, request: Request, response: Response, target: str
+) -> AliasMoveObject | ApprovalObject:
+    """The move made, or (four-eyes) the approval request filed: 202, audited with the request's id."""
+    if isinstance(outcome, AliasApproval):
+        response.status_code = 202
+        set_audit_target(request, outcome.id)
+        return ApprovalObject.of(outcome)
+    set_audit_target(request, target)
+    return AliasMoveObject.of(outcome)
+
+
+# With the four-eyes rule on, a promotion or rollback is filed for approval instead of made.
+FILED_FOR_APPROVAL = {202: {"model": ApprovalObject, "description": "Filed for a second admin's approval."}}
+
+
+@router.post("/models/{version_id}/promote", name="admin_models.promote", responses=FILED_FOR_APPROVAL)
+def promote_version(
+    version_id: str,
+    body: PromoteBody,
+    request: Request,
+    response: Response,
+    session: SessionDep,
+    settings: SettingsDep,
+    principal: AdminDep,
+) -> AliasMoveObject | ApprovalObject:
     version = registry.get_version(session, version_id)
-    entry = registry.promote(session, version, alias=body.alias, reason=body.reason, actor=principal.key_id)
+    registry.require_reason(body.reason)
+    move = registry.plan_promotion(session, version, alias=body.alias, gate=settings.evaluation_gate, force=body.force)
+    outcome = approvals.move_or_request(
+        session, move, reason=body.reason, force=body.force, actor=principal.key_id, four_eyes=settings.four_eyes
+    )
     session.commit()
-    return AliasMoveObject.of(entry)
+    return _moved_or_requested(outcome, request, response, version.id)
 
 
 @router.get("/model_aliases", name="admin_models.aliases")
@@ -194,11 +274,63 @@ def alias_history(
     return _page([AliasMoveObject.of(entry) for entry in entries])
 
 
-@router.post("/model_aliases/rollback", name="admin_models.rollback")
-def rollback_alias(body: RollbackBody, request: Request, session: SessionDep, principal: AdminDep) -> AliasMoveObject:
-    entry = registry.rollback(
-        session, model_name=body.model_name, alias=body.alias, reason=body.reason, actor=principal.key_id
+@router.post("/model_aliases/rollback", name="admin_models.rollback", responses=FILED_FOR_APPROVAL)
+def rollback_alias(
+    body: RollbackBody,
+    request: Request,
+    response: Response,
+    session: SessionDep,
+    settings: SettingsDep,
+    principal: AdminDep,
+) -> AliasMoveObject | ApprovalObject:
+    registry.require_reason(body.reason)
+    move = registry.plan_rollback(session, model_name=body.model_name, alias=body.alias)
+    outcome = approvals.move_or_request(
+        session, move, reason=body.reason, force=False, actor=principal.key_id, four_eyes=settings.four_eyes
     )
     session.commit()
-    set_audit_target(request, f"{body.model_name}@{body.alias}")
-    return AliasMoveObject.of(entry)
+    return _moved_or_requested(outcome, request, response, f"{body.model_name}@{body.alias}")
+
+
+@router.get("/model_aliases/approvals", name="admin_models.approvals")
+def list_approvals(
+    session: SessionDep, _: AdminDep, status: ApprovalStatus | None = None, model_name: str | None = None
+) -> ListResponse[ApprovalObject]:
+    rows = approvals.list_approvals(session, status=status, model_name=model_name)
+    return _page([ApprovalObject.of(row, approvals.history_entry(session, row)) for row in rows])
+
+
+@router.get("/model_aliases/approvals/{approval_id}", name="admin_models.approval")
+def get_approval(approval_id: str, session: SessionDep, _: AdminDep) -> ApprovalObject:
+    approval = approvals.get_approval(session, approval_id)
+    return ApprovalObject.of(approval, approvals.history_entry(session, approval))
+
+
+@router.post("/model_aliases/approvals/{approval_id}/approve", name="admin_models.approve")
+def approve(
+    approval_id: str, session: SessionDep, settings: SettingsDep, principal: AdminDep, body: DecisionBody | None = None
+) -> ApprovalObject:
+    approval = approvals.get_approval(session, approval_id)
+    entry = approvals.approve(
+        session,
+        approval,
+        approver=principal.key_id,
+        reason=body.reason if body else None,
+        gate=settings.evaluation_gate,
+    )
+    session.commit()
+    return ApprovalObject.of(approval, entry)
+
+
+@router.post("/model_aliases/approvals/{approval_id}/reject", name="admin_models.reject")
+def reject(
+    approval_id: str, session: SessionDep, principal: AdminDep, body: DecisionBody | None = None
+) -> ApprovalObject:
+    approval = approvals.reject(
+        session,
+        approvals.get_approval(session, approval_id),
+        decider=principal.key_id,
+        reason=body.reason if body else None,
+    )
+    session.commit()
+    return ApprovalObject.of(approval)

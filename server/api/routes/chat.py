@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 from server.api.deps import AnalystDep
 from server.services.inference import ChatFormat, GenerationOptions
@@ -17,7 +17,31 @@ MAX_STOP_SEQUENCES = 4
 MAX_STOP_LENGTH = 200
 MAX_TOP_LOGPROBS = 20
 
-StopSequence = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]
+
+def _valid_unicode(value):
+    """JSON may carry lone surrogate escapes ("\\ud800"): they decode to strings no tokenizer or database encodes."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise ValueError(
+                f"contains a lone surrogate (\\u{ord(value[error.start]):04x}) at position {error.start}, "
+                "which is not valid Unicode"
+            ) from None
+    return value
+
+
+def _no_nul(value: str) -> str:
+    if "\x00" in value:
+        raise ValueError("contains a NUL character")
+    return value
+
+
+# Request text: a str that is valid Unicode (checked first, so the error says what is wrong).
+Text = Annotated[str, BeforeValidator(_valid_unicode)]
+# A model name is looked up and recorded: no NUL (PostgreSQL text cannot hold one).
+ModelName = Annotated[Text, AfterValidator(_no_nul), Field(min_length=1, max_length=256)]
+StopSequence = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_LENGTH)]
 
 
 class StreamOptions(BaseModel):
@@ -26,7 +50,7 @@ class StreamOptions(BaseModel):
 
 class TextPart(BaseModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
@@ -34,7 +58,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    content: Text | list[TextPart] | None = None
 
     def as_template_input(self) -> dict:
         content = self.content or ""
@@ -48,7 +72,7 @@ class SamplingFields(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str = Field(min_length=1, max_length=256)
+    model: ModelName
     max_tokens: int | None = Field(default=None, ge=1)
     n: int = Field(default=1, ge=1, le=MAX_N)
     stop: StopSequence | list[StopSequence] | None = Field(default=None)

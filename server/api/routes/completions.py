@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request
 from pydantic import Field, field_validator
 
 from server.api.deps import AnalystDep
-from server.api.routes.chat import SamplingFields
+from server.api.routes.chat import SamplingFields, Text
 from server.services.inference import CompletionFormat, GenerationOptions
 
 router = APIRouter(tags=["inference"])
@@ -15,7 +15,7 @@ MAX_LOGPROBS = 5  # OpenAI's limit for the legacy endpoint
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Text | list[int] | list[Text] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for this endpoint
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False

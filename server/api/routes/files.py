@@ -17,7 +17,25 @@ from server.services.storage import StreamedFile
 router = APIRouter(prefix="/v1/files", tags=["files"])
 
 
-@router.post("", name="files.create")
+# The body is parsed by hand (streamed to disk), so FastAPI cannot describe it: say what it is for clients and fuzzers.
+UPLOAD_BODY = {
+    "required": True,
+    "content": {
+        "multipart/form-data": {
+            "schema": {
+                "type": "object",
+                "required": ["file", "purpose"],
+                "properties": {
+                    "file": {"type": "string", "format": "binary"},
+                    "purpose": {"type": "string", "enum": list(file_service.SUPPORTED_PURPOSES)},
+                },
+            }
+        }
+    },
+}
+
+
+@router.post("", name="files.create", openapi_extra={"requestBody": UPLOAD_BODY})
 async def create_file(request: Request, session: SessionDep, settings: SettingsDep, principal: DataDep) -> FileObject:
     upload = await receive_multipart(
         request,

@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 from starlette.routing import Route
 
 from server.db.models import ModelVersion, Role
-from server.services import registry
+from server.services import approvals, jobs, registry
 
 PUBLIC = None
 
@@ -52,6 +52,20 @@ REQUIRED_ROLE = {
     ("GET", "/v1/admin/model_aliases"): Role.admin,
     ("GET", "/v1/admin/model_aliases/history"): Role.admin,
     ("POST", "/v1/admin/model_aliases/rollback"): Role.admin,
+    ("GET", "/v1/admin/model_aliases/approvals"): Role.admin,
+    ("GET", "/v1/admin/model_aliases/approvals/{approval_id}"): Role.admin,
+    ("POST", "/v1/admin/model_aliases/approvals/{approval_id}/approve"): Role.admin,
+    ("POST", "/v1/admin/model_aliases/approvals/{approval_id}/reject"): Role.admin,
+    # The web console's pages (its actions are the API routes above, called with the session's key).
+    ("GET", "/console/"): Role.analyst,
+    ("GET", "/console/playground"): Role.analyst,
+    ("GET", "/console/jobs"): Role.data,
+    ("GET", "/console/jobs/{fine_tuning_job_id}"): Role.data,
+    ("GET", "/console/datasets"): Role.data,
+    ("GET", "/console/datasets/{file_id}"): Role.data,
+    ("GET", "/console/models"): Role.admin,
+    ("GET", "/console/keys"): Role.admin,
+    ("GET", "/console/audit"): Role.admin,
 }
 
 
@@ -113,8 +127,11 @@ class RequestFactory:
         return "zaya-servable"
 
     def new_job(self, *, paused: bool = False) -> str:
+        """A queued job (its file validation passed), or a paused one."""
         body = {"model": self.servable_model(), "training_file": self.new_file()}
         job_id = self.client.post("/v1/fine_tuning/jobs", headers=self.admin, json=body).json()["id"]
+        with self.sessions() as session:
+            jobs.finish_validation(session, job_id, None)
         if paused:
             self.client.post(f"/v1/fine_tuning/jobs/{job_id}/pause", headers=self.admin)
         return job_id
@@ -136,10 +153,24 @@ class RequestFactory:
             session.commit()
         return name
 
+    def pending_approval(self) -> str:
+        """A four-eyes request filed by another admin key, so the caller's key may approve it."""
+        requester = self.make_key(Role.admin, "requester")[0]
+        with self.sessions() as session:
+            version = registry.get_version(session, self.new_version())
+            move = registry.plan_promotion(session, version)
+            approval = approvals.move_or_request(
+                session, move, reason="matrix", force=False, actor=requester, four_eyes=True
+            )
+            session.commit()
+            return approval.id
+
     def build(self, method: str, path: str) -> dict:
         kwargs: dict = {}
         if "{fine_tuning_job_id}" in path:
             path = path.replace("{fine_tuning_job_id}", self.new_job(paused=path.endswith("/resume")))
+        if "{approval_id}" in path:
+            path = path.replace("{approval_id}", self.pending_approval())
         if "{version_id}" in path:
             path = path.replace("{version_id}", self.new_version())
         if path == "/v1/fine_tuning/jobs" and method == "POST":

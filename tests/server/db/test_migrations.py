@@ -42,6 +42,7 @@ def test_downgrade_removes_everything_and_upgrade_rebuilds_it(tmp_path, fresh_da
                 "model_versions",
                 "model_aliases",
                 "alias_history",
+                "alias_approvals",
                 "audit_log",
                 "inference_records",
             } <= upgrade_tables

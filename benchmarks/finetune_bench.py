@@ -1,0 +1,345 @@
+"""LoRA against full fine-tuning, and ours against upstream `transformers`' `zaya` + PEFT: train-step speed and
+peak memory on CPU, side by side on the same weights and the same batch of bank-investigation chats.
+
+Run: `python benchmarks/finetune_bench.py [--quick] [--out benchmarks/results/finetune_bench.json]`
+
+Four variants: {ours, upstream} x {full, lora}. A step is forward + backward (assistant-only loss) + AdamW on the
+trainable parameters; LoRA is PEFT with the settings `zaya finetune` uses by default (r 8, alpha 16, attention
+projections and the fused experts). Ours' full step also runs the balancing-bias update, as our full fine-tuning
+does. All four are timed in one process, interleaved (A B C D, then D C B A, ...), so load from other processes
+hits them alike; peak memory is measured in a fresh process per variant (see `measure_variant_memory`).
+The harness (interleaved timing, fresh-process memory, machine info) is `model_bench.py`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import gc
+import itertools
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import model_bench as mb  # benchmarks/ is on sys.path when this file runs as a script; sets OMP_NUM_THREADS
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from finetune.data import TokenizedDataset  # noqa: E402
+from finetune.datasets.formats import parse_record  # noqa: E402
+from finetune.datasets.synthetic import generate_chat_examples  # noqa: E402
+from finetune.train import DEFAULT_LORA_TARGET_MODULES, LORA_EXPERT_PARAMETERS  # noqa: E402
+from zaya_model.pretrain import train_tokenizer  # noqa: E402
+from zaya_model.training import BalancingBiasUpdater  # noqa: E402
+
+DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "finetune_bench.json"
+VARIANTS = ("ours_full", "ours_lora", "upstream_full", "upstream_lora")
+LOSS_TOLERANCE = 1e-4
+BATCH_FILE = "batch.pt"
+MEMORY_METHOD = (
+    "each variant in a fresh process forked from a clean fork server: load the model (+ PEFT), build the optimizer "
+    "and the batch, touch every weight, reset the peak RSS (/proc/self/clear_refs), run two steps (the first "
+    "allocates gradients and AdamW state); peak_rss = VmHWM, peak_delta = VmHWM - VmRSS before the steps. "
+    "torch's CPU allocator keeps no peak statistics and tracemalloc does not see its allocations, hence RSS."
+)
+
+
+@dataclass(frozen=True)
+class FinetuneSizes:
+    """Everything that `--quick` shrinks."""
+
+    model: dict
+    seq_len: int
+    batch: int
+    n_chats: int
+    tokenizer_vocab: int
+    lora_r: int
+    lora_alpha: int
+    warmup: int
+    repeats: int
+    worker_timeout_s: int
+
+
+FULL = FinetuneSizes(
+    model=mb.FULL.model,  # model_bench's 112M-parameter ZAYA1-shaped model
+    seq_len=512,
+    batch=4,
+    n_chats=60,
+    tokenizer_vocab=4096,
+    lora_r=8,
+    lora_alpha=16,
+    warmup=1,
+    repeats=5,
+    worker_timeout_s=600,
+)
+QUICK = FinetuneSizes(
+    model=mb.QUICK.model,
+    seq_len=32,
+    batch=2,
+    n_chats=6,
+    tokenizer_vocab=400,
+    lora_r=4,
+    lora_alpha=8,
+    warmup=1,
+    repeats=2,
+    worker_timeout_s=120,
+)
+# issue 4: LoRA at most 0.6x the full step time and 0.5x its peak memory; ours at least 2x upstream's tokens/s.
+TARGETS = {
+    "lora/full step time (ours)": ("max", 0.6),
+    "lora/full peak memory (ours)": ("max", 0.5),
+    "ours/upstream tokens/s, lora": ("min", 2.0),
+    "ours/upstream tokens/s, full": ("min", 2.0),
+}
+
+
+def bank_batch(sizes: FinetuneSizes, vocab_size: int) -> dict[str, torch.Tensor]:
+    """`batch` rows of `seq_len` tokens from synthetic bank-investigation chats rendered with the chat template,
+    labels on the assistant turns only (as `zaya finetune` trains). The chats are concatenated and each row is the
+    `seq_len` tokens ending where a chat ends, so every row holds an answer to train on. No `position_ids`:
+    upstream's CCA does not honour packed-document boundaries, so both implementations run the same plain causal
+    computation on each row."""
+    records = generate_chat_examples(sizes.n_chats, seed=0)
+    texts = [message["content"] for record in records for message in record["messages"]]
+    tokenizer = train_tokenizer(texts, vocab_size=min(sizes.tokenizer_vocab, vocab_size))
+    if len(tokenizer) > vocab_size:
+        raise SystemExit(f"tokenizer has {len(tokenizer)} tokens, the model only {vocab_size}")
+    features = TokenizedDataset([parse_record(record)[0] for record in records], tokenizer)
+    input_ids = [token for feature in features for token in feature["input_ids"]]
+    labels = [label for feature in features for label in feature["labels"]]
+    ends = list(itertools.accumulate(len(feature["input_ids"]) for feature in features))
+    ends = [end for end in ends if end >= sizes.seq_len][: sizes.batch]
+    if len(ends) < sizes.batch:
+        raise SystemExit(f"{sizes.n_chats} chats give {len(input_ids)} tokens, too few for the batch")
+    rows = [slice(end - sizes.seq_len, end) for end in ends]
+    return {
+        "input_ids": torch.tensor([input_ids[row] for row in rows]),
+        "labels": torch.tensor([labels[row] for row in rows]),
+    }
+
+
+def prepare_variant(variant: str, model_dir: str, sizes: FinetuneSizes):
+    """(model, step): `step()` runs one training step on the saved batch and returns the tokens it processed."""
+    impl, method = variant.split("_")
+    model = mb.load_model(impl, model_dir, "zaya_model")
+    if method == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(
+            r=sizes.lora_r,
+            lora_alpha=sizes.lora_alpha,
+            target_modules=list(DEFAULT_LORA_TARGET_MODULES),
+            target_parameters=list(LORA_EXPERT_PARAMETERS),
+            task_type="CAUSAL_LM",
+        )
+        model = get_peft_model(model, config)
+    balancing = BalancingBiasUpdater(model) if variant == "ours_full" else None
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    batch = torch.load(Path(model_dir) / BATCH_FILE)
+
+    def step() -> int:
+        model.train()
+        model(**batch, use_cache=False).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if balancing is not None:
+            balancing.step()
+        model.eval()
+        return batch["input_ids"].numel()
+
+    return model, step
+
+
+def trainable_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def measure_variant_memory(variant: str, model_dir: str, sizes: FinetuneSizes) -> dict:
+    """Peak RSS of two training steps of one variant (run in a fresh process; see MEMORY_METHOD)."""
+    model, step = prepare_variant(variant, model_dir, sizes)
+    with torch.no_grad():  # memory-mapped weights become resident now, in the baseline, not in the steps' peak
+        for tensor in [*model.parameters(), *model.buffers()]:
+            tensor.sum()
+    gc.collect()
+    if not mb._reset_peak_rss():
+        return {"error": "cannot reset the peak RSS (/proc/self/clear_refs is not writable)"}
+    baseline_kib = mb._proc_status_kib("VmRSS")
+    step()
+    step()
+    peak_kib = mb._proc_status_kib("VmHWM")
+    return {
+        "peak_rss_mib": peak_kib / 1024,
+        "peak_delta_mib": (peak_kib - baseline_kib) / 1024,
+        "baseline_mib": baseline_kib / 1024,
+    }
+
+
+def same_loss(models: dict[str, torch.nn.Module], batch: dict[str, torch.Tensor]) -> float:
+    """Max |Δ loss| on the batch over the four variants before training (LoRA B starts at zero): proof that they
+    train the same model on the same data. Aborts the benchmark if they disagree."""
+    with torch.no_grad():
+        losses = [model(**batch, use_cache=False).loss.item() for model in models.values()]
+    spread = max(losses) - min(losses)
+    if not spread <= LOSS_TOLERANCE:
+        raise SystemExit(f"the variants disagree on the loss before training: {dict(zip(models, losses, strict=True))}")
+    return spread
+
+
+def run_benchmark(sizes: FinetuneSizes, mode: str) -> dict:
+    report: dict = {
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "mode": mode,
+        "machine": mb.machine_info(),
+        "sizes": asdict(sizes),
+        "config": mb.model_config_kwargs(sizes),
+        "memory_method": MEMORY_METHOD,
+        "stage_seconds": {},
+    }
+    stage = functools.partial(mb.timed_stage, report["stage_seconds"])
+    fork_server_ready = mb.start_fork_server("zaya_model")
+    with tempfile.TemporaryDirectory(prefix="zaya-ft-bench-") as model_dir:
+        with stage("build the model and the batch"):
+            mb.save_random_ours(sizes, "zaya_model", model_dir)
+            batch = bank_batch(sizes, sizes.model["vocab_size"])
+            torch.save(batch, Path(model_dir) / BATCH_FILE)
+        report["batch"] = {
+            "shape": list(batch["input_ids"].shape),
+            "trained_tokens": int((batch["labels"] != -100).sum()),
+        }
+        with stage("load the four variants"):
+            prepared = {variant: prepare_variant(variant, model_dir, sizes) for variant in VARIANTS}
+        models = {variant: model for variant, (model, _) in prepared.items()}
+        report["parameters"] = {
+            "total": sum(p.numel() for p in models["ours_full"].parameters()),
+            "trainable": {variant: trainable_parameters(model) for variant, model in models.items()},
+        }
+        report["max_abs_loss_diff_before_training"] = same_loss(models, batch)
+        with stage("wait for the fork server"):
+            fork_server_ready.join()
+        with stage("timing the train steps (interleaved)"):
+            timing = mb.time_interleaved({v: step for v, (_, step) in prepared.items()}, sizes.warmup, sizes.repeats)
+        del prepared, models
+        gc.collect()
+        report["seconds"] = timing.seconds
+        report["tokens_per_s"] = timing.tokens_per_s
+        report["medians"] = {
+            v: {"step_s": mb.median(timing.seconds[v]), "tokens_per_s": mb.median(timing.tokens_per_s[v])}
+            for v in VARIANTS
+        }
+        with stage("peak memory (a fresh process per variant)"):
+            report["peak_memory"] = {
+                variant: mb.run_isolated(
+                    measure_variant_memory, variant, model_dir, sizes, timeout_s=sizes.worker_timeout_s
+                )
+                for variant in VARIANTS
+            }
+    report["ratios"] = ratios(report)
+    report["targets"] = {
+        name: {
+            "kind": kind,
+            "bound": bound,
+            "ratio": report["ratios"][name],
+            "met": _met(report["ratios"][name], kind, bound),
+        }
+        for name, (kind, bound) in TARGETS.items()
+    }
+    return report
+
+
+def ratios(report: dict) -> dict[str, float | None]:
+    medians, memory = report["medians"], report["peak_memory"]
+    return {
+        "lora/full step time (ours)": mb.ratio(medians["ours_lora"]["step_s"], medians["ours_full"]["step_s"]),
+        "lora/full step time (upstream)": mb.ratio(
+            medians["upstream_lora"]["step_s"], medians["upstream_full"]["step_s"]
+        ),
+        "lora/full peak memory (ours)": mb.ratio(
+            memory["ours_lora"].get("peak_rss_mib"), memory["ours_full"].get("peak_rss_mib")
+        ),
+        "lora/full peak memory delta (ours)": mb.ratio(
+            memory["ours_lora"].get("peak_delta_mib"), memory["ours_full"].get("peak_delta_mib")
+        ),
+        "ours/upstream tokens/s, lora": mb.ratio(
+            medians["ours_lora"]["tokens_per_s"], medians["upstream_lora"]["tokens_per_s"]
+        ),
+        "ours/upstream tokens/s, full": mb.ratio(
+            medians["ours_full"]["tokens_per_s"], medians["upstream_full"]["tokens_per_s"]
+        ),
+    }
+
+
+def _met(value: float | None, kind: str, bound: float) -> bool:
+    if value is None:
+        return False
+    return value <= bound if kind == "max" else value >= bound
+
+
+def print_table(report: dict) -> None:
+    rows = [("variant", "step s", "tokens/s", "peak RSS MiB", "peak delta MiB", "trainable params")]
+    for variant in VARIANTS:
+        medians, memory = report["medians"][variant], report["peak_memory"][variant]
+        rows.append(
+            (
+                variant,
+                mb._fmt(medians["step_s"], ".3f"),
+                mb._fmt(medians["tokens_per_s"]),
+                mb._fmt(memory.get("peak_rss_mib"), ",.1f") if "error" not in memory else memory["error"][:40],
+                mb._fmt(memory.get("peak_delta_mib"), ",.1f"),
+                f"{report['parameters']['trainable'][variant]:,}",
+            )
+        )
+    _print_rows(rows)
+    print()
+    rows = [("ratio", "value", "target")]
+    for name, value in report["ratios"].items():
+        target = report["targets"].get(name)
+        text = ""
+        if target is not None:
+            sign = "<=" if target["kind"] == "max" else ">="
+            text = f"{sign} {target['bound']}x {'met' if target['met'] else 'NOT met'}"
+        rows.append((name, mb._fmt_ratio(value), text))
+    _print_rows(rows)
+    print(
+        f"batch {report['batch']['shape']} ({report['batch']['trained_tokens']} trained tokens), "
+        f"{report['parameters']['total'] / 1e6:.1f}M params; same loss before training "
+        f"(max |diff| {report['max_abs_loss_diff_before_training']:.1e}); {report['machine']['cpu']}"
+    )
+    print(f"memory: {report['memory_method']}")
+
+
+def _print_rows(rows: list[tuple]) -> None:
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
+    for index, row in enumerate(rows):
+        print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+        if index == 0:
+            print("  ".join("-" * width for width in widths))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny config and few repeats (a smoke test, seconds)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON report path (default {DEFAULT_OUT})")
+    parser.add_argument("--threads", type=int, default=mb.DEFAULT_THREADS, help="torch threads (default 2)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads < 1:
+        raise SystemExit("--threads must be at least 1")
+    torch.set_num_threads(args.threads)
+    mb.quiet_transformers()
+    report = run_benchmark(QUICK if args.quick else FULL, "quick" if args.quick else "full")
+    print_table(report)
+    mb.write_json_atomic(args.out, report)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

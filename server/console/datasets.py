@@ -1,0 +1,65 @@
+"""What the dataset page shows about a stored file: the fine-tuning validator's report, the PII scan and the
+template-aware preview of one line with its trained tokens, all from `finetune.datasets` (as `zaya data` uses)."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from sqlalchemy.orm import Session
+
+from finetune.datasets.pii import PiiReport, scan_file
+from finetune.datasets.preview import Preview, preview_line
+from finetune.datasets.validation import ValidationReport, validate_dataset
+from server.errors import APIError
+from server.services.model_resolution import resolve
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+@dataclass(frozen=True)
+class DatasetReport:
+    validation: ValidationReport
+    pii: PiiReport
+    preview: Preview | None
+    preview_error: str | None
+    tokenizer_error: str | None
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(path: str) -> PreTrainedTokenizerBase:
+    # Slow to import, so only when a page needs it; from its own module, because the lazy `transformers` package
+    # is not safe to import from two threads at once (the inference engine may be importing it too).
+    from transformers.models.auto.tokenization_auto import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _tokenizer_for(session: Session, model: str) -> PreTrainedTokenizerBase:
+    # The base checkpoint holds the tokenizer, also for adapter versions (as the engines load it).
+    return _tokenizer(str(resolve(session, model).base.path))
+
+
+def inspect(session: Session, path: Path, *, model: str | None, line: int) -> DatasetReport:
+    tokenizer, tokenizer_error = None, None
+    if model is not None:
+        try:
+            tokenizer = _tokenizer_for(session, model)
+        except (APIError, OSError, ValueError) as error:
+            tokenizer_error = f"No tokenizer for {model!r}: {getattr(error, 'message', error)}"
+    preview, preview_error = None, None
+    if tokenizer is not None:
+        try:
+            preview = preview_line(path, line, tokenizer)
+        except ValueError as error:  # a line past the end, or one that is not an example
+            preview_error = str(error).replace(str(path), "the file")
+    return DatasetReport(
+        validation=validate_dataset(path, tokenizer),
+        pii=scan_file(path),
+        preview=preview,
+        preview_error=preview_error,
+        tokenizer_error=tokenizer_error,
+    )

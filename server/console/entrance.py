@@ -1,0 +1,135 @@
+"""The console's public entrance, answered before API authentication (like `/health`): the sign-in page, starting
+and ending a session, and the static assets. Everything else under `/console` needs a session or an API key.
+"""
+
+from __future__ import annotations
+
+import hmac
+from datetime import timedelta
+from urllib.parse import quote
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import RedirectResponse, Response
+from starlette.routing import Mount, Route, Router
+from starlette.staticfiles import StaticFiles
+
+from server.console.cookies import clear_cookie, set_login_cookie, set_session_cookie
+from server.console.session import COOKIE_NAME, LOGIN_COOKIE_NAME, ConsoleSession, SessionCodec, new_token
+from server.console.templating import STATIC_DIR, templates
+from server.db.session import session_scope
+from server.services import audit, keys
+
+PREFIX = "/console"
+LOGIN_PATH = f"{PREFIX}/login"
+SESSION_PATH = f"{PREFIX}/session"
+SIGN_OUT_PATH = f"{PREFIX}/session/end"
+STATIC_PREFIX = f"{PREFIX}/static/"
+MAX_FORM_BYTES = 16 * 1024
+ENDED_MESSAGES = {
+    "signed_out": "You are signed out.",
+    "expired": "Your session ended (idle too long, or the key was revoked). Sign in again.",
+}
+
+
+def handles(path: str) -> bool:
+    return path in (LOGIN_PATH, SESSION_PATH, SIGN_OUT_PATH) or path.startswith(STATIC_PREFIX)
+
+
+def login_url(next_path: str | None = None, ended: str | None = None) -> str:
+    query = [f"next={quote(next_path, safe='/')}"] if next_path else []
+    query += [f"ended={ended}"] if ended else []
+    return LOGIN_PATH + ("?" + "&".join(query) if query else "")
+
+
+def safe_next(value: str | None) -> str:
+    """Only console paths: a sign-in link must not be able to send the user anywhere else."""
+    if value and (value == PREFIX or value.startswith(f"{PREFIX}/")) and "//" not in value and "\\" not in value:
+        return value
+    return f"{PREFIX}/"
+
+
+def build_entrance(app_state, codec: SessionCodec) -> Router:
+    settings = app_state.settings
+    sessions = app_state.sessionmaker
+    last_used_resolution = timedelta(seconds=settings.key_last_used_resolution_s)
+
+    def render_login(request: Request, *, error: str | None = None, status_code: int = 200) -> Response:
+        token = new_token()
+        ended = ENDED_MESSAGES.get(request.query_params.get("ended", ""))
+        response = templates.TemplateResponse(
+            request,
+            "login.html",
+            {
+                "csrf": token,
+                "next": safe_next(request.query_params.get("next")),
+                "error": error,
+                "notice": ended,
+                "principal": None,
+            },
+            status_code=status_code,
+        )
+        set_login_cookie(response, request, token)
+        return response
+
+    def sign_in(secret: str, request: Request) -> str | None:
+        """The key id when the secret is an active key (the API's own lookup); every attempt is audited."""
+        with sessions() as session:
+            key = keys.authenticate(session, secret, last_used_resolution=last_used_resolution)
+            key_id = key.id if key is not None else None
+        with session_scope(sessions) as session:
+            audit.record(
+                session,
+                actor_key_id=key_id,
+                action="console.sign_in",
+                method="POST",
+                path=SESSION_PATH,
+                target=key_id,
+                status_code=303 if key_id else 401,
+                client_address=request.client.host if request.client else None,
+            )
+        return key_id
+
+    async def read_form(request: Request) -> dict[str, str] | None:
+        declared = request.headers.get("content-length", "")
+        if not declared.isdigit() or int(declared) > MAX_FORM_BYTES:
+            return None
+        form = await request.form()
+        return {name: value for name, value in form.items() if isinstance(value, str)}
+
+    async def login_page(request: Request) -> Response:
+        return render_login(request)
+
+    async def start_session(request: Request) -> Response:
+        form = await read_form(request)
+        if form is None:
+            return render_login(request, error="The sign-in form was too large or empty.", status_code=413)
+        expected = request.cookies.get(LOGIN_COOKIE_NAME, "")
+        if not expected or not hmac.compare_digest(expected, form.get("csrf", "")):
+            return render_login(request, error="The sign-in form expired; please try again.", status_code=403)
+        secret = form.get("api_key", "").strip()
+        key_id = await run_in_threadpool(sign_in, secret, request) if secret else None
+        if key_id is None:
+            return render_login(request, error="Invalid or revoked API key.", status_code=401)
+        response = RedirectResponse(safe_next(form.get("next")), status_code=303)
+        set_session_cookie(response, request, codec.encode(ConsoleSession.start(secret)), codec.idle_timeout_s)
+        clear_cookie(response, LOGIN_COOKIE_NAME, path=PREFIX)
+        return response
+
+    async def end_session(request: Request) -> Response:
+        session = codec.decode(request.cookies.get(COOKIE_NAME, ""))
+        form = await read_form(request) or {}
+        if session is not None and not hmac.compare_digest(session.csrf, form.get("csrf", "")):
+            return Response("Missing or wrong CSRF token.", status_code=403, media_type="text/plain")
+        response = RedirectResponse(login_url(ended="signed_out"), status_code=303)
+        clear_cookie(response, COOKIE_NAME)
+        return response
+
+    return Router(
+        routes=[
+            Route(LOGIN_PATH, login_page, methods=["GET"]),
+            Route(SESSION_PATH, start_session, methods=["POST"]),
+            Route(SIGN_OUT_PATH, end_session, methods=["POST"]),
+            Mount(STATIC_PREFIX.rstrip("/"), app=StaticFiles(directory=STATIC_DIR)),
+        ]
+    )

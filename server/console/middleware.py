@@ -1,0 +1,118 @@
+"""Turns a console session into the API's own credential, so the console has no authorization code of its own.
+
+For a request carrying a valid session cookie (and no Authorization header) this middleware, outside the API's
+middleware, checks the CSRF header on every mutating request and adds `Authorization: Bearer <key>`; from there
+the request is authenticated, role-checked, rate-limited and audited exactly like an API call. It also answers the
+public entrance (`server.console.entrance`), re-issues the cookie after each user action (the idle timeout slides),
+and sends browsers to the sign-in page instead of showing them a 401.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.requests import HTTPConnection
+from starlette.responses import RedirectResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from server.api.errors import error_response
+from server.console import entrance
+from server.console.cookies import clear_cookie, session_cookie_header
+from server.console.session import COOKIE_NAME, SessionCodec
+
+MUTATING_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+CSRF_HEADER = "x-csrf-token"
+# Sent by the console's polling scripts: their requests do not count as user activity for the idle timeout.
+BACKGROUND_HEADER = "x-console-background"
+
+
+def _is_page_navigation(scope: Scope, headers: Headers) -> bool:
+    return (
+        scope["method"] == "GET"
+        and scope["path"].startswith(entrance.PREFIX)
+        and "text/html" in headers.get("accept", "")
+    )
+
+
+def _expired_redirect(connection: HTTPConnection) -> RedirectResponse:
+    target = connection.url.path + (f"?{connection.url.query}" if connection.url.query else "")
+    response = RedirectResponse(entrance.login_url(next_path=target, ended="expired"), status_code=303)
+    clear_cookie(response, COOKIE_NAME)
+    return response
+
+
+class ConsoleMiddleware:
+    def __init__(self, app: ASGIApp, *, codec: SessionCodec, entrance_app: ASGIApp) -> None:
+        self.app = app
+        self.codec = codec
+        self.entrance_app = entrance_app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if entrance.handles(scope["path"]):
+            await self.entrance_app(scope, receive, send)
+            return
+        connection = HTTPConnection(scope)
+        headers = connection.headers
+        cookie = connection.cookies.get(COOKIE_NAME)
+        if "authorization" in headers or cookie is None:
+            # API clients, and browsers without a session (pages send those to the sign-in page).
+            if cookie is None and "authorization" not in headers and _is_page_navigation(scope, headers):
+                target = connection.url.path + (f"?{connection.url.query}" if connection.url.query else "")
+                await RedirectResponse(entrance.login_url(next_path=target), status_code=303)(scope, receive, send)
+                return
+            await self.app(scope, receive, send)
+            return
+
+        session = self.codec.decode(cookie)
+        page = _is_page_navigation(scope, headers)
+        if session is None:
+            if page:
+                await _expired_redirect(connection)(scope, receive, send)
+            else:
+                await error_response(401, "Your console session has ended; sign in again.", code="session_expired")(
+                    scope, receive, send
+                )
+            return
+        if scope["method"] in MUTATING_METHODS and not hmac.compare_digest(headers.get(CSRF_HEADER, ""), session.csrf):
+            response = error_response(
+                403,
+                f"Missing or wrong {CSRF_HEADER} header: console requests that change something must carry "
+                "the session's CSRF token.",
+                param=CSRF_HEADER,
+                code="csrf_failed",
+            )
+            await response(scope, receive, send)
+            return
+
+        scope = dict(scope)
+        scope["headers"] = [*scope["headers"], (b"authorization", f"Bearer {session.secret}".encode())]
+        scope.setdefault("state", {})["console_session"] = session
+        refresh = headers.get(BACKGROUND_HEADER) != "1"
+        swallowing = False
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal swallowing
+            if message["type"] == "http.response.start":
+                if page and message["status"] == 401:
+                    # The key was revoked since sign-in: back to the sign-in page rather than a JSON error.
+                    swallowing = True
+                    await _expired_redirect(connection)(scope, _no_body, send)
+                    return
+                if refresh and message["status"] != 401:
+                    cookie_header = session_cookie_header(
+                        connection, self.codec.encode(session), self.codec.idle_timeout_s
+                    )
+                    MutableHeaders(scope=message).append("set-cookie", cookie_header)
+            elif swallowing:
+                return
+            await send(message)
+
+        await self.app(scope, receive, send_wrapper)
+
+
+async def _no_body() -> Message:
+    return {"type": "http.request", "body": b"", "more_body": False}

@@ -1,0 +1,190 @@
+"""The console's pages. Reads go through the same role dependencies and service functions as the API; every action
+on a page is a call to the `/v1` API itself (see `static/console.js`), so nothing here changes state.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import RedirectResponse, Response
+
+from server.api.deps import AdminDep, AnalystDep, DataDep, Principal, SessionDep, SettingsDep
+from server.console import datasets
+from server.console.templating import templates
+from server.db.models import FineTuningJob, JobEvent, JobStatus, Role
+from server.errors import InvalidRequest
+from server.services import approvals, registry
+from server.services import audit as audit_service
+from server.services import files as file_service
+from server.services import jobs as job_service
+from server.services import keys as key_service
+from server.services import models as model_service
+
+router = APIRouter(prefix="/console", include_in_schema=False)
+
+NAVIGATION = (
+    ("Jobs", "/console/jobs", Role.data),
+    ("Datasets", "/console/datasets", Role.data),
+    ("Model versions", "/console/models", Role.admin),
+    ("Keys", "/console/keys", Role.admin),
+    ("Audit log", "/console/audit", Role.admin),
+    ("Playground", "/console/playground", Role.analyst),
+)
+FINISHED = {JobStatus.succeeded, JobStatus.failed, JobStatus.cancelled}
+EVENTS_SHOWN = 200
+
+
+def render(request: Request, template: str, principal: Principal, status_code: int = 200, **context: Any) -> Response:
+    session = getattr(request.state, "console_session", None)
+    return templates.TemplateResponse(
+        request,
+        template,
+        {
+            "principal": principal,
+            "csrf": session.csrf if session is not None else "",
+            "navigation": [(label, href) for label, href, role in NAVIGATION if principal.role.allows(role)],
+            **context,
+        },
+        status_code=status_code,
+    )
+
+
+def max_steps(job: FineTuningJob) -> int | None:
+    return ((job.method.get("supervised") or {}).get("hyperparameters") or {}).get("max_steps")
+
+
+def latest_step(events: list[JobEvent]) -> int | None:
+    """The step of the newest metrics event (events come newest first)."""
+    return next((event.data["step"] for event in events if event.type == "metrics" and event.data), None)
+
+
+def progress(job: FineTuningJob, step: int | None) -> float | None:
+    """Fraction done, when the job has a step budget to measure it by."""
+    if job.status == JobStatus.succeeded:
+        return 1.0
+    total = max_steps(job)
+    return min(1.0, (step or 0) / total) if total else None
+
+
+@router.get("/", name="console.home")
+def home(principal: AnalystDep) -> RedirectResponse:
+    return RedirectResponse("/console/jobs" if principal.role.allows(Role.data) else "/console/playground", 303)
+
+
+@router.get("/jobs", name="console.jobs")
+def jobs_page(request: Request, session: SessionDep, principal: DataDep) -> Response:
+    rows, has_more = job_service.list_jobs(session, after=None, limit=50)
+    jobs = []
+    for job in rows:
+        step = latest_step(job_service.list_events(session, job, after=None, limit=20)[0])
+        jobs.append({"job": job, "step": step, "max_steps": max_steps(job), "progress": progress(job, step)})
+    files, _ = file_service.list_files(session, purpose="fine-tune", limit=200, order="desc", after=None)
+    models = [name for name, _ in model_service.list_model_ids(session)]
+    return render(request, "jobs.html", principal, jobs=jobs, has_more=has_more, files=files, models=models)
+
+
+@router.get("/jobs/{fine_tuning_job_id}", name="console.job")
+def job_page(fine_tuning_job_id: str, request: Request, session: SessionDep, principal: DataDep) -> Response:
+    job = job_service.get_job(session, fine_tuning_job_id)
+    checkpoints, _ = job_service.list_checkpoints(session, job, after=None, limit=100)
+    events, _ = job_service.list_events(session, job, after=None, limit=EVENTS_SHOWN)
+    step = latest_step(events)
+    return render(
+        request,
+        "job.html",
+        principal,
+        job=job,
+        checkpoints=checkpoints,
+        events=events,
+        step=step,
+        max_steps=max_steps(job),
+        progress=progress(job, step),
+        finished=job.status in FINISHED,
+    )
+
+
+@router.get("/datasets", name="console.datasets")
+def datasets_page(request: Request, session: SessionDep, settings: SettingsDep, principal: DataDep) -> Response:
+    files, _ = file_service.list_files(session, purpose=None, limit=200, order="desc", after=None)
+    return render(request, "datasets.html", principal, files=files, max_upload_bytes=settings.max_upload_bytes)
+
+
+@router.get("/datasets/{file_id}", name="console.dataset")
+def dataset_page(
+    file_id: str,
+    request: Request,
+    session: SessionDep,
+    settings: SettingsDep,
+    principal: DataDep,
+    model: str | None = None,
+    line: int = 1,
+) -> Response:
+    file = file_service.get_file(session, file_id)
+    models = [name for name, _ in model_service.list_model_ids(session)]
+    model = model or (models[0] if models else None)
+    if line < 1:
+        raise InvalidRequest("line: line numbers start at 1", param="line")
+    report = datasets.inspect(session, file_service.content_path(settings, file), model=model, line=line)
+    return render(request, "dataset.html", principal, file=file, models=models, model=model, line=line, report=report)
+
+
+@router.get("/models", name="console.models")
+def models_page(request: Request, session: SessionDep, settings: SettingsDep, principal: AdminDep) -> Response:
+    versions = registry.list_versions(session)
+    return render(
+        request,
+        "models.html",
+        principal,
+        versions=versions,
+        lineages={version.id: registry.lineage(session, version) for version in versions},
+        aliases=registry.list_aliases(session),
+        history=registry.alias_history(session),
+        approvals=approvals.list_approvals(session, status=None, model_name=None),
+        four_eyes=settings.four_eyes,
+        evaluation_gate=settings.evaluation_gate,
+    )
+
+
+@router.get("/keys", name="console.keys")
+def keys_page(request: Request, session: SessionDep, principal: AdminDep) -> Response:
+    return render(request, "keys.html", principal, keys=key_service.list_keys(session))
+
+
+def _moment(name: str, value: str) -> datetime | None:
+    """A filter time from the form: ISO 8601; without a zone it is read as UTC (what the page shows)."""
+    if not value:
+        return None
+    try:
+        moment = datetime.fromisoformat(value)
+    except ValueError:
+        raise InvalidRequest(f"{name}: not a date and time (use e.g. 2026-01-01T00:00)", param=name) from None
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+
+
+@router.get("/audit", name="console.audit")
+def audit_page(
+    request: Request,
+    session: SessionDep,
+    principal: AdminDep,
+    actor: str = "",
+    action: str = "",
+    since: str = "",
+    until: str = "",
+) -> Response:
+    filters = {"actor": actor.strip(), "action": action.strip(), "since": since.strip(), "until": until.strip()}
+    try:
+        bounds = {name: _moment(name, filters[name]) for name in ("since", "until")}
+    except InvalidRequest as error:
+        return render(request, "audit.html", principal, 400, filters=filters, entries=[], error=error.message)
+    entries = audit_service.list_entries(
+        session, actor=filters["actor"] or None, action=filters["action"] or None, limit=200, **bounds
+    )
+    return render(request, "audit.html", principal, filters=filters, entries=entries, error=None)
+
+
+@router.get("/playground", name="console.playground")
+def playground_page(request: Request, session: SessionDep, principal: AnalystDep) -> Response:
+    models = [name for name, _ in model_service.list_model_ids(session)]
+    return render(request, "playground.html", principal, models=models)

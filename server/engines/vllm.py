@@ -1,0 +1,334 @@
+"""The `vllm` engine: vLLM's async engine (`AsyncLLM`) in process, serving ZAYA through our plugin.
+
+Each full model version (a base checkpoint, or an adapter merged at registration) is its own `AsyncLLM`, which does
+continuous batching and paged caches; at most `max_loaded_models` of them stay up (least recently used idle ones are
+shut down first) and they split the memory budget (`gpu_memory_utilization`; on CPU `VLLM_CPU_KVCACHE_SPACE` GiB
+each). Adapter versions on a loaded base are served per request with vLLM's LoRA (`LoRARequest`), so requests for
+the base and for several adapters batch together.
+
+Every choice of a request is one vLLM request (its own seed), streamed as token ids and detokenised here by the same
+`StopStringDetokenizer` as the local engine: both engines cut stop strings and end-of-turn tokens identically, and a
+choice that ends on a stop string is aborted in vLLM at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import secrets
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+from transformers import PreTrainedTokenizerBase
+from vllm import SamplingParams as VLLMSamplingParams
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.lora.request import LoRARequest
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.async_llm import AsyncLLM
+
+from server.engines.base import (
+    ChoiceDelta,
+    Engine,
+    EngineError,
+    EngineOverloaded,
+    ModelLoadError,
+    ModelRef,
+    SamplingParams,
+    TokenLogprob,
+)
+from server.engines.detokenizer import StopStringDetokenizer
+from server.engines.local import _load_config, _load_tokenizer, end_of_sequence_ids
+from zaya_model.vllm_plugin.adapters import AdapterError, check_adapter, merged_checkpoint, trains_experts
+
+logger = logging.getLogger(__name__)
+
+
+class VLLMEngineSettings(BaseSettings):
+    """`ZAYA_VLLM_*` variables; see docs/deployment.md for the MI300X values."""
+
+    model_config = SettingsConfigDict(env_prefix="ZAYA_VLLM_", extra="ignore")
+
+    # fp32 is what is tested on CPU (vLLM's "auto" would run an fp32 checkpoint in bf16); "bfloat16" on MI300X.
+    dtype: str = "float32"
+    mamba_cache_dtype: str = "auto"  # CCA conv and value-shift state; "float32" on MI300X
+    max_model_len: int | None = Field(default=None, ge=1)  # default: the model's max_position_embeddings
+    max_num_seqs: int = Field(default=64, ge=1)
+    max_num_batched_tokens: int | None = Field(default=None, ge=1)
+    # Requests beyond the running batch that may wait, per model; one more gets 429.
+    max_queued_requests: int = Field(default=256, ge=0)
+    # Full models (bases and merged adapters) kept up at once; they share the memory budget below.
+    max_loaded_models: int = Field(default=1, ge=1)
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    enforce_eager: bool = False
+    enable_lora: bool = True
+    max_loras: int = Field(default=4, ge=1)  # adapters in one batch
+    max_lora_rank: int = Field(default=16, ge=1)
+    seed: int = 0
+
+
+@dataclass
+class _Served:
+    """One `AsyncLLM` serving a full model, with the adapters loaded on it."""
+
+    llm: AsyncLLM
+    tokenizer: PreTrainedTokenizerBase
+    end_ids: frozenset[int]
+    context_length: int
+    adapters: dict[str, LoRARequest] = field(default_factory=dict)
+    in_flight: int = 0  # sequences submitted and not finished
+
+
+class VLLMEngine(Engine):
+    name = "vllm"
+
+    def __init__(self, settings: VLLMEngineSettings | None = None) -> None:
+        self.settings = settings or VLLMEngineSettings()
+        self._served: OrderedDict[str, _Served] = OrderedDict()  # by full model version id, least recent first
+        # Adapter version id -> whether it trains experts (then served as its merged checkpoint, under its own id).
+        self._trains_experts: dict[str, bool] = {}
+        self._load_lock = asyncio.Lock()
+        self._lora_ids = itertools.count(1)
+        self._tokenizers: dict[str, PreTrainedTokenizerBase] = {}
+        self._context: dict[str, int] = {}
+        self._choice_tasks: set[asyncio.Task] = set()
+
+    # --- loading --------------------------------------------------------------------------------------------
+    async def load_model(self, model: ModelRef) -> None:
+        await self._ensure_served(model)
+
+    async def load_adapter(self, adapter: ModelRef, base: ModelRef) -> None:
+        await self._route(base, adapter)
+
+    async def unload_model(self, version_id: str) -> None:
+        served = self._served.pop(version_id, None)
+        if served is not None:
+            await asyncio.to_thread(served.llm.shutdown)
+
+    async def unload_adapter(self, version_id: str) -> None:
+        if self._trains_experts.pop(version_id, False):
+            await self.unload_model(version_id)
+            return
+        for served in self._served.values():
+            request = served.adapters.pop(version_id, None)
+            if request is not None:
+                await served.llm.remove_lora(request.lora_int_id)
+
+    async def tokenizer(self, model: ModelRef) -> PreTrainedTokenizerBase:
+        if model.version_id not in self._tokenizers:
+            self._tokenizers[model.version_id] = await asyncio.to_thread(_load_tokenizer, model)
+        return self._tokenizers[model.version_id]
+
+    async def context_length(self, model: ModelRef) -> int:
+        if model.version_id not in self._context:
+            config = await asyncio.to_thread(_load_config, model)
+            limit = self.settings.max_model_len or config.max_position_embeddings
+            self._context[model.version_id] = min(limit, config.max_position_embeddings)
+        return self._context[model.version_id]
+
+    async def _ensure_served(self, model: ModelRef) -> _Served:
+        if model.version_id not in self._served:
+            # One start at a time, so two loads cannot both find room for themselves.
+            async with self._load_lock:
+                if model.version_id not in self._served:
+                    tokenizer = await self.tokenizer(model)
+                    context = await self.context_length(model)
+                    await self._make_room()
+                    llm = await asyncio.to_thread(self._start, model, context)
+                    self._served[model.version_id] = _Served(llm, tokenizer, end_of_sequence_ids(tokenizer), context)
+        self._served.move_to_end(model.version_id)
+        return self._served[model.version_id]
+
+    def _start(self, model: ModelRef, context: int) -> AsyncLLM:
+        settings = self.settings
+        args = AsyncEngineArgs(
+            model=str(model.path),
+            dtype=settings.dtype,
+            mamba_cache_dtype=settings.mamba_cache_dtype,
+            max_model_len=context,
+            max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            gpu_memory_utilization=settings.gpu_memory_utilization / settings.max_loaded_models,
+            enforce_eager=settings.enforce_eager,
+            enable_lora=settings.enable_lora,
+            max_loras=settings.max_loras,
+            max_lora_rank=settings.max_lora_rank,
+            enable_prefix_caching=False,  # the CCA state is kept per request, not per KV block
+            seed=settings.seed,
+            disable_log_stats=True,
+        )
+        try:
+            # Built off the event loop (startup takes seconds): AsyncLLM starts its output handler on first use.
+            return AsyncLLM.from_engine_args(args)
+        except Exception as error:
+            raise ModelLoadError(f"Model version {model.version_id} could not be started on vLLM: {error}") from error
+
+    async def _make_room(self) -> None:
+        while len(self._served) >= self.settings.max_loaded_models:
+            idle = next((key for key, served in self._served.items() if not served.in_flight), None)
+            if idle is None:
+                raise EngineOverloaded("Every loaded model is busy; retry shortly.")
+            await self.unload_model(idle)
+
+    async def _route(self, base: ModelRef, adapter: ModelRef | None) -> tuple[_Served, LoRARequest | None]:
+        """The engine and LoRA request that serve `adapter` on `base` (loading either if needed)."""
+        if adapter is None:
+            return await self._ensure_served(base), None
+        if adapter.version_id not in self._trains_experts:
+            self._trains_experts[adapter.version_id] = await asyncio.to_thread(trains_experts, adapter.path)
+        if self._trains_experts[adapter.version_id]:
+            # Adapters that train experts were merged into a full checkpoint at registration.
+            merged = merged_checkpoint(adapter.path)
+            if not (merged / "config.json").is_file():
+                raise ModelLoadError(
+                    f"Adapter version {adapter.version_id} trains expert weights and has no merged checkpoint at "
+                    f"{merged}; register it again to merge it."
+                )
+            return await self._ensure_served(ModelRef(adapter.version_id, merged)), None
+        served = await self._ensure_served(base)
+        if adapter.version_id not in served.adapters:
+            if not self.settings.enable_lora:
+                raise ModelLoadError("This server runs vLLM without LoRA (ZAYA_VLLM_ENABLE_LORA=false).")
+            async with self._load_lock:
+                if adapter.version_id not in served.adapters:
+                    served.adapters[adapter.version_id] = await self._add_lora(served, adapter, base)
+        return served, served.adapters[adapter.version_id]
+
+    async def _add_lora(self, served: _Served, adapter: ModelRef, base: ModelRef) -> LoRARequest:
+        try:
+            await asyncio.to_thread(check_adapter, adapter.path, base.path)
+        except AdapterError as error:
+            raise ModelLoadError(f"Adapter version {adapter.version_id}: {error}") from error
+        request = LoRARequest(adapter.version_id, next(self._lora_ids), str(adapter.path))
+        try:
+            await served.llm.add_lora(request)
+        except Exception as error:
+            raise ModelLoadError(f"Adapter version {adapter.version_id} could not be loaded: {error}") from error
+        return request
+
+    # --- generation -----------------------------------------------------------------------------------------
+    async def generate(
+        self,
+        model: ModelRef,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        adapter: ModelRef | None = None,
+    ) -> AsyncIterator[ChoiceDelta]:
+        if params.n > self.settings.max_num_seqs:
+            raise EngineError(f"n must be at most {self.settings.max_num_seqs} on this engine.", param="n")
+        if len(prompt_token_ids) + params.max_tokens > await self.context_length(model):
+            raise EngineError("The prompt plus max_tokens exceed the model's context length.", param="max_tokens")
+        served, lora = await self._route(model, adapter)
+        if served.in_flight + params.n > self.settings.max_num_seqs + self.settings.max_queued_requests:
+            raise EngineOverloaded("The engine's request queue is full; retry shortly.")
+        served.in_flight += params.n
+        deltas: asyncio.Queue[ChoiceDelta | BaseException] = asyncio.Queue()
+        choices = [
+            asyncio.create_task(self._run_choice(served, prompt_token_ids, params, index, lora, deltas))
+            for index in range(params.n)
+        ]
+        for task in choices:  # the event loop keeps only weak references to tasks
+            self._choice_tasks.add(task)
+            task.add_done_callback(self._choice_tasks.discard)
+        try:
+            remaining = params.n
+            while remaining:
+                delta = await deltas.get()
+                if isinstance(delta, BaseException):
+                    raise delta
+                remaining -= delta.finish_reason is not None
+                yield delta
+        finally:
+            # Done, or the consumer left: cancelling a choice aborts its vLLM request. No await here: when the
+            # consumer is cancelled (a client gone), its cancel scope would cancel that await and skip the rest.
+            served.in_flight -= params.n
+            for task in choices:
+                task.cancel()
+
+    async def _run_choice(
+        self,
+        served: _Served,
+        prompt: list[int],
+        params: SamplingParams,
+        index: int,
+        lora: LoRARequest | None,
+        deltas: asyncio.Queue,
+    ) -> None:
+        detokenizer = StopStringDetokenizer(served.tokenizer, params.stop)
+        generated = 0
+        request_id = f"zaya-{secrets.token_hex(8)}-{index}"
+        try:
+            async for output in served.llm.generate(
+                {"prompt_token_ids": list(prompt)},
+                self._vllm_params(params, index, served),
+                request_id,
+                lora_request=lora,
+            ):
+                completion = output.outputs[0]
+                pending: list[TokenLogprob] = []
+                for position, token in enumerate(completion.token_ids):
+                    generated += 1
+                    text, finish = "", None
+                    if token in served.end_ids:
+                        text, finish = detokenizer.flush(), "stop"
+                    else:
+                        if params.logprobs:
+                            entry = completion.logprobs[position]
+                            pending.append(_logprob(served.tokenizer, entry, token, params.top_logprobs))
+                        text = detokenizer.add(token)
+                        if detokenizer.stopped:
+                            finish = "stop"
+                        elif generated >= params.max_tokens:
+                            text, finish = text + detokenizer.flush(), "length"
+                    if text or finish:
+                        deltas.put_nowait(ChoiceDelta(index, text, pending, finish, generated))
+                        pending = []
+                    if finish:
+                        return  # leaving the stream aborts the vLLM request (a stop string: it would go on)
+        except Exception as error:  # not a cancellation (BaseException): that propagates and aborts the request
+            logger.exception("vLLM generation failed")
+            deltas.put_nowait(EngineError(f"Generation failed: {error}"))
+            return
+        # vLLM ended the choice without a token we finish on (it should not): close it anyway.
+        deltas.put_nowait(ChoiceDelta(index, detokenizer.flush(), [], "stop", generated))
+
+    def _vllm_params(self, params: SamplingParams, index: int, served: _Served) -> VLLMSamplingParams:
+        greedy = params.greedy
+        return VLLMSamplingParams(
+            n=1,
+            temperature=0.0 if greedy else params.temperature,
+            top_p=1.0 if greedy else params.top_p,
+            # The same per-choice seeds as the local engine: n choices differ, one seed reproduces them all.
+            seed=None if params.seed is None else (params.seed * 1_000_003 + index) % 2**63,
+            max_tokens=params.max_tokens,
+            stop_token_ids=sorted(served.end_ids),
+            logprobs=params.top_logprobs if params.logprobs else None,
+            detokenize=False,  # text comes from our detokenizer
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+    def health(self) -> dict:
+        errored = [version for version, served in self._served.items() if served.llm.errored]
+        return {
+            "status": "unavailable" if errored else "ok",
+            "engine": self.name,
+            "loaded_models": list(self._served),
+            "adapters": {version: list(served.adapters) for version, served in self._served.items()},
+            "errored_models": errored,
+            "running_sequences": sum(served.in_flight for served in self._served.values()),
+        }
+
+    async def close(self) -> None:
+        for version_id in list(self._served):
+            await self.unload_model(version_id)
+
+
+def _logprob(tokenizer: PreTrainedTokenizerBase, position: dict, token: int, top: int) -> TokenLogprob:
+    """Our entry from vLLM's {token id: Logprob} of one position: the sampled token plus the `top` best (by rank)."""
+    best = sorted((entry.rank, token_id, entry.logprob) for token_id, entry in position.items() if entry.rank <= top)
+    alternatives = tuple((tokenizer.decode([token_id]), logprob) for _, token_id, logprob in best)
+    return TokenLogprob(tokenizer.decode([token]), position[token].logprob, alternatives)

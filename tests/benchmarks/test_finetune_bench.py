@@ -1,0 +1,54 @@
+"""Smoke test of `benchmarks/finetune_bench.py --quick`: it runs end to end and its JSON report holds every metric."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+VARIANTS = ("ours_full", "ours_lora", "upstream_full", "upstream_lora")
+
+
+def _positive(value) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value) and value > 0
+
+
+@pytest.mark.slow
+def test_quick_finetune_benchmark_reports_every_metric(tmp_path):
+    out = tmp_path / "results" / "finetune_bench.json"
+    done = subprocess.run(
+        [sys.executable, "benchmarks/finetune_bench.py", "--quick", "--threads", "1", "--out", str(out)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+
+    assert report["mode"] == "quick"
+    assert report["max_abs_loss_diff_before_training"] <= 1e-4
+    assert report["batch"]["trained_tokens"] > 0
+    trainable = report["parameters"]["trainable"]
+    assert trainable["ours_full"] == trainable["upstream_full"] == report["parameters"]["total"]
+    assert 0 < trainable["ours_lora"] == trainable["upstream_lora"] < trainable["ours_full"]
+    for variant in VARIANTS:
+        assert len(report["seconds"][variant]) == report["sizes"]["repeats"]
+        assert all(_positive(s) for s in report["tokens_per_s"][variant])
+        assert _positive(report["medians"][variant]["step_s"]) and _positive(report["medians"][variant]["tokens_per_s"])
+        memory = report["peak_memory"][variant]
+        assert "error" not in memory, (variant, memory)
+        assert memory["peak_delta_mib"] >= 0 and memory["peak_rss_mib"] >= memory["baseline_mib"] > 0
+    medians = report["medians"]
+    expected = medians["ours_lora"]["tokens_per_s"] / medians["upstream_lora"]["tokens_per_s"]
+    assert math.isclose(report["ratios"]["ours/upstream tokens/s, lora"], expected)
+    expected = medians["ours_lora"]["step_s"] / medians["ours_full"]["step_s"]
+    assert math.isclose(report["ratios"]["lora/full step time (ours)"], expected)
+    for target in report["targets"].values():
+        bound_ok = target["ratio"] <= target["bound"] if target["kind"] == "max" else target["ratio"] >= target["bound"]
+        assert target["met"] == bound_ok
+    assert "clear_refs" in report["memory_method"]
+    assert "lora/full step time (ours)" in done.stdout  # the table was printed

@@ -1,0 +1,41 @@
+"""Smoke test of `python -m benchmarks.load_test --quick`: the real stack under mixed load, then overloaded.
+
+Checks the harness runs end to end and what the overload phase is for: the server sheds the excess with 429 +
+Retry-After (never a 5xx, a timeout or a dropped connection), stays up and answers again right after.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_quick_load_test_sheds_overload_with_429_and_recovers(tmp_path):
+    out = tmp_path / "load.json"
+    command = [sys.executable, "-m", "benchmarks.load_test", "--quick", "--out", str(out)]
+    done = subprocess.run(
+        [*command, "--data-dir", str(tmp_path / "run")],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,  # ~45 s on an idle 2-core machine; minutes when the machine is shared
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+
+    mixed = report["phases"]["mixed"]["endpoints"]
+    for endpoint in ("chat stream", "chat", "file upload"):
+        assert mixed[endpoint]["ok"] > 0, (endpoint, mixed)
+    flood = report["phases"]["overload"]["endpoints"]["chat stream (flood)"]
+    assert flood["shed"] > 0 and flood["ok"] > 0, flood
+    assert set(flood["statuses"]) <= {"200", "429", "503"}, flood
+    for phase in report["phases"].values():
+        for endpoint, row in phase["endpoints"].items():
+            assert row["errors"] == 0, (endpoint, row["failures"])
+    assert report["verdict"]["recovered"] and report["server_alive"], report
+    assert "mixed load" in done.stdout and "overload" in done.stdout

@@ -1,0 +1,49 @@
+"""Smoke test of `benchmarks/pretrain_bench.py --quick`: it runs end to end and reports every metric."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _positive(value) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value) and value > 0
+
+
+@pytest.mark.slow
+def test_quick_pretrain_benchmark_reports_speed_mfu_and_checkpoint_stall(tmp_path):
+    out = tmp_path / "results" / "pretrain.json"
+    done = subprocess.run(
+        [sys.executable, "benchmarks/pretrain_bench.py", "--quick", "--threads", "1", "--out", str(out)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,  # ~40 s on 2 loaded cores; generous so a busy CI runner does not flake
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+
+    assert report["mode"] == "quick"
+    dtypes = list(report["matmul"]["gflops"])
+    assert dtypes == (["fp32"] if report["bf16_skipped"] else ["fp32", "bf16"])
+    assert all(_positive(value) for value in report["matmul"]["gflops"].values())
+    assert [entry["dtype"] for entry in report["results"]] == dtypes
+    for entry in report["results"]:
+        for impl in ("ours", "trainer"):
+            assert len(entry["tokens_per_s"][impl]) >= 2 and all(map(_positive, entry["tokens_per_s"][impl]))
+            assert _positive(entry["gflops"][impl]) and 0 < entry["mfu_vs_matmul"][impl] < 1
+        assert _positive(entry["ours_over_trainer"]) and _positive(entry["flops_per_token"])
+    for impl in ("ours_2proc_none", "ours_2proc_fsdp"):  # fp32 only
+        assert _positive(report["results"][0]["median_tokens_per_s"][impl])
+    checkpoint = report["results"][0]["checkpoint"]
+    assert set(checkpoint) == {"replicated", "sharded_dcp"}
+    for timing in checkpoint.values():
+        assert timing["checkpoints"] == 3  # steps 0, 2 and 4
+        assert 0 <= timing["waiting_for_previous_write_s"] <= timing["stall_s"]
+        assert _positive(timing["background_write_s"]) and _positive(timing["sync_save_pretrained_s"])
+    assert "| micro | fp32 |" in done.stdout and "| micro | sharded_dcp |" in done.stdout

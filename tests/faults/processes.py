@@ -1,0 +1,69 @@
+"""Waiting on real processes and on what they leave in the database and on disk."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+
+from benchmarks.load_test.stack import Stack
+
+T = TypeVar("T")
+
+
+def dataset(examples: int) -> bytes:
+    """A valid chat dataset (the fine-tuning validator accepts it: distinct examples)."""
+    return b"".join(
+        b'{"messages": [{"role": "user", "content": "Balance of account %d?"}, '
+        b'{"role": "assistant", "content": "It is %d EUR."}]}\n' % (i, 100 + i)
+        for i in range(examples)
+    )
+
+
+DATASET = dataset(8)
+
+
+def wait_for(predicate: Callable[[], T], timeout: float, stack: Stack, what: str, poll: float = 0.05) -> T:
+    """Poll until `predicate()` is truthy; fail with the stack's logs on timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    pytest.fail(f"timed out waiting for {what}\n{logs(stack)}")
+
+
+def logs(stack: Stack) -> str:
+    return f"--- server log\n{Stack.tail(stack.server_log)}\n--- worker log\n{Stack.tail(stack.worker_log)}"
+
+
+def freeze(process: subprocess.Popen) -> None:
+    """SIGSTOP: the process stops where it is, so the test can look at the state it is about to be killed in."""
+    process.send_signal(signal.SIGSTOP)
+
+
+def kill(process: subprocess.Popen) -> None:
+    """SIGKILL (works on a frozen process too): no handler, no cleanup, as in a crash or an OOM kill."""
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+
+
+def visible_files(directory: Path) -> set[str]:
+    """What a listing of the directory shows, leaving out dot-entries (temp files being written)."""
+    return {path.name for path in directory.iterdir() if not path.name.startswith(".")} if directory.exists() else set()
+
+
+def assert_no_secret_logged(stack: Stack) -> None:
+    """The processes' logs (crash tracebacks included) never hold a key's secret part."""
+    from server.services.keys import PREFIX_LENGTH
+
+    for path in (stack.server_log, stack.worker_log):
+        text = path.read_text(errors="replace") if path.exists() else ""
+        for secret in stack.keys.values():
+            assert secret[PREFIX_LENGTH:] not in text, f"a key's secret is in {path.name}"

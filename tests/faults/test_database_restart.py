@@ -1,0 +1,170 @@
+"""PostgreSQL stopped and started again under load: requests fail cleanly (503 + an OpenAI error body) while it is
+down, and the server and a worker reconnect by themselves.
+
+The test runs its own PostgreSQL (initdb + pg_ctl in a temp dir, on a free port) so it can stop it; the shared
+server on 5432 is never touched.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from sqlalchemy import func, select
+
+from benchmarks.load_test.stack import Stack, free_port
+from server.db.models import JobEvent, ModelVersion
+
+from .processes import DATASET, assert_no_secret_logged, logs, wait_for
+
+pytestmark = pytest.mark.slow
+
+PG_BIN_DIRS = sorted(glob.glob("/usr/lib/postgresql/*/bin"))
+
+
+class PrivatePostgres:
+    """A throwaway PostgreSQL cluster. As root it runs as the `postgres` user (initdb refuses root)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.bin = Path(PG_BIN_DIRS[-1])
+        self.directory = directory
+        self.data = directory / "data"
+        self.port = free_port()
+        self.as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+        if self.as_user:
+            shutil.chown(directory, user="postgres")
+
+    def _run(self, *arguments: str) -> None:
+        subprocess.run([*self.as_user, *arguments], check=True, capture_output=True, timeout=120)
+
+    def init(self) -> None:
+        self._run(str(self.bin / "initdb"), "-D", str(self.data), "-U", "postgres", "-A", "trust", "--no-sync")
+
+    def start(self) -> None:
+        options = f"-p {self.port} -k {self.directory} -c listen_addresses=127.0.0.1 -c fsync=off"
+        log = str(self.directory / "postgres.log")
+        self._run(str(self.bin / "pg_ctl"), "-D", str(self.data), "-o", options, "-l", log, "-w", "start")
+
+    def stop(self, mode: str = "fast") -> None:
+        self._run(str(self.bin / "pg_ctl"), "-D", str(self.data), "-m", mode, "-w", "stop")
+
+    @property
+    def url(self) -> str:
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
+
+
+@pytest.fixture
+def postgres() -> Iterator[PrivatePostgres]:
+    if not PG_BIN_DIRS:
+        pytest.skip("needs the PostgreSQL server binaries (initdb, pg_ctl) under /usr/lib/postgresql/*/bin")
+    directory = Path(tempfile.mkdtemp(prefix="zaya-pg-"))  # not under pytest's 0700 tmp: postgres must reach it
+    server = PrivatePostgres(directory)
+    server.init()
+    server.start()
+    try:
+        yield server
+    finally:
+        subprocess.run([*server.as_user, str(server.bin / "pg_ctl"), "-D", str(server.data), "-m", "immediate", "stop"])
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+class Load:
+    """Clients hitting authenticated routes in a loop; every answer (or transport error) is counted by phase."""
+
+    def __init__(self, stack: Stack) -> None:
+        self.stack = stack
+        self.phase = "before"
+        self.results: dict[str, Counter] = {}
+        self.bad_bodies: list[str] = []
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._run, args=(path,)) for path in ("/v1/models", "/v1/files")]
+
+    def _run(self, path: str) -> None:
+        with httpx.Client(base_url=self.stack.url, headers=self.stack.headers("admin"), timeout=30) as client:
+            while not self.stop.is_set():
+                phase = self.phase
+                try:
+                    response = client.get(path)
+                    outcome = response.status_code
+                    if outcome == 503 and not (response.headers.get("Retry-After") and "error" in response.json()):
+                        self.bad_bodies.append(response.text)
+                except httpx.HTTPError as error:
+                    outcome = type(error).__name__
+                self.results.setdefault(phase, Counter())[outcome] += 1
+                time.sleep(0.05)
+
+    def __enter__(self) -> Load:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(timeout=60)
+
+
+def test_requests_fail_cleanly_while_postgres_is_down_and_everything_reconnects(tmp_path, postgres, model_dir):
+    with Stack(tmp_path / "data", database_url=postgres.url, log_dir=tmp_path) as stack:
+        stack.prepare(model_dir)
+        stack.start_server()
+        worker = stack.start_worker()
+        client = httpx.Client(base_url=stack.url, headers=stack.headers("data"), timeout=60)
+        # A job long enough to be training when the database goes away.
+        upload = client.post("/v1/files", data={"purpose": "fine-tune"}, files={"file": ("t.jsonl", DATASET)})
+        hyperparameters = {"n_epochs": 100, "batch_size": 1, "max_steps": 200, "eval_every": 20}
+        body = {"model": "zaya-tiny", "training_file": upload.json()["id"]}
+        body["method"] = {"type": "supervised", "supervised": {"hyperparameters": hyperparameters}}
+        created = client.post("/v1/fine_tuning/jobs", json=body)
+        assert created.status_code == 200, created.text
+        job_id = created.json()["id"]
+
+        def job() -> dict:
+            return client.get(f"/v1/fine_tuning/jobs/{job_id}").json()
+
+        def training() -> bool:
+            events = client.get(f"/v1/fine_tuning/jobs/{job_id}/events").json()["data"]
+            return any(event["type"] == "metrics" for event in events)
+
+        with Load(stack) as load:
+            wait_for(training, 240, stack, "the job to train", poll=0.2)
+            wait_for(lambda: sum(load.results.get("before", {}).values()) >= 4, 60, stack, "requests before the stop")
+            load.phase = "stopping"  # requests in flight while PostgreSQL shuts down may still succeed
+            postgres.stop()
+            load.phase = "down"
+            wait_for(lambda: sum(load.results.get("down", {}).values()) >= 10, 60, stack, "requests while down")
+            down = client.post("/v1/files", data={"purpose": "fine-tune"}, files={"file": ("t.jsonl", DATASET)})
+            load.phase = "starting"
+            postgres.start()
+            load.phase = "after"
+            wait_for(lambda: load.results.get("after", {}).get(200, 0) >= 10, 60, stack, "recovery", poll=0.2)
+
+        assert set(load.results["before"]) == set(load.results["after"]) == {200}, load.results
+        assert set(load.results["down"]) == {503}, (load.results, logs(stack))  # no 500, no dropped connection
+        for phase in ("stopping", "starting"):
+            assert set(load.results.get(phase, {})) <= {200, 503}, load.results
+        assert not load.bad_bodies, load.bad_bodies[:3]
+        assert down.status_code == 503 and down.json()["error"]["code"] == "database_unavailable", down.text
+        assert stack.server.poll() is None, "the server died"
+
+        # The worker reconnected too: the job it lost mid-training is taken back and finished, once.
+        wait_for(lambda: job()["status"] in ("succeeded", "failed", "cancelled"), 300, stack, "the job", poll=0.5)
+        assert worker.poll() is None, "the worker died"
+        with stack.database() as sessions, sessions() as session:
+            query = select(JobEvent.message).where(JobEvent.job_id == job_id, JobEvent.type != "metrics")
+            events = list(session.scalars(query.order_by(JobEvent.id)))
+            versions = session.scalar(select(func.count()).where(ModelVersion.job_id == job_id))
+        assert job()["status"] == "succeeded", (job(), events, logs(stack))
+        assert any("re-queued" in message for message in events), events  # it was running when the database went
+        assert sum(message.startswith("Job succeeded") for message in events) == 1 and versions == 1, events
+    assert_no_secret_logged(stack)

