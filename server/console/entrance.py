@@ -9,6 +9,7 @@ from datetime import timedelta
 from urllib.parse import quote
 
 from starlette.concurrency import run_in_threadpool
+from starlette.middleware.exceptions import ExceptionMiddleware
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 from starlette.routing import Mount, Route, Router
@@ -49,7 +50,7 @@ def safe_next(value: str | None) -> str:
     return f"{PREFIX}/"
 
 
-def build_entrance(app_state, codec: SessionCodec) -> Router:
+def build_entrance(app_state, codec: SessionCodec) -> ExceptionMiddleware:
     settings = app_state.settings
     sessions = app_state.sessionmaker
     last_used_resolution = timedelta(seconds=settings.key_last_used_resolution_s)
@@ -125,7 +126,7 @@ def build_entrance(app_state, codec: SessionCodec) -> Router:
         clear_cookie(response, COOKIE_NAME)
         return response
 
-    return Router(
+    router = Router(
         routes=[
             Route(LOGIN_PATH, login_page, methods=["GET"]),
             Route(SESSION_PATH, start_session, methods=["POST"]),
@@ -133,3 +134,5 @@ def build_entrance(app_state, codec: SessionCodec) -> Router:
             Mount(STATIC_PREFIX.rstrip("/"), app=StaticFiles(directory=STATIC_DIR)),
         ]
     )
+    # This app runs in front of the API's exception handling: a missing asset's 404 must become a response here.
+    return ExceptionMiddleware(router)

@@ -8,9 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from server.cli import main
+from finetune_helpers import chat
 
-from .records import chat
+from server.cli import main
 
 
 def test_validate_exit_codes_and_problem_lines(tokenizer_dir, write_jsonl, capsys):

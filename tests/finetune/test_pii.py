@@ -6,10 +6,9 @@ import json
 import os
 
 import pytest
+from finetune_helpers import chat
 
 from finetune.datasets.pii import PII_TYPES, find_pii, redact_text, scan_file
-
-from .records import chat
 
 POSITIVES = {
     "EMAIL": "write to jane.doe@example.com today",

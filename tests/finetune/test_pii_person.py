@@ -9,12 +9,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from finetune_helpers import chat
 
 from finetune.datasets.person_names import PersonModelError, load_person_finder
 from finetune.datasets.pii import find_pii, scan_file
 from server.cli import main
-
-from .records import chat
 
 spacy = pytest.importorskip("spacy", reason="needs spaCy, the optional `pii` extra (make install installs it)")
 

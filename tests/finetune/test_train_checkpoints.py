@@ -7,14 +7,12 @@ import os
 import peft
 import pytest
 import torch
+from finetune_helpers import Recorder, chat, save_tiny_model, spec, write_data
 
 from finetune.balancing import BALANCING_STATE_FILE, BalancingBiasCallback
 from finetune.rotation import rotate_checkpoints
 from finetune.train import FinetuneError, run_finetune, validate_spec
 from zaya_model import ZayaForCausalLM
-
-from .records import chat
-from .test_train import Recorder, save_tiny_model, spec, write_data
 
 
 @pytest.fixture(scope="module")

@@ -10,12 +10,10 @@ import signal
 import peft
 import pytest
 import torch
+from finetune_helpers import Recorder, chat, save_tiny_model, spec, write_data
 
 from finetune.train import CheckpointWriteError, run_finetune
 from zaya_model import ZayaForCausalLM
-
-from .records import chat
-from .test_train import Recorder, save_tiny_model, spec, write_data
 
 
 @pytest.fixture(scope="module")

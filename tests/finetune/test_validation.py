@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from finetune_helpers import chat
 from transformers import AutoTokenizer
 
 from finetune.datasets import tokenize_example, validate_dataset
 from finetune.datasets.formats import parse_record
 from finetune.datasets.synthetic import generate_chat_examples
-
-from .records import chat
 
 
 def problem_tuples(report):
