@@ -1,4 +1,5 @@
-"""Smoke test of `benchmarks/pretrain_bench.py --quick`: it runs end to end and reports every metric."""
+"""Smoke test of `benchmarks/pretrain_bench.py --quick`: it runs end to end and reports every metric, upstream
+`transformers` `zaya` under the same Trainer and issue 3's targets included."""
 
 import json
 import math
@@ -34,10 +35,16 @@ def test_quick_pretrain_benchmark_reports_speed_mfu_and_checkpoint_stall(tmp_pat
     assert all(_positive(value) for value in report["matmul"]["gflops"].values())
     assert [entry["dtype"] for entry in report["results"]] == dtypes
     for entry in report["results"]:
-        for impl in ("ours", "trainer"):
+        for impl in ("ours", "trainer", "upstream"):
             assert len(entry["tokens_per_s"][impl]) >= 2 and all(map(_positive, entry["tokens_per_s"][impl]))
             assert _positive(entry["gflops"][impl]) and 0 < entry["mfu_vs_matmul"][impl] < 1
-        assert _positive(entry["ours_over_trainer"]) and _positive(entry["flops_per_token"])
+        for ratio in ("ours_over_trainer", "ours_over_upstream", "trainer_ours_over_upstream", "flops_per_token"):
+            assert _positive(entry[ratio])
+        expected = {"mfu_vs_matmul_ours"} | ({"ours_over_upstream"} if entry["dtype"] == "fp32" else set())
+        assert set(entry["targets"]) == expected
+        for name, target in entry["targets"].items():
+            value = entry["mfu_vs_matmul"]["ours"] if name == "mfu_vs_matmul_ours" else entry[name]
+            assert target["value"] == value and target["met"] == (value >= target["min"])
     for impl in ("ours_2proc_none", "ours_2proc_fsdp"):  # fp32 only
         assert _positive(report["results"][0]["median_tokens_per_s"][impl])
     checkpoint = report["results"][0]["checkpoint"]
@@ -47,3 +54,4 @@ def test_quick_pretrain_benchmark_reports_speed_mfu_and_checkpoint_stall(tmp_pat
         assert 0 <= timing["waiting_for_previous_write_s"] <= timing["stall_s"]
         assert _positive(timing["background_write_s"]) and _positive(timing["sync_save_pretrained_s"])
     assert "| micro | fp32 |" in done.stdout and "| micro | sharded_dcp |" in done.stdout
+    assert "micro fp32 ours_over_upstream:" in done.stdout

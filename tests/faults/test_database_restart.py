@@ -100,6 +100,8 @@ class Load:
                         self.bad_bodies.append(response.text)
                 except httpx.HTTPError as error:
                     outcome = type(error).__name__
+                if self.phase != phase:  # in flight across a stop or start: either answer is right
+                    phase = "stopping" if phase == "before" else "starting" if phase == "down" else phase
                 self.results.setdefault(phase, Counter())[outcome] += 1
                 time.sleep(0.05)
 
