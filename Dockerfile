@@ -1,4 +1,5 @@
-# The API server on CPU (embedded SQLite by default; set ZAYA_DATABASE_URL for PostgreSQL).
+# The API server on CPU (embedded SQLite by default; set ZAYA_DATABASE_URL for PostgreSQL; compose.yaml runs it with
+# PostgreSQL and a worker). The MI300X production image is Dockerfile.rocm.
 #   docker build -t zaya .
 #   docker run --rm -v zaya-data:/data zaya zaya db upgrade
 #   docker run --rm -v zaya-data:/data zaya zaya keys create --role admin --name first-admin

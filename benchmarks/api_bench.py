@@ -40,7 +40,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from server.db.migrations import upgrade  # noqa: E402
 from server.db.models import File, FineTuningJob, JobStatus, Role, new_id  # noqa: E402
-from server.db.session import make_engine, make_sessionmaker, session_scope  # noqa: E402
+from server.db.session import make_autocommit_sessionmaker, make_engine, make_sessionmaker, session_scope  # noqa: E402
 from server.services import jobs, keys, registry  # noqa: E402
 from zaya_model.atomic_io import write_json_atomic  # noqa: E402
 
@@ -243,8 +243,8 @@ def bench_job_creation(base_url: str, secrets_: dict, sizes: BenchSizes) -> dict
 def bench_authentication(database_url: str, secret: str, calls: int) -> dict:
     """What the request middleware does per request, timed alone: a session, the key looked up by its prefix, the
     secret's hash compared, revocation checked (`last_used_at` is written at most once a minute, as served)."""
-    engine = make_engine(database_url)
-    sessions = make_sessionmaker(engine)
+    engine = make_engine(database_url, pre_ping=False)
+    sessions = make_autocommit_sessionmaker(engine)  # as the middleware authenticates
     resolution = datetime.timedelta(seconds=60)
     try:
         for _ in range(min(calls, 20)):  # warm the pool and the statement cache

@@ -42,10 +42,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         yield
         await app.state.inference.close()
         engine.dispose()
+        app.state.auth_engine.dispose()
 
     app = FastAPI(title="ZAYA platform", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
     app.state.engine = engine
+    # Authentication's own pool: autocommit lookups without pre-ping (see `server.api.middleware`).
+    app.state.auth_engine = make_engine(settings.database_url, pre_ping=False)
     app.state.sessionmaker = make_sessionmaker(engine)
     app.state.metrics = Metrics(app.state.sessionmaker)
     app.state.inference = InferenceService(settings, app.state.sessionmaker)

@@ -12,13 +12,13 @@ import time
 from datetime import timedelta
 
 from fastapi import FastAPI, Request, Response
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from starlette.concurrency import run_in_threadpool
 from starlette.routing import BaseRoute, Match
 
 from server.api.deps import Principal
 from server.api.errors import database_unavailable, error_response
-from server.db.session import session_scope
+from server.db.session import make_autocommit_sessionmaker, session_scope
 from server.errors import RateLimited
 from server.services import audit, keys
 
@@ -52,12 +52,23 @@ def _storable(text: str, max_length: int | None = None) -> str:
 def install_middleware(app: FastAPI) -> None:
     settings = app.state.settings
     sessions = app.state.sessionmaker
+    auth_sessions = make_autocommit_sessionmaker(app.state.auth_engine)
     last_used_resolution = timedelta(seconds=settings.key_last_used_resolution_s)
 
-    def authenticate(token: str) -> Principal | None:
-        with sessions() as session:
+    def look_up(token: str) -> Principal | None:
+        with auth_sessions() as session:
             key = keys.authenticate(session, token, last_used_resolution=last_used_resolution)
             return Principal.from_key(key) if key is not None else None
+
+    def authenticate(token: str) -> Principal | None:
+        # Runs on every request, so no pool pre-ping (a round trip): a connection that died with the database is
+        # invalidated on first use, and the lookup is retried once on a fresh one.
+        try:
+            return look_up(token)
+        except DBAPIError as error:
+            if not error.connection_invalidated:
+                raise
+            return look_up(token)
 
     def write_audit(request: Request, action: str, path_params: dict, status_code: int) -> None:
         principal: Principal | None = getattr(request.state, "principal", None)

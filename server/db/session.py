@@ -11,10 +11,12 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 
-def make_engine(database_url: str) -> Engine:
+def make_engine(database_url: str, *, pre_ping: bool = True) -> Engine:
+    """`pre_ping` tests each pooled connection before use (a round trip), so connections that died with a database
+    restart are replaced transparently; hot paths that retry on a dead connection themselves turn it off."""
     url = make_url(database_url)
     if url.get_backend_name() != "sqlite":
-        return create_engine(url, pool_pre_ping=True)
+        return create_engine(url, pool_pre_ping=pre_ping)
 
     if url.database and url.database != ":memory:":
         Path(url.database).parent.mkdir(parents=True, exist_ok=True)
@@ -35,6 +37,12 @@ def make_engine(database_url: str) -> Engine:
 
 def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
     return sessionmaker(bind=engine, expire_on_commit=False)
+
+
+def make_autocommit_sessionmaker(engine: Engine) -> sessionmaker[Session]:
+    """Sessions whose statements commit one by one, for single-statement reads on the hot path (authentication):
+    no BEGIN and no ROLLBACK, which are a network round trip each on PostgreSQL."""
+    return make_sessionmaker(engine.execution_options(isolation_level="AUTOCOMMIT"))
 
 
 @contextmanager
