@@ -369,12 +369,12 @@ class LocalEngine(Engine):
 
     async def tokenizer(self, model: ModelRef) -> PreTrainedTokenizerBase:
         if model.version_id not in self._tokenizers:
-            self._tokenizers[model.version_id] = await asyncio.to_thread(_load_tokenizer, model)
+            self._tokenizers[model.version_id] = await asyncio.to_thread(load_model_tokenizer, model)
         return self._tokenizers[model.version_id]
 
     async def context_length(self, model: ModelRef) -> int:
         if model.version_id not in self._configs:
-            self._configs[model.version_id] = await asyncio.to_thread(_load_config, model)
+            self._configs[model.version_id] = await asyncio.to_thread(load_model_config, model)
         return self._configs[model.version_id].max_position_embeddings
 
     async def _ensure_loaded(self, base: ModelRef, adapter: ModelRef | None) -> _Scheduler:
@@ -449,14 +449,14 @@ class LocalEngine(Engine):
             await self._unload(served_id)
 
 
-def _load_tokenizer(model: ModelRef) -> PreTrainedTokenizerBase:
+def load_model_tokenizer(model: ModelRef) -> PreTrainedTokenizerBase:
     try:
         return AutoTokenizer.from_pretrained(model.path)
     except Exception as error:
         raise ModelLoadError(f"Model version {model.version_id} has no loadable tokenizer: {error}") from error
 
 
-def _load_config(model: ModelRef) -> ZayaConfig:
+def load_model_config(model: ModelRef) -> ZayaConfig:
     try:
         return ZayaConfig.from_pretrained(model.path)
     except Exception as error:

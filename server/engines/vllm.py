@@ -41,7 +41,7 @@ from server.engines.base import (
     TokenLogprob,
 )
 from server.engines.detokenizer import StopStringDetokenizer
-from server.engines.local import _load_config, _load_tokenizer, end_of_sequence_ids
+from server.engines.local import end_of_sequence_ids, load_model_config, load_model_tokenizer
 from zaya_model.vllm_plugin.adapters import AdapterError, check_adapter, merged_checkpoint, trains_experts
 
 logger = logging.getLogger(__name__)
@@ -119,12 +119,12 @@ class VLLMEngine(Engine):
 
     async def tokenizer(self, model: ModelRef) -> PreTrainedTokenizerBase:
         if model.version_id not in self._tokenizers:
-            self._tokenizers[model.version_id] = await asyncio.to_thread(_load_tokenizer, model)
+            self._tokenizers[model.version_id] = await asyncio.to_thread(load_model_tokenizer, model)
         return self._tokenizers[model.version_id]
 
     async def context_length(self, model: ModelRef) -> int:
         if model.version_id not in self._context:
-            config = await asyncio.to_thread(_load_config, model)
+            config = await asyncio.to_thread(load_model_config, model)
             limit = self.settings.max_model_len or config.max_position_embeddings
             self._context[model.version_id] = min(limit, config.max_position_embeddings)
         return self._context[model.version_id]

@@ -9,83 +9,17 @@ test_pretrain.py, which uses the same micro model).
 
 import json
 import multiprocessing
-import traceback
-from pathlib import Path
 
 import pytest
 import torch
+from pretrain_helpers import MICRO as PRETRAIN_MICRO
+from pretrain_helpers import step_losses, train_rank
 
-from finetune.datasets.synthetic import generate_cases, render_case_file
 from server.cli import main
 from zaya_model import ZayaForCausalLM
-from zaya_model.pretrain.presets import PretrainSettings
-from zaya_model.pretrain.tokenizer import train_tokenizer
 from zaya_model.pretrain.train import Pretrainer, PretrainError
 
-MICRO = PretrainSettings(
-    model=dict(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        moe_intermediate_size=32,
-        num_experts=4,
-        router_hidden_size=16,
-        max_position_embeddings=128,
-    ),
-    tokenizer_vocab_size=320,
-    seq_len=32,
-    batch_size=4,
-    max_steps=4,
-    lr=1e-2,
-    warmup_steps=2,
-    dtype="fp32",
-    eval_every=3,
-    eval_rows=4,
-    save_every=3,
-    keep_last=2,
-    shuffle_buffer=8,
-    step_timeout_s=0,
-)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("corpus") / "cases.jsonl"
-    texts = [render_case_file(case) for case in generate_cases(120, seed=5)]
-    path.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
-    return path
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(corpus, tmp_path_factory) -> Path:
-    directory = tmp_path_factory.mktemp("tokenizer")
-    texts = (json.loads(line)["text"] for line in corpus.read_text().splitlines())
-    train_tokenizer(texts, vocab_size=320).save_pretrained(directory)
-    return directory
-
-
-def step_losses(output: Path) -> dict[int, float]:
-    records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records if "loss" in r}
-
-
-def _train_rank(rank, world_size, init_file, corpus, output, settings, tokenizer_dir, until_step):
-    import torch.distributed as dist
-
-    from zaya_model.training.distributed import DistributedContext
-
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
-        context = DistributedContext(rank, world_size)
-        trainer = Pretrainer(corpus, output, settings, tokenizer_path=tokenizer_dir, distributed=context)
-        trainer.train(until_step=until_step)
-    except BaseException:
-        Path(f"{init_file}.rank{rank}.error").write_text(traceback.format_exc())  # shown by the test
-        raise
-    finally:
-        dist.destroy_process_group()
+MICRO = PRETRAIN_MICRO.replace(batch_size=4, max_steps=4)
 
 
 def run_two_ranks(tmp_path, name, corpus, output, settings, tokenizer_dir, until_step=None):
@@ -93,7 +27,7 @@ def run_two_ranks(tmp_path, name, corpus, output, settings, tokenizer_dir, until
     context = multiprocessing.get_context("fork")
     init = tmp_path / f"init-{name}"
     args = (init, corpus, output, settings, tokenizer_dir, until_step)
-    ranks = [context.Process(target=_train_rank, args=(rank, 2, *args)) for rank in range(2)]
+    ranks = [context.Process(target=train_rank, args=(rank, 2, *args)) for rank in range(2)]
     for process in ranks:
         process.start()
     for process in ranks:

@@ -1,81 +1,26 @@
 """`zaya pretrain` end to end on a micro model: exact resume, SIGTERM, rollback, checkpoint retention, balancing."""
 
 import contextlib
-import json
 import math
 import os
 import signal
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
+from pretrain_helpers import MICRO, metrics, step_losses, train_rank
 from safetensors.torch import load_file
 
-from finetune.datasets.synthetic import generate_cases, render_case_file
 from server.cli import main
 from zaya_model import ZayaForCausalLM
 from zaya_model.pretrain.plot import read_losses
-from zaya_model.pretrain.presets import PretrainSettings
 from zaya_model.pretrain.tokenizer import train_tokenizer
 from zaya_model.pretrain.train import Pretrainer, PretrainError
 from zaya_model.training.callbacks import TrainingHooks
 from zaya_model.training.checkpointing import CheckpointManager, load_training_state
-
-MICRO = PretrainSettings(
-    model=dict(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        moe_intermediate_size=32,
-        num_experts=4,
-        router_hidden_size=16,
-        max_position_embeddings=128,
-    ),
-    tokenizer_vocab_size=320,
-    seq_len=32,
-    batch_size=2,
-    max_steps=6,
-    lr=1e-2,
-    warmup_steps=2,
-    dtype="fp32",
-    eval_every=3,
-    eval_rows=4,
-    save_every=3,
-    keep_last=2,
-    shuffle_buffer=8,
-    step_timeout_s=0,
-)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("corpus") / "cases.jsonl"
-    texts = [render_case_file(case) for case in generate_cases(120, seed=5)]
-    path.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
-    return path
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(corpus, tmp_path_factory) -> Path:
-    directory = tmp_path_factory.mktemp("tokenizer")
-    texts = (json.loads(line)["text"] for line in corpus.read_text().splitlines())
-    train_tokenizer(texts, vocab_size=320).save_pretrained(directory)
-    return directory
-
-
-def metrics(output: Path) -> list[dict]:
-    return [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
-
-
-def step_losses(output: Path) -> dict[int, float]:
-    """The loss of every step (a step redone after a resume or rollback keeps its last value)."""
-    return {m["step"]: m["loss"] for m in metrics(output) if "loss" in m}
 
 
 @pytest.mark.parametrize("sharding", ["none", "fsdp"])  # save_pretrained + torch.save, or DCP checkpoints
@@ -231,7 +176,6 @@ def test_repeated_failures_stop_the_run(corpus, tokenizer_dir, tmp_path):
 
 
 def test_keeps_the_last_k_and_the_best_checkpoint(tiny_model, tmp_path):
-    from zaya_model.pretrain.tokenizer import train_tokenizer
 
     tokenizer = train_tokenizer(["a few words to learn merges from"] * 4, vocab_size=300)
     manager = CheckpointManager(tmp_path, keep_last=2)
@@ -334,23 +278,6 @@ def test_bad_input_fails_before_training_and_keeps_checkpoints(corpus, tokenizer
     assert "no training documents" in capsys.readouterr().err
 
 
-def _train_rank(rank, world_size, init_file, corpus, output, settings, tokenizer_dir, until_step):
-    import torch.distributed as dist
-
-    from zaya_model.training.distributed import DistributedContext
-
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
-        context = DistributedContext(rank, world_size)
-        trainer = Pretrainer(corpus, output, settings, tokenizer_path=tokenizer_dir, distributed=context)
-        trainer.train(until_step=until_step)
-    except BaseException:
-        Path(f"{init_file}.rank{rank}.error").write_text(traceback.format_exc())  # shown by the test
-        raise
-    finally:
-        dist.destroy_process_group()
-
-
 def test_two_processes_match_one_with_twice_the_batch_and_resume_on_one(corpus, tokenizer_dir, tmp_path):
     import multiprocessing
 
@@ -360,7 +287,7 @@ def test_two_processes_match_one_with_twice_the_batch_and_resume_on_one(corpus, 
     # Two gloo ranks with half the batch each (forked: no second interpreter start-up), stopped after step 2...
     context = multiprocessing.get_context("fork")
     args = (tmp_path / "init", corpus, tmp_path / "two", settings.replace(batch_size=2), tokenizer_dir, 2)
-    ranks = [context.Process(target=_train_rank, args=(rank, 2, *args)) for rank in range(2)]
+    ranks = [context.Process(target=train_rank, args=(rank, 2, *args)) for rank in range(2)]
     for process in ranks:
         process.start()
     for process in ranks:
