@@ -22,6 +22,9 @@ class Settings(BaseSettings):
 
     # Uploads are streamed to disk; anything larger is refused with 413.
     max_upload_bytes: int = Field(default=1024**3, gt=0)
+    # PII scan of uploads (`finetune.datasets.pii`): "report" notes the findings in the file's `status_details`,
+    # "reject" refuses a file with any finding (400 `pii_detected`), "off" skips the scan.
+    upload_pii_scan: Literal["off", "report", "reject"] = "off"
     # Limit for every other request body (JSON).
     max_request_bytes: int = Field(default=8 * 1024**2, gt=0)
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from sqlalchemy import or_, select, tuple_
 from sqlalchemy.orm import Session
 
+from finetune.datasets.pii import scan_file
 from finetune.datasets.validation import validate_dataset
 from server.db.base import utcnow
 from server.db.models import ACTIVE_JOB_STATUSES, File, FineTuningJob, new_id
@@ -38,6 +39,29 @@ def check_dataset(path: Path) -> None:
         )
 
 
+def scan_for_pii(path: Path, policy: str) -> str | None:
+    """The upload's PII scan under `Settings.upload_pii_scan`: `reject` refuses a file with any finding, `report`
+    returns a summary for the file's `status_details`, `off` skips the scan."""
+    if policy == "off":
+        return None
+    report = scan_file(path)
+    if not report.total:
+        return "PII scan: nothing found."
+    found = ", ".join(
+        f"{pii_type} {count} (lines {', '.join(map(str, report.example_lines[pii_type][:5]))})"
+        for pii_type, count in report.counts.items()
+        if count
+    )
+    summary = f"{report.total} matches on {report.n_lines_with_pii} of {report.n_lines} lines: {found}"
+    if policy == "reject":
+        raise InvalidRequest(
+            f"The file contains personal data ({summary}). Redact it first (`zaya data pii FILE --redact OUT`).",
+            param="file",
+            code="pii_detected",
+        )
+    return f"PII scan: {summary}."
+
+
 def create_file(
     session: Session,
     settings: Settings,
@@ -61,6 +85,7 @@ def create_file(
             raise InvalidRequest("Missing required parameter: 'file'.", param="file", code="missing_required")
         upload.finish_writing()
         check_dataset(upload.temp_path)
+        pii_summary = scan_for_pii(upload.temp_path, settings.upload_pii_scan)
 
         file = File(
             id=new_id("file-"),
@@ -69,6 +94,7 @@ def create_file(
             bytes=upload.size,
             sha256=upload.sha256,
             created_by=created_by,
+            status_details=pii_summary,
         )
         session.add(file)
         session.flush()

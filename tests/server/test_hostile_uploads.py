@@ -1,5 +1,5 @@
 """Hostile uploads to `POST /v1/files` over real HTTP: each is refused with a clear 4xx and leaves no file or row, or
-(names, PII) is accepted in a documented way. The endless upload is in `test_limits.py`."""
+(names; PII per `ZAYA_UPLOAD_PII_SCAN`) is accepted in a documented way. The endless upload is in `test_limits.py`."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ import json
 
 import httpx
 import pytest
+from fastapi.testclient import TestClient
 from sqlalchemy import select
 
+from server.app import create_app
 from server.db.models import File
 
 PII_DATASET = b"".join(
@@ -115,9 +117,35 @@ def test_hostile_filenames_are_only_labels(upload, valid_dataset, settings, sess
         assert session.get(File, file_id).filename == stored
 
 
-def test_a_dataset_that_is_all_pii_is_accepted_as_is(upload, settings, sessions):
-    """Uploads are not PII-scanned (no PII policy in the server yet): such a file is stored like any valid dataset.
-    `zaya data pii` finds and redacts it before upload."""
-    response = upload(PII_DATASET)
-    assert response.status_code == 200, response.text
-    assert (settings.files_dir / response.json()["id"]).read_bytes() == PII_DATASET
+@pytest.mark.parametrize("policy", ["off", "report", "reject"])
+def test_a_dataset_that_is_all_pii_follows_the_upload_pii_policy(settings, sessions, make_key, valid_dataset, policy):
+    """`ZAYA_UPLOAD_PII_SCAN`: off stores it as is, report stores it with the findings in `status_details`, reject
+    refuses it with the findings and leaves nothing behind; a clean file passes every policy."""
+    app = create_app(settings.model_copy(update={"upload_pii_scan": policy}))
+    headers = {"Authorization": f"Bearer {make_key('data')[1]}"}
+    with TestClient(app) as client:
+
+        def send(content: bytes):
+            files = {"file": ("train.jsonl", content)}
+            return client.post("/v1/files", headers=headers, data={"purpose": "fine-tune"}, files=files)
+
+        response = send(PII_DATASET)
+        if policy == "reject":
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error["code"] == "pii_detected" and error["param"] == "file"
+            assert "EMAIL 5 (lines 1, 2, 3, 4, 5)" in error["message"] and "IBAN" in error["message"]
+            assert [path for path in settings.files_dir.rglob("*") if path.is_file()] == []
+            with sessions() as session:
+                assert session.scalars(select(File)).all() == []
+        else:
+            assert response.status_code == 200, response.text
+            assert (settings.files_dir / response.json()["id"]).read_bytes() == PII_DATASET
+            details = response.json()["status_details"]
+            if policy == "off":
+                assert details is None
+            else:
+                assert details.startswith("PII scan: ") and "CARD_NUMBER 5" in details and "US_SSN" in details
+        clean = send(valid_dataset)
+        assert clean.status_code == 200, clean.text
+        assert clean.json()["status_details"] == (None if policy == "off" else "PII scan: nothing found.")
