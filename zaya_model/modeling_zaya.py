@@ -31,7 +31,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from .cache_zaya import ZayaCache
 from .checkpoints import is_legacy_config, load_legacy_checkpoint
 from .configuration_zaya import ZayaConfig
-from .grouped_linear import grouped_linear
+from .expert_lora import ExpertWeight, expert_weight
 
 
 class ZayaRMSNorm(nn.Module):
@@ -344,7 +344,7 @@ class ZayaExperts(nn.Module):
     """Top-1 SwiGLU experts with fused 3-D weights: `gate_up_proj` [E, 2I, H] (gate rows first), `down_proj` [E, H, I].
 
     Tokens are sorted by expert and each projection runs as one grouped matmul (`grouped_linear`); no Python loop
-    over tokens.
+    over tokens. LoRA from PEFT's `target_parameters` stays low-rank (`expert_lora`).
     """
 
     def __init__(self, config: ZayaConfig):
@@ -359,29 +359,28 @@ class ZayaExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, expert_index: torch.Tensor) -> torch.Tensor:
         """`hidden_states` [tokens, H], `expert_index` [tokens] in [0, E) -> expert outputs [tokens, H] (unweighted)."""
+        gate_up, down = expert_weight(self, "gate_up_proj"), expert_weight(self, "down_proj")
         if hidden_states.shape[0] < self.num_experts:
-            return self._forward_few_tokens(hidden_states, expert_index)
+            return self._forward_few_tokens(hidden_states, expert_index, gate_up, down)
         order = torch.argsort(expert_index, stable=True)
         group_sizes = torch.bincount(expert_index, minlength=self.num_experts)
-        gate, up = grouped_linear(hidden_states[order], self.gate_up_proj, group_sizes).split(
-            self.intermediate_size, dim=-1
-        )
-        out = grouped_linear(self.act_fn(gate) * up, self.down_proj, group_sizes)
+        gate, up = gate_up.grouped(hidden_states[order], group_sizes).split(self.intermediate_size, dim=-1)
+        out = down.grouped(self.act_fn(gate) * up, group_sizes)
         return torch.empty_like(out).index_copy_(0, order, out)
 
-    def _expert(self, hidden_states: torch.Tensor, expert: int) -> torch.Tensor:
-        gate, up = F.linear(hidden_states, self.gate_up_proj[expert]).split(self.intermediate_size, dim=-1)
-        return F.linear(self.act_fn(gate) * up, self.down_proj[expert])
+    def _expert(self, hidden_states: torch.Tensor, expert: int, gate_up: ExpertWeight, down: ExpertWeight):
+        gate, up = gate_up.single(hidden_states, expert).split(self.intermediate_size, dim=-1)
+        return down.single(self.act_fn(gate) * up, expert)
 
-    def _forward_few_tokens(self, hidden_states: torch.Tensor, expert_index: torch.Tensor) -> torch.Tensor:
+    def _forward_few_tokens(self, hidden_states, expert_index, gate_up: ExpertWeight, down: ExpertWeight):
         # Decoding: a handful of tokens use at most that many experts. Reading only those experts' weights beats a
         # grouped matmul that visits every expert's group.
         if hidden_states.shape[0] == 1:
-            return self._expert(hidden_states, int(expert_index))
+            return self._expert(hidden_states, int(expert_index), gate_up, down)
         output = torch.empty_like(hidden_states)
         for expert in expert_index.unique().tolist():
             rows = (expert_index == expert).nonzero().squeeze(-1)
-            output = output.index_copy(0, rows, self._expert(hidden_states[rows], expert))
+            output = output.index_copy(0, rows, self._expert(hidden_states[rows], expert, gate_up, down))
         return output
 
 

@@ -2,6 +2,7 @@
 
 import peft
 import torch
+import transformers
 from tiny_models import TINY_ZAYA, randomize_zaya
 
 from zaya_model import ZayaConfig, ZayaForCausalLM
@@ -48,3 +49,69 @@ def test_lora_on_attention_and_experts_trains_saves_and_reloads(tmp_path):
         assert torch.equal(reloaded(input_ids).logits, expected)
         # The adapter really changes the model: the bare base gives other logits.
         assert (base_model().eval()(input_ids).logits - expected).abs().max() > 1e-4
+
+
+def lora_pair(tmp_path):
+    """Ours and upstream `transformers` `zaya`: same base weights, same nonzero LoRA on attention and experts."""
+    ours_base = base_model()
+    ours_base.save_pretrained(tmp_path)
+    upstream_base = transformers.ZayaForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa")
+    config = dict(r=4, lora_alpha=8, target_modules=ATTENTION, target_parameters=EXPERTS)
+    ours = peft.get_peft_model(ours_base, peft.LoraConfig(**config))
+    upstream = peft.get_peft_model(upstream_base, peft.LoraConfig(**config))
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, parameter in ours.named_parameters():
+            if "lora_" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
+    missing = upstream.load_state_dict({k: v for k, v in ours.state_dict().items() if "lora_" in k}, strict=False)
+    assert not missing.unexpected_keys
+    return ours, upstream
+
+
+def autograd_node_names(tensor: torch.Tensor) -> set[str]:
+    names, stack, seen = set(), [tensor.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
+def test_expert_lora_stays_low_rank_and_matches_upstream_peft(tmp_path):
+    """Our experts run LoRA as x W^T + s (x A^T) B^T instead of PEFT's materialised W + s B A: same loss and
+    gradients as upstream + PEFT (which materialises), and no gradient through the adapted expert stack."""
+    ours, upstream = lora_pair(tmp_path)
+    input_ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(6))
+    upstream_loss = upstream(input_ids, labels=input_ids, use_cache=False).loss
+    ours_loss = ours(input_ids, labels=input_ids, use_cache=False).loss
+    # PEFT's parametrization folds W + s·B·A with one baddbmm; none may be in our graph (upstream's has one per weight).
+    assert "BaddbmmBackward0" not in autograd_node_names(ours_loss)
+    assert "BaddbmmBackward0" in autograd_node_names(upstream_loss)
+    ours_loss.backward()
+    upstream_loss.backward()
+
+    assert abs(ours_loss.item() - upstream_loss.item()) <= 1e-5
+    upstream_grads = {n: p.grad for n, p in upstream.named_parameters() if p.requires_grad}
+    expert_grads = 0
+    for name, parameter in ours.named_parameters():
+        if parameter.requires_grad:
+            assert (parameter.grad - upstream_grads[name]).abs().max() <= 1e-5, name
+            expert_grads += "experts" in name
+    assert expert_grads == 2 * 2 * TINY_ZAYA["num_hidden_layers"]
+
+
+@torch.no_grad()
+def test_expert_lora_decode_matches_upstream_peft(tmp_path):
+    """The few-token (decode) expert path applies the low-rank update too: cached decode steps match upstream."""
+    ours, upstream = lora_pair(tmp_path)
+    ours.eval(), upstream.eval()
+    input_ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(7))
+    kwargs = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, output_logits=True)
+    ours_out = ours.generate(input_ids=input_ids, return_dict_in_generate=True, **kwargs)
+    upstream_out = upstream.generate(input_ids=input_ids, return_dict_in_generate=True, **kwargs)
+    for ours_logits, upstream_logits in zip(ours_out.logits, upstream_out.logits, strict=True):
+        assert (ours_logits - upstream_logits).abs().max() <= 1e-5

@@ -1,0 +1,65 @@
+"""Expert weights with LoRA kept low-rank.
+
+PEFT adapts the fused 3-D expert weights through `target_parameters`: around each forward it parametrizes a weight
+as `W + scaling * lhs @ rhs` (`lhs` [E, out, r], `rhs` [E, r, in]). Reading the parametrized weight builds a tensor
+the size of the whole expert stack, and backpropagating through it computes a full-size weight gradient, so a LoRA
+step would cost as much as full fine-tuning. `expert_weight` hands the experts the frozen `W` and the two factors
+instead; each expert then computes `x W^T + scaling * (x rhs^T) lhs^T`, whose extra cost is rank-sized. (PEFT
+still evaluates the parametrization once per forward when registering it, without a gradient path into our graph.)
+
+Any other parametrization (several adapters at once, low-precision weights, user code) is read as PEFT defines it:
+the materialised weight, with no low-rank part.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import parametrize
+
+from .grouped_linear import grouped_linear
+
+try:
+    from peft.tuners.lora.layer import _LoraFactorsProxy as _PeftLowRankProxy
+except ImportError:  # PEFT absent or reorganised: every parametrization is read materialised
+    _PeftLowRankProxy = None
+
+
+@dataclass
+class ExpertWeight:
+    """A stacked expert weight [E, out, in], optionally plus `scaling * lhs @ rhs` kept as factors."""
+
+    weight: torch.Tensor
+    lhs: torch.Tensor | None = None  # [E, out, r]
+    rhs: torch.Tensor | None = None  # [E, r, in]
+    scaling: float = 1.0
+
+    def grouped(self, inputs: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+        """Rows of `inputs` sorted by expert, `group_sizes` [E] rows each -> [rows, out]."""
+        output = grouped_linear(inputs, self.weight, group_sizes)
+        if self.lhs is None:
+            return output
+        low_rank = grouped_linear(grouped_linear(inputs, self.rhs, group_sizes), self.lhs, group_sizes)
+        return output + self.scaling * low_rank
+
+    def single(self, inputs: torch.Tensor, expert: int) -> torch.Tensor:
+        """All rows of `inputs` through one expert."""
+        output = F.linear(inputs, self.weight[expert])
+        if self.lhs is None:
+            return output
+        return output + self.scaling * F.linear(F.linear(inputs, self.rhs[expert]), self.lhs[expert])
+
+
+def expert_weight(module: nn.Module, name: str) -> ExpertWeight:
+    """`module.<name>` as an `ExpertWeight`, low-rank when PEFT's single-adapter parametrization is on it."""
+    if not parametrize.is_parametrized(module, name):
+        return ExpertWeight(getattr(module, name))
+    chain = module.parametrizations[name]
+    if _PeftLowRankProxy is not None and len(chain) == 1 and isinstance(chain[0], _PeftLowRankProxy):
+        proxy = chain[0]
+        # Contiguous factors: the grouped matmul writes each expert's gradient into a dense [out, r] block.
+        return ExpertWeight(chain.original, proxy.lhs.contiguous(), proxy.rhs.contiguous(), float(proxy.scaling))
+    return ExpertWeight(getattr(module, name))
