@@ -118,6 +118,9 @@ def make_hooks(run: JobRun):
         def on_checkpoint(self, step, path, metrics):
             run.write(jobs.record_checkpoint, step=step, path=str(path), metrics=json_safe(metrics))
 
+        def on_checkpoint_deleted(self, step, path):
+            run.write(jobs.delete_checkpoint, step=step, path=str(path))
+
         def should_stop(self):
             return run.stop_reason()
 

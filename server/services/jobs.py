@@ -15,7 +15,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select, tuple_, update
+from sqlalchemy import delete, select, tuple_, update
 from sqlalchemy.orm import Session
 
 from server.db.base import utcnow
@@ -353,6 +353,21 @@ def record_checkpoint(session: Session, lease: Lease, *, step: int, path: str, m
     add_event(session, lease.job_id, f"Checkpoint saved at step {step}.", data={"step": step, **(metrics or {})})
     session.commit()
     return checkpoint
+
+
+def delete_checkpoint(session: Session, lease: Lease, *, step: int, path: str) -> bool:
+    """The trainer's rotation removed the checkpoint directory `path` of `step`: drop its row, so the API never lists
+    a checkpoint that is gone. Only a row that names that directory goes (a row for the same step written by another
+    attempt points at a directory that still exists). Commits; True when a row was deleted."""
+    _guard(session, lease)
+    deleted = session.execute(
+        delete(Checkpoint)
+        .where(Checkpoint.job_id == lease.job_id, Checkpoint.step == step, Checkpoint.path == path)
+        .execution_options(synchronize_session=False)
+    ).rowcount
+    add_event(session, lease.job_id, f"Checkpoint at step {step} deleted (rotation).", data={"step": step})
+    session.commit()
+    return deleted == 1
 
 
 def _end_lease(job: FineTuningJob, status: JobStatus) -> None:

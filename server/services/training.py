@@ -34,6 +34,9 @@ def build_spec(
     supervised = method.get("supervised") or {}
     hyper = supervised.get("hyperparameters") or {}
     lora = supervised.get("lora") or {}
+    optional = {}
+    if hyper.get("balancing_bias_lr") is not None:  # else FinetuneSpec's default
+        optional["balancing_bias_lr"] = hyper["balancing_bias_lr"]
     return FinetuneSpec(
         model_dir=str(model_dir),
         train_file=str(train_file),
@@ -56,6 +59,8 @@ def build_spec(
         max_seq_len=hyper.get("max_seq_len"),
         packing=hyper.get("packing", True),
         merge_adapter=supervised.get("merge_adapter", False),
+        keep_checkpoints=hyper.get("keep_checkpoints"),
+        **optional,
     )
 
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from sqlalchemy import select
 
+from finetune.balancing import BALANCING_STATE_FILE
 from server.db.models import Checkpoint, FineTuningJob, JobEvent, JobStatus, ModelVersion
 from server.services import registry
 from server.services.model_resolution import find_version
@@ -36,10 +38,13 @@ def training_file(client, auth, valid_dataset) -> str:
 
 @pytest.fixture
 def create_job(client, auth, base_model, training_file):
-    def create(max_steps: int, eval_every: int, **supervised) -> str:
+    def create(
+        max_steps: int, eval_every: int, *, hyperparameters: dict | None = None, validation_file=None, **supervised
+    ) -> str:
         body = {
             "model": base_model,
             "training_file": training_file,
+            "validation_file": validation_file,
             "suffix": "bank",
             "seed": 7,
             "method": {
@@ -50,6 +55,7 @@ def create_job(client, auth, base_model, training_file):
                         "batch_size": 1,
                         "max_steps": max_steps,
                         "eval_every": eval_every,
+                        **(hyperparameters or {}),
                     },
                     **supervised,
                 },
@@ -117,6 +123,59 @@ def test_a_job_trains_and_registers_exactly_one_model_version(client, auth, work
     lineage = client.get(f"/v1/admin/models/{version.id}/lineage", headers=auth("admin")).json()["chain"]
     assert [entry["name"] for entry in lineage] == [job["fine_tuned_model"], "zaya-tiny"]
     assert lineage[0]["job"]["training_file"]["sha256"]
+
+
+@pytest.fixture
+def held_out_file(client, auth, valid_dataset) -> str:
+    held_out = valid_dataset.replace(b"Balance of", b"Limit of")  # same shape, no overlap with the training file
+    upload = {"file": ("v.jsonl", held_out)}
+    response = client.post("/v1/files", headers=auth("data"), data={"purpose": "fine-tune"}, files=upload)
+    assert response.status_code == 200, response.text
+    return response.json()["id"]
+
+
+def test_rotated_checkpoints_leave_no_rows_behind(client, auth, worker, create_job, held_out_file, sessions, settings):
+    job_id = create_job(
+        max_steps=5, eval_every=1, hyperparameters={"keep_checkpoints": 1}, validation_file=held_out_file
+    )
+    assert worker.run_once() is True
+    job = client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=auth("data")).json()
+    assert job["status"] == "succeeded", job
+    assert job["method"]["supervised"]["hyperparameters"]["keep_checkpoints"] == 1
+
+    on_disk = {
+        int(path.name.split("-")[1])
+        for path in (settings.data_dir / "jobs" / job_id / "attempt-1" / "checkpoints").glob("checkpoint-*")
+    }
+    with sessions() as session:
+        rows = session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)).all()
+        paths = {row.step: row.path for row in rows}
+        messages = [e.message for e in session.scalars(select(JobEvent).where(JobEvent.job_id == job_id))]
+    assert all(Path(path).is_dir() for path in paths.values()), paths
+    assert set(paths) == on_disk and 5 in on_disk and len(on_disk) <= 2  # the newest, and the best if older
+    rotated = [message for message in messages if message.endswith("deleted (rotation).")]
+    assert len(rotated) == 5 - len(on_disk)  # one checkpoint per step was saved; every other one was rotated away
+
+    listed = client.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints", headers=auth("data")).json()["data"]
+    assert [c["step_number"] for c in listed] == sorted(on_disk, reverse=True)
+    console = client.get(f"/console/jobs/{job_id}", headers=auth("data"))  # the job page draws the rows left
+    assert console.status_code == 200, console.text
+
+
+@pytest.mark.parametrize(("balancing_bias_lr", "balanced"), [(0.0, False), (None, True)])
+def test_full_fine_tuning_takes_the_balancing_bias_rate(
+    client, auth, worker, create_job, sessions, balancing_bias_lr, balanced
+):
+    hyperparameters = {} if balancing_bias_lr is None else {"balancing_bias_lr": balancing_bias_lr}
+    job_id = create_job(max_steps=2, eval_every=2, hyperparameters=hyperparameters, adapter="full")
+    assert worker.run_once() is True
+    job = client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=auth("data")).json()
+    assert job["status"] == "succeeded", job
+    with sessions() as session:
+        (checkpoint,) = session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)).all()
+    # The balancing-bias updater saves its state in each checkpoint when it runs (the trainer's default rate);
+    # a rate of 0 turns it off.
+    assert (Path(checkpoint.path) / BALANCING_STATE_FILE).is_file() is balanced
 
 
 def run_in_thread(worker: Worker) -> threading.Thread:

@@ -2,7 +2,8 @@
 
 Request and response bodies mirror OpenAI's field for field (the official client parses them); our additions live
 inside `method.supervised`: `adapter` ("lora" | "full"), `lora` settings, `merge_adapter`, and extra
-hyperparameters (`max_steps`, `max_seconds`, `eval_every`, `early_stopping_patience`, `max_seq_len`, `packing`).
+hyperparameters (`max_steps`, `max_seconds`, `eval_every`, `early_stopping_patience`, `max_seq_len`, `packing`,
+`keep_checkpoints`, `balancing_bias_lr`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ class Hyperparameters(Strict):
     early_stopping_patience: StrictInt | None = None
     max_seq_len: StrictInt | None = None
     packing: StrictBool = True
+    # Ours: keep only the newest N checkpoints on disk (and the best); None keeps every one.
+    keep_checkpoints: StrictInt | None = None
+    # Ours: full fine-tuning's balancing-bias update rate (0: off); None: the trainer's default.
+    balancing_bias_lr: StrictFloat | StrictInt | None = None
 
 
 class LoraSettings(Strict):
