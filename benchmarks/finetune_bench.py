@@ -141,10 +141,12 @@ def prepare_variant(variant: str, model_dir: str, sizes: FinetuneSizes):
     balancing = BalancingBiasUpdater(model) if variant == "ours_full" else None
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     batch = torch.load(Path(model_dir) / BATCH_FILE)
+    # As `zaya finetune`'s training step: our LM head runs on the trained positions only (upstream has no such path).
+    step_kwargs = {"skip_logits": True} if impl == "ours" else {}
 
     def step() -> int:
         model.train()
-        model(**batch, use_cache=False).loss.backward()
+        model(**batch, use_cache=False, **step_kwargs).loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if balancing is not None:

@@ -327,6 +327,12 @@ class _FinetuneTrainer(Trainer):
         self.checkpoints: dict[int, dict] = {}
         self._staging_root: str | None = None
 
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        # A training step needs only the loss: the LM head then runs on the trained (assistant) positions alone.
+        if not return_outputs and "labels" in inputs and self.label_smoother is None and self.compute_loss_func is None:
+            inputs = {**inputs, "skip_logits": True}
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
     def _get_output_dir(self, trial: Any) -> str:
         return self._staging_root or super()._get_output_dir(trial)
 

@@ -43,15 +43,24 @@ class ZayaRMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(hidden_states.to(torch.float32), (hidden_states.shape[-1],), eps=self.variance_epsilon)
+        shape = (hidden_states.shape[-1],)
+        if hidden_states.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(hidden_states, shape, self.weight, eps=self.variance_epsilon)  # one kernel
+        normed = F.rms_norm(hidden_states.to(torch.float32), shape, eps=self.variance_epsilon)
         return self.weight * normed.to(hidden_states.dtype)
 
 
 class ZayaRotaryEmbedding(nn.Module):
-    """Partial NeoX RoPE: cos/sin for the first `partial_rotary_factor * head_dim` channels of each head."""
+    """Partial NeoX RoPE on the first `partial_rotary_factor * head_dim` channels of each head.
+
+    Returns full-width `(cos, sin, source)` so that a layer rotates with three kernels, `x * cos + x[source] * sin`:
+    `source` swaps the two rotary halves, `sin` carries rotate-half's sign, and the pass-through channels get
+    `cos = 1, sin = 0`.
+    """
 
     def __init__(self, config: ZayaConfig):
         super().__init__()
+        self.head_dim = config.head_dim
         self.rotary_dim = int(config.head_dim * config.partial_rotary_factor)
         self.base = config.rope_theta
         self.register_buffer("inv_freq", self.compute_inv_freq(), persistent=False)
@@ -61,20 +70,25 @@ class ZayaRotaryEmbedding(nn.Module):
         return 1.0 / (self.base**exponents)
 
     @torch.no_grad()
-    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, position_ids: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`position_ids` [batch, seq] -> cos, sin [batch, seq, 1, head_dim] and `source` [head_dim]."""
         freqs = position_ids[..., None].to(torch.float32) * self.inv_freq.to(position_ids.device)
-        angles = torch.cat((freqs, freqs), dim=-1)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        cos, sin = freqs.cos(), freqs.sin()
+        passed = self.head_dim - self.rotary_dim
+        cos = torch.cat((cos, cos, cos.new_ones(*cos.shape[:-1], passed)), dim=-1)
+        sin = torch.cat((-sin, sin, sin.new_zeros(*sin.shape[:-1], passed)), dim=-1)
+        half = self.rotary_dim // 2
+        source = torch.arange(self.head_dim, device=position_ids.device)
+        source[:half] += half
+        source[half : self.rotary_dim] -= half
+        return cos[:, :, None].to(dtype), sin[:, :, None].to(dtype), source
 
 
-def apply_partial_rope(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE on the leading `cos.shape[-1]` channels of `states` `[batch, seq, heads, head_dim]`."""
-    rotary_dim = cos.shape[-1]
-    rotated, passed = states[..., :rotary_dim], states[..., rotary_dim:]
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-    first, second = rotated.chunk(2, dim=-1)
-    rotated = rotated * cos + torch.cat((-second, first), dim=-1) * sin
-    return torch.cat((rotated, passed), dim=-1)
+def apply_partial_rope(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, source: torch.Tensor):
+    """Rotate-half RoPE of `states` [batch, seq, heads, head_dim] with `ZayaRotaryEmbedding`'s tables."""
+    return torch.addcmul(states * cos, states.index_select(-1, source), sin)
 
 
 def shift_by(states: torch.Tensor, history: torch.Tensor, lag: int) -> torch.Tensor:
@@ -114,36 +128,31 @@ class ZayaCCAProjection(nn.Module):
             channels, channels, self.grouped_kernel, groups=self.num_heads + self.num_key_value_heads
         )
 
-    def causal_convolutions(self, qk: torch.Tensor, history: torch.Tensor, lag_masks: list[torch.Tensor] | None):
+    def causal_convolutions(self, qk: torch.Tensor, history: torch.Tensor, lag_masks: torch.Tensor | None):
         """Both causal convolutions over `qk` [batch, seq, channels], preceded by `history` [batch, H, channels].
 
-        Long chunks without document starts run as two `Conv1d`s over [history, qk]. Otherwise the convolutions are
-        written as a sum over lags: with `lag_masks` (packed training) each output token cuts its own history at its
-        document start, which a sliding kernel cannot do; for decode steps it avoids the convolution kernel's fixed
-        cost, which dwarfs the arithmetic of one token.
+        Long chunks without document starts run as two `Conv1d`s over [history, qk]. Otherwise each output token
+        gathers its own receptive field (a view): with `lag_masks` (packed training) it cuts that field at its
+        document start, which a sliding kernel cannot do; for decode steps a few fused kernels replace the
+        convolutions' fixed cost, which dwarfs the arithmetic of one token.
         """
         if lag_masks is None and qk.shape[1] > 32:
             window = torch.cat((history, qk), dim=1).transpose(1, 2)
             # Back to [batch, seq, channels] memory order: attention kernels want head_dim contiguous.
             return self.conv_qk_grouped(self.conv_qk_depthwise(window)).transpose(1, 2).contiguous()
-        window, seq = torch.cat((history, qk), dim=1), qk.shape[1]
-        lagged = [window[:, self.history - lag : self.history - lag + seq] for lag in range(self.history + 1)]
-        if lag_masks is not None:
-            # `lag_masks` always covers lag 1 (the value shift), which may be one more lag than the kernels read.
-            lagged = [states * mask for states, mask in zip(lagged, lag_masks[: self.history + 1], strict=True)]
-        depthwise_weight = self.conv_qk_depthwise.weight[:, 0, :]  # [channels, k0]; index 0 = oldest frame
-        # Depthwise outputs at times t-(k1-1) ... t, as seen from output token t.
-        depthwise_out = []
-        for offset in range(self.grouped_kernel):
-            out = self.conv_qk_depthwise.bias
-            for tap in range(self.depthwise_kernel):
-                lag = (self.grouped_kernel - 1 - offset) + (self.depthwise_kernel - 1 - tap)
-                out = out + lagged[lag] * depthwise_weight[:, tap]
-            depthwise_out.append(out)
         batch, seq, channels = qk.shape
+        # [batch, seq, channels, history + 1]: each token's receptive field, oldest frame first.
+        fields = torch.cat((history, qk), dim=1).unfold(1, self.history + 1, 1)
+        if lag_masks is not None:
+            fields = fields * lag_masks[..., : self.history + 1].flip(-1)[:, :, None, :]
+        # Depthwise outputs at the grouped kernel's taps, oldest first: [batch, seq, channels, k1].
+        weight = self.conv_qk_depthwise.weight  # [channels, 1, k0]
+        depthwise = self.conv_qk_depthwise.bias[:, None]
+        for tap in range(self.depthwise_kernel):  # one multiply-add per tap: a reduction over k0 is much slower
+            depthwise = torch.addcmul(depthwise, fields[..., tap : tap + self.grouped_kernel], weight[:, :, tap])
         groups, group_width = self.conv_qk_grouped.groups, channels // self.conv_qk_grouped.groups
         # Grouped conv as one batched matmul: per group, [tokens, width * k1] @ [width * k1, width].
-        stacked = torch.stack(depthwise_out, dim=-1).view(batch * seq, groups, group_width * self.grouped_kernel)
+        stacked = depthwise.reshape(batch * seq, groups, group_width * self.grouped_kernel)
         weight = self.conv_qk_grouped.weight.view(groups, group_width, group_width * self.grouped_kernel)
         mixed = torch.bmm(stacked.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1)
         return mixed.reshape(batch, seq, channels) + self.conv_qk_grouped.bias
@@ -151,7 +160,7 @@ class ZayaCCAProjection(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        lag_masks: list[torch.Tensor] | None,
+        lag_masks: torch.Tensor | None,
         past_key_values: ZayaCache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         batch, seq, _ = hidden_states.shape
@@ -172,18 +181,18 @@ class ZayaCCAProjection(nn.Module):
         queries = queries.view(batch, seq, self.num_key_value_heads, self.num_key_value_groups, self.head_dim)
         keys = keys.view(batch, seq, self.num_key_value_heads, 1, self.head_dim)
         query_skip = (queries + keys) * 0.5
-        key_skip = query_skip.mean(dim=3)
-        query_width = self.num_heads * self.head_dim
-        query = convolved[..., :query_width].view(batch, seq, self.num_heads, self.head_dim)
-        query = query + query_skip.view(batch, seq, self.num_heads, self.head_dim)
-        key = convolved[..., query_width:].view(batch, seq, self.num_key_value_heads, self.head_dim) + key_skip
+        skip = torch.cat(
+            (query_skip.view(batch, seq, self.num_heads, self.head_dim), query_skip.mean(dim=3)), dim=2
+        )
+        # Queries and keys stay one tensor [batch, seq, heads + kv_heads, head_dim] through norm and RoPE.
+        query_key = convolved.view(batch, seq, self.num_heads + self.num_key_value_heads, self.head_dim) + skip
 
         # Value shift: the second half of the value heads carries the previous token's projection.
         value_current = self.v_proj_current(hidden_states)
         delayed = self.v_proj_delayed(hidden_states)
         value_delayed = shift_by(delayed, shift_history, 1)
         if lag_masks is not None:
-            value_delayed = value_delayed * lag_masks[1]
+            value_delayed = value_delayed * lag_masks[..., 1:2]
         value = torch.cat((value_current, value_delayed), dim=-1).view(batch, seq, self.num_key_value_heads, -1)
 
         if past_key_values is not None:
@@ -191,21 +200,26 @@ class ZayaCCAProjection(nn.Module):
             # Sliced from the front: `[:, -history:]` would keep everything when the kernels read no history.
             full_history = window[:, window.shape[1] - self.history :]
             past_key_values.update_cca_state(self.layer_idx, full_history.detach(), delayed[:, -1].detach())
-        return query, key, value
+        return query_key, value
 
 
 class ZayaQKNorm(nn.Module):
-    """L2-normalise q and k to norm sqrt(head_dim); keys are then scaled by a learned per-KV-head temperature."""
+    """L2-normalise q and k to norm sqrt(head_dim); keys are then scaled by a learned per-KV-head temperature.
+
+    Scaling a vector to norm sqrt(d) is exactly an RMS norm, so queries and keys [.., heads + kv_heads, d] take one
+    `rms_norm` and one multiply by (1 per query head, temperature per key head).
+    """
 
     def __init__(self, config: ZayaConfig):
         super().__init__()
-        self.scale = config.head_dim**0.5
+        self.num_heads = config.num_attention_heads
         self.temp = nn.Parameter(torch.ones(config.num_key_value_heads))
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        eps = torch.finfo(query.dtype).eps
-        query = F.normalize(query, dim=-1, eps=eps) * self.scale
-        return query, F.normalize(key, dim=-1, eps=eps) * (self.temp[:, None] * self.scale)
+    def forward(self, query_key: torch.Tensor) -> torch.Tensor:
+        eps = torch.finfo(query_key.dtype).eps ** 2  # for the mean square: F.normalize's eps applies to the norm
+        normed = F.rms_norm(query_key, (query_key.shape[-1],), eps=eps)
+        head_scale = torch.cat((self.temp.new_ones(self.num_heads), self.temp)).to(normed.dtype)
+        return normed * head_scale[:, None]
 
 
 def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
@@ -231,6 +245,8 @@ class ZayaAttention(nn.Module):
         self.config = config
         self.layer_idx = layer_idx
         self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_key_value_heads = config.num_key_value_heads
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
         self.scaling = self.head_dim**-0.5
         self.is_causal = True
@@ -243,9 +259,9 @@ class ZayaAttention(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        position_embeddings: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None,
-        lag_masks: list[torch.Tensor] | None,
+        lag_masks: torch.Tensor | None,
         past_key_values: ZayaCache | None = None,
         padding_mask: torch.Tensor | None = None,
         **kwargs,
@@ -253,11 +269,9 @@ class ZayaAttention(nn.Module):
         batch, seq, _ = hidden_states.shape
         if padding_mask is not None:
             hidden_states = hidden_states * padding_mask
-        query, key, value = self.qkv_proj(hidden_states, lag_masks, past_key_values)
-        query, key = self.qk_norm(query, key)
-        cos, sin = position_embeddings
-        query = apply_partial_rope(query, cos, sin).transpose(1, 2)
-        key = apply_partial_rope(key, cos, sin).transpose(1, 2)
+        query_key, value = self.qkv_proj(hidden_states, lag_masks, past_key_values)
+        query_key = apply_partial_rope(self.qk_norm(query_key), *position_embeddings).transpose(1, 2)
+        query, key = query_key.split((self.num_heads, self.num_key_value_heads), dim=1)
         value = value.transpose(1, 2)
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
@@ -428,9 +442,9 @@ class ZayaDecoderLayer(GradientCheckpointingLayer):
         self,
         residual: torch.Tensor,
         router_states: torch.Tensor | None,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        position_embeddings: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None,
-        lag_masks: list[torch.Tensor] | None,
+        lag_masks: torch.Tensor | None,
         past_key_values: ZayaCache | None = None,
         padding_mask: torch.Tensor | None = None,
         **kwargs,
@@ -500,8 +514,9 @@ class ZayaPreTrainedModel(PreTrainedModel):
 
 def document_lag_masks(
     position_ids: torch.Tensor, history: int, continues_cache: bool, dtype: torch.dtype
-) -> list[torch.Tensor] | None:
-    """`masks[m][b, t] = 1` where token t may read token t-m: its position is at least m (same document).
+) -> torch.Tensor | None:
+    """`masks[b, t, m] = 1` where token t may read token t-m (m = 0..history): its position is at least m (same
+    document).
 
     `None` when no document starts inside the chunk (positions count up by one, and a chunk continuing a cache does
     not restart at 0): then the history the convolutions and value shift read is the sequence's own, zero-padded.
@@ -509,7 +524,8 @@ def document_lag_masks(
     restarts = bool((position_ids[:, 1:] - position_ids[:, :-1] != 1).any())
     if not restarts and not (continues_cache and bool((position_ids[:, 0] == 0).any())):
         return None
-    return [(position_ids >= lag).to(dtype)[..., None] for lag in range(history + 1)]
+    lags = torch.arange(history + 1, device=position_ids.device)
+    return (position_ids[..., None] >= lags).to(dtype)
 
 
 class ZayaModel(ZayaPreTrainedModel):
@@ -667,9 +683,14 @@ class ZayaForCausalLM(ZayaPreTrainedModel, GenerationMixin):
         output_router_logits: bool | None = None,
         output_hidden_states: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        skip_logits: bool = False,
         **kwargs,
     ) -> MoeCausalLMOutputWithPast:
+        """`skip_logits=True` with `labels` (training): the LM head runs only where a label is trained and `logits`
+        is None. Same loss and gradients; with assistant-only labels most of the head's FLOPs and memory go."""
         loss_kwargs = {k: kwargs.pop(k) for k in ("num_items_in_batch", "ignore_index", "shift_labels") if k in kwargs}
+        if skip_logits and labels is None:
+            raise ValueError("`skip_logits=True` needs `labels`: without them there is nothing to compute.")
         kwargs.pop("return_dict", None)
         outputs = self.model(
             input_ids=input_ids,
@@ -683,11 +704,14 @@ class ZayaForCausalLM(ZayaPreTrainedModel, GenerationMixin):
             **kwargs,
         )
         hidden_states = outputs.last_hidden_state
-        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.lm_head(hidden_states[:, keep, :])
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits, labels, self.vocab_size, **loss_kwargs)
+        logits = loss = None
+        if skip_logits:
+            loss = self._loss_at_trained_positions(hidden_states, labels, loss_kwargs)
+        else:
+            keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+            logits = self.lm_head(hidden_states[:, keep, :])
+            if labels is not None:
+                loss = self.loss_function(logits, labels, self.vocab_size, **loss_kwargs)
         return MoeCausalLMOutputWithPast(
             loss=loss,
             logits=logits,
@@ -695,6 +719,16 @@ class ZayaForCausalLM(ZayaPreTrainedModel, GenerationMixin):
             hidden_states=outputs.hidden_states,
             router_logits=outputs.router_logits,
         )
+
+    def _loss_at_trained_positions(self, hidden_states: torch.Tensor, labels: torch.Tensor, loss_kwargs: dict):
+        """The causal-LM loss with the LM head applied only to positions whose next-token label is trained."""
+        ignore_index = loss_kwargs.get("ignore_index", -100)
+        targets = loss_kwargs.pop("shift_labels", None)
+        if targets is None:
+            targets = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        trained = targets != ignore_index
+        logits = self.lm_head(hidden_states[trained])
+        return self.loss_function(logits, None, self.vocab_size, shift_labels=targets[trained], **loss_kwargs)
 
 
 def count_parameters(model: ZayaForCausalLM) -> dict[str, int]:

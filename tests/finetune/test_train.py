@@ -64,8 +64,16 @@ def test_packed_batch_loss_equals_the_per_example_losses(model_dir, tokenizer, d
         assert abs(leaked - total / n) > 1e-4
 
 
-def test_lora_trains_and_its_adapter_and_merge_reload(model_dir, tokenizer, data, tmp_path):
+def test_lora_trains_and_its_adapter_and_merge_reload(model_dir, tokenizer, data, tmp_path, monkeypatch):
     hooks = Recorder()
+    # Training steps compute the LM head on trained positions only (`skip_logits`); evaluation still gets logits.
+    head_only_losses = []
+    loss_at_trained_positions = ZayaForCausalLM._loss_at_trained_positions
+    monkeypatch.setattr(
+        ZayaForCausalLM,
+        "_loss_at_trained_positions",
+        lambda *args: head_only_losses.append(1) or loss_at_trained_positions(*args),
+    )
     result = run_finetune(
         spec(
             model_dir,
@@ -80,6 +88,7 @@ def test_lora_trains_and_its_adapter_and_merge_reload(model_dir, tokenizer, data
         hooks,
     )
     assert result.status == "succeeded" and result.kind == "full"  # merged
+    assert len(head_only_losses) >= 8
     assert sum(list(hooks.losses.values())[-3:]) < sum(list(hooks.losses.values())[:3])
     assert [c["step"] for c in result.checkpoints] == [4, 8] == [step for step, _, _ in hooks.checkpoints]
     for checkpoint in result.checkpoints:

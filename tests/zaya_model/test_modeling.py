@@ -203,3 +203,28 @@ def test_save_and_load_round_trip_is_bit_exact(tiny_model, tmp_path):
     input_ids = torch.randint(3, 128, (1, 10))
     assert torch.equal(loaded(input_ids).logits, tiny_model(input_ids).logits)
     assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+
+
+@pytest.mark.parametrize("num_items", [None, 23])
+def test_skip_logits_gives_the_same_loss_and_gradients(tiny_config, num_items):
+    """`skip_logits` runs the LM head only where a label is trained: same loss and gradients as the full head."""
+    input_ids = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(4))
+    labels = input_ids.clone()
+    labels[0, :15] = -100  # a prompt, then the trained answer
+    labels[1, 3:9] = -100
+    extra = {} if num_items is None else {"num_items_in_batch": torch.tensor(num_items)}
+    results = []
+    for skip_logits in (False, True):
+        torch.manual_seed(0)
+        model = randomize_zaya(ZayaForCausalLM(tiny_config)).train()
+        out = model(input_ids, labels=labels, skip_logits=skip_logits, **extra)
+        out.loss.backward()
+        results.append((out, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (full, full_grads), (skipped, skipped_grads) = results
+    assert skipped.logits is None and full.logits.shape == (2, 24, 128)
+    assert torch.allclose(skipped.loss, full.loss, atol=1e-6, rtol=0)
+    assert full_grads.keys() == skipped_grads.keys()
+    for name, grad in full_grads.items():
+        assert torch.allclose(skipped_grads[name], grad, atol=1e-6, rtol=1e-5), name
+    with pytest.raises(ValueError, match="skip_logits"):
+        model(input_ids, skip_logits=True)
