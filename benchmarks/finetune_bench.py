@@ -3,10 +3,11 @@ peak memory on CPU, side by side on the same weights and the same batch of bank-
 
 Run: `python benchmarks/finetune_bench.py [--quick] [--out benchmarks/results/finetune_bench.json]`
 
-Four variants: {ours, upstream} x {full, lora}. A step is forward + backward (assistant-only loss) + AdamW on the
+Variants: {ours, upstream} x {full, lora}, and ours' LoRA with gradient checkpointing (`ours_lora+gc`, as
+`zaya finetune --gradient-checkpointing`). A step is forward + backward (assistant-only loss) + AdamW on the
 trainable parameters; LoRA is PEFT with the settings `zaya finetune` uses by default (r 8, alpha 16, attention
 projections and the fused experts). Ours' full step also runs the balancing-bias update, as our full fine-tuning
-does. All four are timed in one process, interleaved (A B C D, then D C B A, ...), so load from other processes
+does. All are timed in one process, interleaved (A B C D E, then E D C B A, ...), so load from other processes
 hits them alike; peak memory is measured in a fresh process per variant (see `measure_variant_memory`).
 The harness (interleaved timing, fresh-process memory, machine info) is `model_bench.py`'s.
 """
@@ -38,7 +39,8 @@ from zaya_model.pretrain import train_tokenizer  # noqa: E402
 from zaya_model.training import BalancingBiasUpdater  # noqa: E402
 
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "finetune_bench.json"
-VARIANTS = ("ours_full", "ours_lora", "upstream_full", "upstream_lora")
+# "+gc": the same LoRA with gradient checkpointing (`zaya finetune --gradient-checkpointing`): memory for time.
+VARIANTS = ("ours_full", "ours_lora", "ours_lora+gc", "upstream_full", "upstream_lora")
 LOSS_TOLERANCE = 1e-4
 BATCH_FILE = "batch.pt"
 MEMORY_METHOD = (
@@ -126,7 +128,10 @@ def bank_batch(sizes: FinetuneSizes, vocab_size: int) -> dict[str, torch.Tensor]
 def prepare_variant(variant: str, model_dir: str, sizes: FinetuneSizes):
     """(model, step): `step()` runs one training step on the saved batch and returns the tokens it processed."""
     impl, method = variant.split("_")
+    method, checkpointing = method.removesuffix("+gc"), method.endswith("+gc")
     model = mb.load_model(impl, model_dir, "zaya_model")
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if method == "lora":
         from peft import LoraConfig, get_peft_model
 
@@ -182,7 +187,7 @@ def measure_variant_memory(variant: str, model_dir: str, sizes: FinetuneSizes) -
 
 
 def same_loss(models: dict[str, torch.nn.Module], batch: dict[str, torch.Tensor]) -> float:
-    """Max |Δ loss| on the batch over the four variants before training (LoRA B starts at zero): proof that they
+    """Max |Δ loss| on the batch over the variants before training (LoRA B starts at zero): proof that they
     train the same model on the same data. Aborts the benchmark if they disagree."""
     with torch.no_grad():
         losses = [model(**batch, use_cache=False).loss.item() for model in models.values()]
@@ -213,7 +218,7 @@ def run_benchmark(sizes: FinetuneSizes, mode: str) -> dict:
             "shape": list(batch["input_ids"].shape),
             "trained_tokens": int((batch["labels"] != -100).sum()),
         }
-        with stage("load the four variants"):
+        with stage("load the variants"):
             prepared = {variant: prepare_variant(variant, model_dir, sizes) for variant in VARIANTS}
         models = {variant: model for variant, (model, _) in prepared.items()}
         report["parameters"] = {
@@ -265,6 +270,10 @@ def ratios(report: dict) -> dict[str, float | None]:
         ),
         "lora/full peak memory delta (ours)": mb.ratio(
             memory["ours_lora"].get("peak_delta_mib"), memory["ours_full"].get("peak_delta_mib")
+        ),
+        "lora+gc/full step time (ours)": mb.ratio(medians["ours_lora+gc"]["step_s"], medians["ours_full"]["step_s"]),
+        "lora+gc/full peak memory (ours)": mb.ratio(
+            memory["ours_lora+gc"].get("peak_rss_mib"), memory["ours_full"].get("peak_rss_mib")
         ),
         "ours/upstream tokens/s, lora": mb.ratio(
             medians["ours_lora"]["tokens_per_s"], medians["upstream_lora"]["tokens_per_s"]

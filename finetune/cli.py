@@ -108,6 +108,11 @@ def _register_finetune(subparsers: argparse._SubParsersAction) -> None:
         help="full fine-tuning's router balancing (0: off)",
     )
     finetune.add_argument("--no-packing", action="store_true", help="pad examples instead of packing them")
+    finetune.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="recompute each layer in the backward pass: far less activation memory, about one more forward",
+    )
     finetune.add_argument("--merge", action="store_true", help="also merge the adapter into a full checkpoint")
     finetune.add_argument("--resume", metavar="CHECKPOINT", help="continue a paused run from its checkpoint dir")
     finetune.add_argument("--seed", type=int, default=0)
@@ -159,6 +164,7 @@ def run_finetune_command(args: argparse.Namespace) -> int:
         merge_adapter=args.merge,
         keep_checkpoints=args.keep_checkpoints,
         balancing_bias_lr=args.balancing_bias_lr,
+        gradient_checkpointing=args.gradient_checkpointing,
     )
     hooks = _ProgressBarHooks()
     try:

@@ -120,6 +120,7 @@ class FinetuneSpec:
     merge_adapter: bool = False
     keep_checkpoints: int | None = None  # keep the newest N checkpoints (and the best); None keeps every one
     balancing_bias_lr: float = 1e-3  # full fine-tuning's balancing-bias update rate (as pretraining); 0: off
+    gradient_checkpointing: bool = False  # recompute layers in the backward pass: less memory, ~one more forward
 
 
 @dataclass
@@ -439,6 +440,9 @@ def _training_arguments(spec: FinetuneSpec, hyper: Hyperparameters, has_validati
         disable_tqdm=True,
         dataloader_num_workers=0,
         use_cpu=not torch.cuda.is_available(),
+        gradient_checkpointing=spec.gradient_checkpointing,
+        # Non-reentrant: correct with frozen inputs (LoRA) without forcing the embeddings to require grad.
+        gradient_checkpointing_kwargs={"use_reentrant": False},
     )
 
 

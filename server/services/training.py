@@ -60,6 +60,7 @@ def build_spec(
         packing=hyper.get("packing", True),
         merge_adapter=supervised.get("merge_adapter", False),
         keep_checkpoints=hyper.get("keep_checkpoints"),
+        gradient_checkpointing=hyper.get("gradient_checkpointing", False),
         **optional,
     )
 

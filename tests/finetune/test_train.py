@@ -199,3 +199,22 @@ def test_auto_hyperparameters_follow_the_dataset_size(model_dir, data, tmp_path)
 def test_unknown_lora_target_module_names_the_field(model_dir, data, tmp_path):
     with pytest.raises(FinetuneError, match="^lora_target_modules: .*nope"):
         run_finetune(spec(model_dir, data[0], tmp_path, lora_target_modules=["nope"]))
+
+
+def test_gradient_checkpointing_recomputes_layers_and_trains_the_same(model_dir, data, tmp_path, monkeypatch):
+    from zaya_model.modeling_zaya import ZayaDecoderLayer
+
+    layer_calls = []
+    layer_forward = ZayaDecoderLayer.forward
+    monkeypatch.setattr(ZayaDecoderLayer, "forward", lambda *a, **k: layer_calls.append(1) or layer_forward(*a, **k))
+    runs = {}
+    for checkpointing in (False, True):
+        layer_calls.clear()
+        hooks = Recorder()
+        settings = dict(max_steps=3, learning_rate_multiplier=20, gradient_checkpointing=checkpointing)
+        result = run_finetune(spec(model_dir, data[0], tmp_path / str(checkpointing), **settings), hooks)
+        assert result.status == "succeeded"
+        runs[checkpointing] = (list(hooks.losses.values()), len(layer_calls))
+    (plain_losses, plain_calls), (checkpointed_losses, checkpointed_calls) = runs[False], runs[True]
+    assert checkpointed_calls > plain_calls  # each layer ran again in the backward pass
+    assert checkpointed_losses == pytest.approx(plain_losses, abs=1e-5)

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from sqlalchemy import select
 
 from finetune.balancing import BALANCING_STATE_FILE
@@ -176,6 +177,18 @@ def test_full_fine_tuning_takes_the_balancing_bias_rate(
     # The balancing-bias updater saves its state in each checkpoint when it runs (the trainer's default rate);
     # a rate of 0 turns it off.
     assert (Path(checkpoint.path) / BALANCING_STATE_FILE).is_file() is balanced
+
+
+def test_a_job_can_ask_for_gradient_checkpointing(client, auth, worker, create_job, sessions):
+    job_id = create_job(max_steps=2, eval_every=2, hyperparameters={"gradient_checkpointing": True})
+    assert worker.run_once() is True
+    job = client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=auth("data")).json()
+    assert job["status"] == "succeeded", job
+    with sessions() as session:
+        (checkpoint,) = session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)).all()
+    # The Trainer stores the arguments it ran with in every checkpoint.
+    arguments = torch.load(Path(checkpoint.path) / "training_args.bin", weights_only=False)
+    assert arguments.gradient_checkpointing is True
 
 
 def run_in_thread(worker: Worker) -> threading.Thread:

@@ -3,7 +3,7 @@
 Request and response bodies mirror OpenAI's field for field (the official client parses them); our additions live
 inside `method.supervised`: `adapter` ("lora" | "full"), `lora` settings, `merge_adapter`, and extra
 hyperparameters (`max_steps`, `max_seconds`, `eval_every`, `early_stopping_patience`, `max_seq_len`, `packing`,
-`keep_checkpoints`, `balancing_bias_lr`).
+`keep_checkpoints`, `balancing_bias_lr`, `gradient_checkpointing`).
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ class Hyperparameters(Strict):
     keep_checkpoints: StrictInt | None = None
     # Ours: full fine-tuning's balancing-bias update rate (0: off); None: the trainer's default.
     balancing_bias_lr: StrictFloat | StrictInt | None = None
+    # Ours: recompute each layer in the backward pass (far less activation memory, about one more forward).
+    gradient_checkpointing: StrictBool = False
 
 
 class LoraSettings(Strict):
