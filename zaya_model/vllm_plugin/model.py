@@ -7,7 +7,9 @@ Same math as `zaya_model.modeling_zaya` (read that file for the model); this fil
   `Attention` does paged GQA attention;
 - the router runs in torch with the EDA state carried from layer to layer per token; the top-1 SwiGLU experts run
   as one matmul per used expert over tokens sorted by expert (vLLM's FusedMoE has no CPU path for this gate and
-  switches to Triton when LoRA is on).
+  switches to Triton when LoRA is on);
+- `ZayaModel` is compiled by vLLM (`support_torch_compile`, as vLLM's own models): the data-dependent steps (CCA
+  state, expert dispatch) are custom ops the graph calls, everything else fuses.
 
 Checkpoints in the upstream `transformers` `zaya` layout load directly: module names here are the checkpoint's.
 """
@@ -20,7 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
-from vllm.config import CacheConfig, ModelConfig, VllmConfig
+from vllm.compilation.breakable_cudagraph import eager_break_during_capture
+from vllm.compilation.decorators import support_torch_compile
+from vllm.config import CacheConfig, ModelConfig, VllmConfig, get_current_vllm_config
+from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import ReplicatedLinear
@@ -30,6 +35,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, 
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid, SupportsLoRA
 from vllm.sequence import IntermediateTensors
+from vllm.utils.torch_utils import direct_register_custom_op
 
 from ..configuration_zaya import ZayaConfig
 from .cca import ZayaCCAProjection, cca_state_dtypes, cca_state_shapes
@@ -170,21 +176,43 @@ class ZayaRouter(nn.Module):
 
 
 class ZayaExperts(nn.Module):
-    """Top-1 SwiGLU experts, fused weights `gate_up_proj` [E, 2I, H] (gate rows first) and `down_proj` [E, H, I]."""
+    """Top-1 SwiGLU experts, fused weights `gate_up_proj` [E, 2I, H] (gate rows first) and `down_proj` [E, H, I].
 
-    def __init__(self, config: ZayaConfig):
+    Which expert a token takes is data, so the dispatch runs inside one custom op (`zaya_experts`): the compiled
+    graph around it stays static.
+    """
+
+    def __init__(self, config: ZayaConfig, prefix: str):
         super().__init__()
+        self.num_experts = config.num_experts
         self.intermediate_size = config.moe_intermediate_size
         experts, hidden, inner = config.num_experts, config.hidden_size, config.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inner, hidden), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(experts, hidden, inner), requires_grad=False)
         self.act_fn = ACT2FN[config.hidden_act]
+        self.prefix = prefix
+        static_context = get_current_vllm_config().compilation_config.static_forward_context
+        if prefix in static_context:
+            raise ValueError(f"Duplicate layer name: {prefix}")
+        static_context[prefix] = self
 
-    def forward(self, hidden_states: torch.Tensor, expert_index: torch.Tensor) -> torch.Tensor:
-        """Unweighted expert outputs: tokens sorted by expert, one matmul pair per expert that got tokens."""
+    def forward(self, hidden_states: torch.Tensor, choice: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        output = torch.empty_like(hidden_states)
+        torch.ops.vllm.zaya_experts(hidden_states, choice, weight, output, self.prefix)
+        return output
+
+    def forward_native(self, hidden_states, choice, weight, output: torch.Tensor) -> None:
+        """`output` = expert outputs times `weight` for routed tokens, zero for skip-routed ones: tokens sorted by
+        expert, one matmul pair per expert that got tokens."""
+        output.zero_()
+        routed_rows = (choice < self.num_experts).nonzero().squeeze(-1)
+        if not routed_rows.numel():
+            return
+        expert_index = choice[routed_rows]
         order = torch.argsort(expert_index, stable=True)
-        counts = torch.bincount(expert_index, minlength=self.gate_up_proj.shape[0]).tolist()
-        sorted_states = hidden_states[order]
+        counts = torch.bincount(expert_index, minlength=self.num_experts).tolist()
+        sorted_rows = routed_rows[order]
+        sorted_states = hidden_states[sorted_rows]
         sorted_out = torch.empty_like(sorted_states)
         start = 0
         for expert, count in enumerate(counts):
@@ -193,29 +221,37 @@ class ZayaExperts(nn.Module):
                 gate, up = F.linear(sorted_states[rows], self.gate_up_proj[expert]).split(self.intermediate_size, -1)
                 sorted_out[rows] = F.linear(self.act_fn(gate) * up, self.down_proj[expert])
                 start += count
-        return torch.empty_like(sorted_out).index_copy_(0, order, sorted_out)
+        output.index_copy_(0, sorted_rows, sorted_out * weight[sorted_rows])
+
+
+# Host-side decisions (which experts got tokens) cannot be captured in a device graph: run eagerly between segments.
+@eager_break_during_capture
+def zaya_experts(
+    hidden_states: torch.Tensor, choice: torch.Tensor, weight: torch.Tensor, output: torch.Tensor, layer_name: str
+) -> None:
+    layer = get_forward_context().no_compile_layers[layer_name]
+    layer.forward_native(hidden_states, choice, weight, output)
+
+
+direct_register_custom_op(op_name="zaya_experts", op_func=zaya_experts, mutates_args=["output"])
 
 
 class ZayaSparseMoeBlock(nn.Module):
     """Router + experts; the skip class outputs zero or the input scaled by its probability (`skip_expert_mode`)."""
 
-    def __init__(self, config: ZayaConfig, layer_idx: int):
+    def __init__(self, config: ZayaConfig, layer_idx: int, prefix: str):
         super().__init__()
         self.gate = ZayaRouter(config, layer_idx)
-        self.experts = ZayaExperts(config)
+        self.experts = ZayaExperts(config, prefix=f"{prefix}.experts")
         self.skip_scales_input = config.skip_expert_mode == "scaled_input"
 
     def forward(self, hidden_states: torch.Tensor, router_states: torch.Tensor | None):
         choice, weight, router_states = self.gate(hidden_states, router_states)
         weight = weight.to(hidden_states.dtype)
-        routed = choice < self.gate.num_experts
-        output = torch.zeros_like(hidden_states)
-        routed_rows = routed.nonzero().squeeze(-1)
-        if routed_rows.numel():
-            expert_out = self.experts(hidden_states[routed_rows], choice[routed_rows]) * weight[routed_rows]
-            output = output.index_copy(0, routed_rows, expert_out)
+        output = self.experts(hidden_states, choice, weight)
         if self.skip_scales_input:
-            output = output + torch.where(routed[:, None], 0.0, weight * hidden_states)
+            skipped = (choice >= self.gate.num_experts)[:, None]
+            output = output + torch.where(skipped, weight * hidden_states, 0.0)
         return output, router_states
 
 
@@ -223,7 +259,7 @@ class ZayaDecoderLayer(nn.Module):
     def __init__(self, config: ZayaConfig, layer_idx: int, model_config, cache_config, prefix: str):
         super().__init__()
         self.self_attn = ZayaAttention(config, model_config, cache_config, prefix=f"{prefix}.self_attn")
-        self.mlp = ZayaSparseMoeBlock(config, layer_idx)
+        self.mlp = ZayaSparseMoeBlock(config, layer_idx, prefix=f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_residual_scale = ZayaResidualScaling(config.hidden_size)
@@ -237,6 +273,7 @@ class ZayaDecoderLayer(nn.Module):
         return self.post_mlp_residual_scale(moe_out, residual), router_states
 
 
+@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": 0, "inputs_embeds": 0})
 class ZayaModel(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
