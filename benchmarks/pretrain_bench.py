@@ -51,17 +51,6 @@ DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "pretrain_bench.json"
 IMPLS = ("ours", "trainer", "upstream")  # our loop; our model under Trainer; upstream's model under Trainer
 TARGET_OURS_OVER_UPSTREAM = 2.0  # issue 3, fp32 tokens/s
 TARGET_MFU = 0.5  # issue 3, of the plain matmul's GFLOP/s in the same dtype
-MICRO = dict(
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=16,
-    moe_intermediate_size=32,
-    num_experts=4,
-    router_hidden_size=16,
-    max_position_embeddings=128,
-)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -78,10 +67,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def shapes(quick: bool) -> list[dict]:
     from model_bench import FULL
 
-    from zaya_model.pretrain.presets import PRESETS
+    from zaya_model.pretrain.presets import MICRO_MODEL, PRESETS
 
     if quick:
-        return [dict(name="micro", model=MICRO, seq_len=32, batch_size=4, vocab=320, steps=3, rounds=1)]
+        return [dict(name="micro", model=MICRO_MODEL, seq_len=32, batch_size=4, vocab=320, steps=3, rounds=1)]
     # model_bench.py's 512-wide model (ZAYA1's ratios), with the vocabulary of the tokenizer trained here.
     wide = {key: value for key, value in FULL.model.items() if key != "vocab_size"} | {"max_position_embeddings": 1024}
     return [

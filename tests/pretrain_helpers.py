@@ -8,22 +8,12 @@ import traceback
 from pathlib import Path
 
 from finetune.datasets.synthetic import generate_cases, render_case_file
-from zaya_model.pretrain.presets import PretrainSettings
+from zaya_model.pretrain.presets import MICRO_MODEL, PretrainSettings
 from zaya_model.pretrain.tokenizer import train_tokenizer
 from zaya_model.pretrain.train import Pretrainer
 
 MICRO = PretrainSettings(
-    model=dict(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        moe_intermediate_size=32,
-        num_experts=4,
-        router_hidden_size=16,
-        max_position_embeddings=128,
-    ),
+    model=MICRO_MODEL,
     tokenizer_vocab_size=320,
     seq_len=32,
     batch_size=2,

@@ -100,6 +100,20 @@ _ZAYA1_BASE_SHAPE = {
     if key not in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id", "model_type", "transformers_version")
 }
 
+# The smallest shape that still runs every path (GQA, routing over several experts, both convolutions): tests and
+# benchmark smoke runs train it in seconds.
+MICRO_MODEL = dict(
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    moe_intermediate_size=32,
+    num_experts=4,
+    router_hidden_size=16,
+    max_position_embeddings=128,
+)
+
 PRESETS: dict[str, PretrainSettings] = {
     "tiny": PretrainSettings(
         model=dict(
