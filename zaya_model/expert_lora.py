@@ -16,11 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
 from .grouped_linear import grouped_linear
+from .small_batch_linear import linear
 
 try:
     from peft.tuners.lora.layer import _LoraFactorsProxy as _PeftLowRankProxy
@@ -47,10 +47,10 @@ class ExpertWeight:
 
     def single(self, inputs: torch.Tensor, expert: int) -> torch.Tensor:
         """All rows of `inputs` through one expert."""
-        output = F.linear(inputs, self.weight[expert])
+        output = linear(inputs, self.weight[expert])
         if self.lhs is None:
             return output
-        return output + self.scaling * F.linear(F.linear(inputs, self.rhs[expert]), self.lhs[expert])
+        return output + self.scaling * linear(linear(inputs, self.rhs[expert]), self.lhs[expert])
 
 
 def expert_weight(module: nn.Module, name: str) -> ExpertWeight:

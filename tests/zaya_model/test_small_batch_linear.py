@@ -1,0 +1,92 @@
+"""The few-row CPU linear of decoding: same values as `F.linear`, taken only where its results are reproducible."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from zaya_model.small_batch_linear import ALIGNMENT_BYTES, MAX_SMALL_BATCH_ROWS, align_parameters, linear
+
+
+@pytest.fixture
+def threads():
+    previous = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+@pytest.mark.parametrize("rows", [1, 3, MAX_SMALL_BATCH_ROWS])
+@torch.no_grad()
+def test_matches_f_linear(threads, num_threads, rows):
+    threads(num_threads)
+    torch.manual_seed(rows)
+    inputs, weight, bias = torch.randn(rows, 96), torch.randn(128, 96), torch.randn(128)
+    for with_bias in (None, bias):
+        torch.testing.assert_close(linear(inputs, weight, with_bias), F.linear(inputs, weight, with_bias))
+    # Leading dimensions are kept: [batch, seq, in] -> [batch, seq, out].
+    batched = inputs.view(1, rows, 96)
+    assert linear(batched, weight).shape == (1, rows, 128)
+
+
+class _RecordOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _ops_of(*args) -> set[str]:
+    with _RecordOps() as recorder:
+        linear(*args)
+    return recorder.ops
+
+
+@torch.no_grad()
+def test_split_path_runs_only_for_few_rows_aligned_weights_and_no_autograd(threads):
+    threads(2)
+    torch.manual_seed(0)
+    inputs, weight = torch.randn(4, 512), torch.randn(1024, 512)
+    assert weight.data_ptr() % ALIGNMENT_BYTES == 0
+    assert "bmm" in _ops_of(inputs, weight)
+
+    too_many = torch.randn(MAX_SMALL_BATCH_ROWS + 1, 512)
+    storage = torch.empty(weight.numel() + 1)
+    misaligned = storage[1:].view_as(weight).copy_(weight)
+    for args in ((too_many, weight), (inputs, misaligned)):
+        assert "bmm" not in _ops_of(*args)
+        assert torch.equal(linear(*args), F.linear(*args))
+    with torch.enable_grad():  # training keeps F.linear (and its gradients)
+        assert "bmm" not in _ops_of(inputs, weight)
+
+
+@torch.no_grad()
+def test_results_do_not_depend_on_where_the_weight_sits(threads):
+    threads(2)
+    torch.manual_seed(1)
+    inputs, weight = torch.randn(2, 64), torch.randn(128, 64)
+    reference = linear(inputs, weight)
+    storage = torch.empty(weight.numel() + 64)
+    for offset in range(0, 64, 4):  # every 16-byte offset; misaligned ones fall back to F.linear
+        moved = storage[offset : offset + weight.numel()].view_as(weight).copy_(weight)
+        expected = reference if moved.data_ptr() % ALIGNMENT_BYTES == 0 else F.linear(inputs, weight)
+        assert torch.equal(linear(inputs, moved), expected)
+
+
+def test_align_parameters_copies_only_misaligned_weights_and_keeps_ties():
+    embedding = torch.nn.Embedding(16, 8)
+    head = torch.nn.Linear(8, 16, bias=False)
+    head.weight = embedding.weight  # tied
+    storage = torch.empty(16 * 8 + 1)
+    embedding.weight.data = storage[1:].view(16, 8).copy_(torch.arange(128.0).view(16, 8))
+    aligned = torch.nn.Linear(8, 8)
+    aligned_pointer = aligned.weight.data_ptr()
+    model = torch.nn.ModuleList([embedding, head, aligned])
+    align_parameters(model)
+    assert embedding.weight.data_ptr() % ALIGNMENT_BYTES == 0
+    assert head.weight.data_ptr() == embedding.weight.data_ptr()
+    assert torch.equal(embedding.weight, torch.arange(128.0).view(16, 8))
+    assert aligned.weight.data_ptr() == aligned_pointer
