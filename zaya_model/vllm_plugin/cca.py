@@ -88,9 +88,9 @@ class ZayaCCAProjection(MambaBase, nn.Module):
         half_value = self.key_width // 2
         self.v_proj_current = ReplicatedLinear(hidden, half_value, bias=bias, prefix=f"{prefix}.v_proj_current")
         self.v_proj_delayed = ReplicatedLinear(hidden, half_value, bias=bias, prefix=f"{prefix}.v_proj_delayed")
-        self.groups = self.num_heads + self.num_kv_heads
+        groups = self.num_heads + self.num_kv_heads  # one per query and key head
         self.conv_qk_depthwise = _ConvWeights(self.channels, 1, config.cca_time0)
-        self.conv_qk_grouped = _ConvWeights(self.channels, self.channels // self.groups, config.cca_time1)
+        self.conv_qk_grouped = _ConvWeights(self.channels, self.channels // groups, config.cca_time1)
 
         compilation_config = get_current_vllm_config().compilation_config
         if prefix in compilation_config.static_forward_context:
