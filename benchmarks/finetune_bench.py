@@ -144,7 +144,8 @@ def prepare_variant(variant: str, model_dir: str, sizes: FinetuneSizes):
         )
         model = get_peft_model(model, config)
     balancing = BalancingBiasUpdater(model) if variant == "ours_full" else None
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    # Fused, as `zaya finetune` (transformers' `Trainer`, optim "adamw_torch_fused") runs it, for both implementations.
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
     batch = torch.load(Path(model_dir) / BATCH_FILE)
     # As `zaya finetune`'s training step: our LM head runs on the trained positions only (upstream has no such path).
     step_kwargs = {"skip_logits": True} if impl == "ours" else {}

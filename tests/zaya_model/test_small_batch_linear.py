@@ -76,17 +76,49 @@ def test_results_do_not_depend_on_where_the_weight_sits(threads):
         assert torch.equal(linear(inputs, moved), expected)
 
 
-def test_align_parameters_copies_only_misaligned_weights_and_keeps_ties():
+def _misaligned_copy(tensor: torch.Tensor) -> torch.Tensor:
+    storage = torch.empty(tensor.numel() + 1, dtype=tensor.dtype)
+    return storage[1:].view_as(tensor).copy_(tensor)
+
+
+def test_align_parameters_copies_every_tensor_when_one_is_misaligned_and_keeps_ties():
     embedding = torch.nn.Embedding(16, 8)
     head = torch.nn.Linear(8, 16, bias=False)
     head.weight = embedding.weight  # tied
-    storage = torch.empty(16 * 8 + 1)
-    embedding.weight.data = storage[1:].view(16, 8).copy_(torch.arange(128.0).view(16, 8))
+    embedding.weight.data = _misaligned_copy(torch.arange(128.0).view(16, 8))
     aligned = torch.nn.Linear(8, 8)
-    aligned_pointer = aligned.weight.data_ptr()
+    aligned.register_buffer("counts", torch.arange(4.0))
+    before = {name: tensor.clone() for name, tensor in aligned.state_dict().items()}
+    old_buffer = aligned.counts
     model = torch.nn.ModuleList([embedding, head, aligned])
+    old_pointers = {tensor.data_ptr() for tensor in (*model.parameters(), *model.buffers())}
     align_parameters(model)
-    assert embedding.weight.data_ptr() % ALIGNMENT_BYTES == 0
-    assert head.weight.data_ptr() == embedding.weight.data_ptr()
+    tensors = (*model.parameters(), *model.buffers())
+    # All copied, so none of them keeps the misaligned tensor's storage (in practice, a checkpoint mapping) alive.
+    assert all(t.data_ptr() % ALIGNMENT_BYTES == 0 and t.data_ptr() not in old_pointers for t in tensors)
+    assert aligned.counts is not old_buffer  # a new buffer object: other holders of the old one keep only it
+    assert head.weight is embedding.weight
     assert torch.equal(embedding.weight, torch.arange(128.0).view(16, 8))
-    assert aligned.weight.data_ptr() == aligned_pointer
+    for name, value in aligned.state_dict().items():
+        assert torch.equal(value, before[name])
+
+
+def test_align_parameters_leaves_an_aligned_model_alone():
+    model = torch.nn.Linear(8, 8)
+    pointers = [p.data_ptr() for p in model.parameters()]
+    align_parameters(model)
+    assert [p.data_ptr() for p in model.parameters()] == pointers
+
+
+def test_from_pretrained_does_not_keep_the_checkpoint_mapped_beside_its_copies(tmp_path):
+    from tiny_models import TINY_ZAYA
+
+    from zaya_model import ZayaConfig, ZayaForCausalLM
+
+    ZayaForCausalLM(ZayaConfig(**TINY_ZAYA)).save_pretrained(tmp_path)
+    model = ZayaForCausalLM.from_pretrained(tmp_path)
+    tensors = (*model.parameters(), *model.buffers())
+    assert all(t.data_ptr() % ALIGNMENT_BYTES == 0 for t in tensors)
+    with open("/proc/self/maps") as maps:
+        mapped = [line for line in maps if str(tmp_path) in line]
+    assert not mapped  # the file's pages would stay resident beside the aligned copies (1.8x the model's RSS)
