@@ -97,3 +97,50 @@ def test_sharded_runs_reject_muon_and_resuming_unsharded_checkpoints(corpus, tok
     Pretrainer(corpus, tmp_path / "run", MICRO.replace(max_steps=1), tokenizer_path=tokenizer_dir).train()
     with pytest.raises(PretrainError, match="different settings \\(sharding\\)"):
         Pretrainer(corpus, tmp_path / "run", MICRO.replace(sharding="fsdp"), tokenizer_path=tokenizer_dir)
+
+
+def _train_step(model, optimizer, seed: int) -> None:
+    ids = torch.randint(3, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(seed))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _snapshot(model, optimizer) -> list[torch.Tensor]:
+    moments = [optimizer.state[p][key] for p in model.parameters() for key in ("exp_avg", "exp_avg_sq")]
+    return [t.detach().clone() for t in (*model.state_dict().values(), *moments)]
+
+
+def test_each_sharded_save_holds_its_own_step_though_the_staging_copy_is_reused(tokenizer_dir, tmp_path):
+    from tiny_models import TINY_ZAYA
+    from transformers import AutoTokenizer
+
+    from zaya_model import ZayaConfig
+    from zaya_model.training.distributed_checkpoint import ShardedCheckpointManager, load_sharded
+
+    def build():
+        torch.manual_seed(0)
+        model = ZayaForCausalLM(ZayaConfig(**TINY_ZAYA))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    model, optimizer = build()
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    manager = ShardedCheckpointManager(tmp_path, keep_last=3, is_main=True)
+    expected = {}
+    for step in (1, 2, 3):
+        _train_step(model, optimizer, seed=step)
+        manager.save(step, model, [optimizer], tokenizer, {"step": step})
+        expected[step] = _snapshot(model, optimizer)
+        # Training goes on while the shards are written: the write must hold the values at the save. (Changing
+        # every weight and moment at once, while the writer has barely started, shows a write reading live state.)
+        with torch.no_grad():
+            for tensor in (*model.parameters(), *(s[k] for s in optimizer.state.values() for k in ("exp_avg",))):
+                tensor.add_(1e-3)
+        _train_step(model, optimizer, seed=10 + step)
+    manager.wait()
+    for step, values in expected.items():
+        loaded, loaded_optimizer = build()
+        _train_step(loaded, loaded_optimizer, seed=99)  # moments to load into
+        load_sharded(manager.path(step), loaded, [loaded_optimizer])
+        for got, want in zip(_snapshot(loaded, loaded_optimizer), values, strict=True):
+            assert torch.equal(got, want), step

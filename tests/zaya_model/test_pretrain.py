@@ -192,6 +192,44 @@ def test_keeps_the_last_k_and_the_best_checkpoint(tiny_model, tmp_path):
     assert len(timings) == 5 and all(t["stall_s"] >= 0 and t["save_pretrained_s"] > 0 for t in timings)
 
 
+def test_each_checkpoint_holds_its_own_step_though_the_cpu_copy_is_refilled(tiny_model, tmp_path):
+    tokenizer = train_tokenizer(["a few words to learn merges from"] * 4, vocab_size=300)
+    manager = CheckpointManager(tmp_path, keep_last=3)
+    expected = {}
+    for step in (1, 2, 3):
+        with torch.no_grad():
+            for parameter in tiny_model.parameters():
+                parameter.add_(0.01 * step)
+        moments = {"exp_avg": torch.full((4,), float(step))}
+        manager.save(step, tiny_model, tokenizer, {"step": step, "optimizer": moments})
+        expected[step] = {name: value.clone() for name, value in tiny_model.state_dict().items()}
+        # Changed at once, while the writer has barely started: a write reading live state would show it.
+        with torch.no_grad():
+            for parameter in tiny_model.parameters():
+                parameter.add_(100.0)
+            moments["exp_avg"].add_(100.0)
+    manager.wait()
+    for step, state in expected.items():
+        loaded = ZayaForCausalLM.from_pretrained(manager.path(step)).state_dict()
+        for name, value in state.items():
+            assert torch.equal(loaded[name], value), (step, name)
+        saved = load_training_state(manager.path(step))
+        assert saved["step"] == step and torch.equal(saved["optimizer"]["exp_avg"], torch.full((4,), float(step)))
+
+
+def test_cpu_copy_refills_an_earlier_copy_where_shapes_match():
+    from zaya_model.training.checkpointing import cpu_copy
+
+    state = {"a": torch.ones(3), "nested": [torch.zeros(2, 2), 7], "step": 1}
+    first = cpu_copy(state)
+    state["a"].add_(1.0)
+    state["nested"][0] = torch.zeros(5)  # a new shape cannot reuse the old buffer
+    second = cpu_copy(state, reuse=first)
+    assert second["a"].data_ptr() == first["a"].data_ptr() != state["a"].data_ptr()
+    assert torch.equal(second["a"], torch.full((3,), 2.0))
+    assert second["nested"][0].shape == (5,) and second["nested"][1] == 7 and second["step"] == 1
+
+
 def test_balancing_stats_are_logged_and_biases_move(corpus, tokenizer_dir, tmp_path):
     trainer = Pretrainer(corpus, tmp_path / "run", MICRO.replace(max_steps=3), tokenizer_path=tokenizer_dir)
     initial = [layer.mlp.gate.balancing_biases.clone() for layer in trainer.model.model.layers]

@@ -10,7 +10,10 @@ Layout of `checkpoint-<step>/` (same retention, atomic rename and `index.json` a
 It is not a `save_pretrained` directory: the trainer exports the final model by gathering the full state dict.
 
 Saves are asynchronous (`dcp.async_save`): training stalls while DCP stages the state into a CPU copy, then a
-background thread writes the shards, coordinating ranks over a dedicated gloo group so it never interleaves with the
+background thread writes the shards. The manager keeps one stager, whose CPU copy is allocated at the first save and
+reused by later ones (a save starts only after the previous write finished): a fresh 1.3 GB copy of the 112M bench
+model's weights and AdamW state stalled training 0.39 s, mostly page faults; refilling the kept one 0.14 s. The
+writer thread coordinates ranks over a dedicated gloo group so it never interleaves with the
 training step's collectives. On rank 0 a second thread waits for that write (DCP's coordinator writes `.metadata`
 only after every rank reported its shard written), adds the rest, fsyncs and renames the directory into place.
 """
@@ -28,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, get_state_dict, set_state_dict
 
 from .checkpointing import CHECKPOINT_PREFIX, CheckpointManager, CheckpointWriteError, cpu_copy
@@ -70,6 +74,15 @@ class ShardedCheckpointManager(CheckpointManager):
         # Collective: every rank builds its manager at the same point of set-up.
         self.group = dist.new_group(backend="gloo") if distributed else None
         self._shards: Future | None = None
+        # Synchronous staging into CPU memory kept across saves (pinned where a GPU copies from it).
+        self._stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=torch.cuda.is_available(),
+                use_shared_memory=False,
+                use_async_staging=False,
+                use_non_blocking_copy=False,
+            )
+        )
 
     def save(
         self,
@@ -88,7 +101,13 @@ class ShardedCheckpointManager(CheckpointManager):
         state = sharded_state(model, optimizers)
         shards = self.directory / f".tmp-{CHECKPOINT_PREFIX}{step}" / SHARDS_DIR
         shards.mkdir(parents=True, exist_ok=True)
-        future = dcp.async_save(state, checkpoint_id=shards, process_group=self.group, no_dist=self.group is None)
+        future = dcp.async_save(
+            state,
+            checkpoint_id=shards,
+            process_group=self.group,
+            no_dist=self.group is None,
+            async_stager=self._stager,
+        )
         if self.is_main:
             training_state = cpu_copy(training_state)
         stall_s = time.perf_counter() - started
