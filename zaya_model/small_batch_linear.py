@@ -62,10 +62,14 @@ def align_parameters(module: nn.Module) -> None:
     for parameter in module.parameters():
         if parameter.device.type == "cpu":
             parameter.data = parameter.data.clone()
+    # New buffer objects (a buffer's old object may be held elsewhere, as the loader does); shared ones stay shared.
+    copies: dict[int, torch.Tensor] = {}
     for owner in module.modules():
         for name, buffer in owner._buffers.items():
             if buffer is not None and buffer.device.type == "cpu":
-                owner._buffers[name] = buffer.clone()
+                if id(buffer) not in copies:
+                    copies[id(buffer)] = buffer.clone()
+                owner._buffers[name] = copies[id(buffer)]
 
 
 class SmallBatchLinear(nn.Linear):

@@ -88,6 +88,7 @@ def test_align_parameters_copies_every_tensor_when_one_is_misaligned_and_keeps_t
     embedding.weight.data = _misaligned_copy(torch.arange(128.0).view(16, 8))
     aligned = torch.nn.Linear(8, 8)
     aligned.register_buffer("counts", torch.arange(4.0))
+    head.register_buffer("counts", aligned.counts)  # one buffer in two modules
     before = {name: tensor.clone() for name, tensor in aligned.state_dict().items()}
     old_buffer = aligned.counts
     model = torch.nn.ModuleList([embedding, head, aligned])
@@ -97,7 +98,7 @@ def test_align_parameters_copies_every_tensor_when_one_is_misaligned_and_keeps_t
     # All copied, so none of them keeps the misaligned tensor's storage (in practice, a checkpoint mapping) alive.
     assert all(t.data_ptr() % ALIGNMENT_BYTES == 0 and t.data_ptr() not in old_pointers for t in tensors)
     assert aligned.counts is not old_buffer  # a new buffer object: other holders of the old one keep only it
-    assert head.weight is embedding.weight
+    assert head.weight is embedding.weight and head.counts is aligned.counts
     assert torch.equal(embedding.weight, torch.arange(128.0).view(16, 8))
     for name, value in aligned.state_dict().items():
         assert torch.equal(value, before[name])
