@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request, Response
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from starlette.concurrency import run_in_threadpool
 from starlette.routing import BaseRoute, Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.api.deps import Principal
 from server.api.errors import database_unavailable, error_response
@@ -87,41 +88,75 @@ def install_middleware(app: FastAPI) -> None:
                 client_address=request.client.host if request.client else None,
             )
 
-    async def respond(request: Request, call_next) -> Response:
-        if request.url.path not in PUBLIC_PATHS:
-            token = _bearer_token(request)
-            try:
-                principal = await run_in_threadpool(authenticate, token) if token else None
-            except SQLAlchemyError as error:
-                # Answered here: an error escaping a middleware makes uvicorn drop the client's connection.
-                if (unavailable := database_unavailable(request, error)) is None:
-                    raise
-                return unavailable
-            if principal is None:
-                message = "Invalid API key." if token else "Missing API key: send 'Authorization: Bearer <key>'."
-                return error_response(401, message, code="invalid_api_key")
-            request.state.principal = principal
-            try:
-                app.state.rate_limits.check_request(principal.key_id)
-            except RateLimited as error:
-                return error_response(429, error.message, code=error.code, headers=error.headers)
-        return await call_next(request)
-
-    @app.middleware("http")
-    async def request_pipeline(request: Request, call_next) -> Response:
-        started = time.perf_counter()
-        status_code = 500  # what the client sees if the route raised: the catch-all handler answers 500
+    async def admit(request: Request) -> Response | None:
+        """Authenticate and rate-limit a request: None lets it through, otherwise the response that refuses it."""
+        if request.url.path in PUBLIC_PATHS:
+            return None
+        token = _bearer_token(request)
         try:
-            response = await respond(request, call_next)
-            status_code = response.status_code
-            return response
+            principal = await run_in_threadpool(authenticate, token) if token else None
+        except SQLAlchemyError as error:
+            # Answered here: an error escaping a middleware makes uvicorn drop the client's connection.
+            if (unavailable := database_unavailable(request, error)) is None:
+                raise
+            return unavailable
+        if principal is None:
+            message = "Invalid API key." if token else "Missing API key: send 'Authorization: Bearer <key>'."
+            return error_response(401, message, code="invalid_api_key")
+        request.state.principal = principal
+        try:
+            app.state.rate_limits.check_request(principal.key_id)
+        except RateLimited as error:
+            return error_response(429, error.message, code=error.code, headers=error.headers)
+        return None
+
+    async def record(request: Request, status_code: int, started: float) -> None:
+        """Audit a mutating request and observe its metrics, once its status is known (before the client sees it)."""
+        route, path_params = _route_of(request)
+        route_label = getattr(route, "path", "unmatched")
+        if request.method in MUTATING_METHODS:
+            action = getattr(route, "name", None) or f"{request.method} {route_label}"
+            try:
+                await run_in_threadpool(write_audit, request, action, path_params, status_code)
+            except Exception:
+                logger.exception("could not write the audit entry for %s %s", request.method, request.url.path)
+        app.state.metrics.observe(request.method, route_label, status_code, time.perf_counter() - started)
+
+    app.add_middleware(RequestPipeline, admit=admit, record=record)
+
+
+class RequestPipeline:
+    """The request middleware as plain ASGI. (Starlette's `BaseHTTPMiddleware`, behind `@app.middleware("http")`,
+    relays every chunk of a streamed response through an extra task and memory stream: measured here, that cut an
+    SSE stream's chunks per second by 2.4x.)"""
+
+    def __init__(self, app: ASGIApp, *, admit, record) -> None:
+        self.app, self.admit, self.record = app, admit, record
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope, receive)
+        started = time.perf_counter()
+        recorded = False
+
+        async def record_once(status_code: int) -> None:
+            nonlocal recorded
+            if not recorded:
+                recorded = True
+                await self.record(request, status_code, started)
+
+        async def send_recorded(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                await record_once(message["status"])
+            await send(message)
+
+        try:
+            refusal = await self.admit(request)
+            if refusal is not None:
+                await refusal(scope, receive, send_recorded)
+            else:
+                await self.app(scope, receive, send_recorded)
         finally:
-            route, path_params = _route_of(request)
-            route_label = getattr(route, "path", "unmatched")
-            if request.method in MUTATING_METHODS:
-                action = getattr(route, "name", None) or f"{request.method} {route_label}"
-                try:
-                    await run_in_threadpool(write_audit, request, action, path_params, status_code)
-                except Exception:
-                    logger.exception("could not write the audit entry for %s %s", request.method, request.url.path)
-            app.state.metrics.observe(request.method, route_label, status_code, time.perf_counter() - started)
+            await record_once(500)  # no response started: the route raised, and the catch-all handler answers 500

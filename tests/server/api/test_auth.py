@@ -271,6 +271,21 @@ def test_server_errors_never_leak_internals(app, auth):
     assert "hunter2" not in response.text and "RuntimeError" not in response.text
 
 
+def test_a_mutating_route_that_raises_is_audited_and_counted_as_500(app, auth, sessions):
+    from server.db.models import AuditLog
+
+    @app.post("/v1/boom", name="boom.create")
+    def boom():
+        raise RuntimeError("no response started")
+
+    with TestClient(app, raise_server_exceptions=False) as client:
+        assert client.post("/v1/boom", headers=auth("admin")).status_code == 500
+        metrics = client.get("/metrics", headers=auth("admin")).text
+    with sessions() as session:
+        assert ("boom.create", 500) in [(entry.action, entry.status_code) for entry in session.query(AuditLog)]
+    assert 'method="POST",route="/v1/boom",status="500"' in metrics
+
+
 def test_oversized_json_bodies_get_413(client, auth, settings):
     body = b"x" * (settings.max_request_bytes + 1)
     response = client.post(
