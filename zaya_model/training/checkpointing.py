@@ -4,11 +4,11 @@ A checkpoint is a directory `checkpoint-<step>` holding the model in the upstrea
 (`save_pretrained`, so `from_pretrained` and stock transformers read it), its tokenizer and `training_state.pt`
 (optimizer, scheduler, RNG, balancing-bias optimizer, data position, anything else the trainer passes).
 
-Saving stalls training only while the state is copied to CPU memory (into the previous save's copy, whose pages
-are already mapped); a background thread then writes the copy
-into `.tmp-checkpoint-<step>`, fsyncs every file and the directory, and renames it into place, so a crash never
-leaves a half-written `checkpoint-<step>`. `index.json` (written the same way) records each checkpoint's
-validation loss and which one is best. One write runs at a time: a save waits for the previous one.
+Saving stalls training only while the state is copied to CPU memory (into the previous save's copy, whose pages are
+already mapped, so that copy stays allocated between saves; the peak is the same); a background thread then writes the
+copy into `.tmp-checkpoint-<step>`, fsyncs every file and the directory, and renames it into place, so a crash never
+leaves a half-written `checkpoint-<step>`. `index.json` (written the same way) records each checkpoint's validation
+loss and which one is best. One write runs at a time: a save waits for the previous one.
 
 Each finished write appends its timings to `completed_writes`: `stall_s` (training paused: `wait_s` waiting for the
 previous write, plus the CPU copy), `save_pretrained_s` (what the same `save_pretrained` would have stalled training

@@ -12,10 +12,11 @@ It is not a `save_pretrained` directory: the trainer exports the final model by 
 Saves are asynchronous (`dcp.async_save`): training stalls while DCP stages the state into a CPU copy, then a
 background thread writes the shards. The manager keeps one stager, whose CPU copy is allocated at the first save and
 reused by later ones (a save starts only after the previous write finished): a fresh 1.3 GB copy of the 112M bench
-model's weights and AdamW state stalled training 0.39 s, mostly page faults; refilling the kept one 0.14 s. The
-writer thread coordinates ranks over a dedicated gloo group so it never interleaves with the
-training step's collectives. On rank 0 a second thread waits for that write (DCP's coordinator writes `.metadata`
-only after every rank reported its shard written), adds the rest, fsyncs and renames the directory into place.
+model's weights and AdamW state stalled training 0.39 s, mostly page faults; refilling the kept one 0.14 s. (So a rank
+holds a CPU copy of its shards between saves, not only during them; the peak is the same.) The writer thread
+coordinates ranks over a dedicated gloo group so it never interleaves with the training step's collectives. On rank 0
+a second thread waits for that write (DCP's coordinator writes `.metadata` only after every rank reported its shard
+written), adds the rest, fsyncs and renames the directory into place.
 """
 
 from __future__ import annotations
