@@ -137,6 +137,8 @@ def test_each_sharded_save_holds_its_own_step_though_the_staging_copy_is_reused(
             for tensor in (*model.parameters(), *(s[k] for s in optimizer.state.values() for k in ("exp_avg",))):
                 tensor.add_(1e-3)
         _train_step(model, optimizer, seed=10 + step)
+        if step == 2:
+            manager.release()  # as training's end does: the next save stages into a new copy
     manager.wait()
     for step, values in expected.items():
         loaded, loaded_optimizer = build()

@@ -553,7 +553,7 @@ class Pretrainer:
             return PretrainResult(self.step, "completed", metrics["loss"] if metrics else None, self.last_val_loss)
         finally:
             faulthandler.cancel_dump_traceback_later()
-            self.checkpoints.wait()
+            self.checkpoints.release()
             if bar is not None:
                 bar.close()
             if previous_handler is not None:

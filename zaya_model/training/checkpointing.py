@@ -5,10 +5,10 @@ A checkpoint is a directory `checkpoint-<step>` holding the model in the upstrea
 (optimizer, scheduler, RNG, balancing-bias optimizer, data position, anything else the trainer passes).
 
 Saving stalls training only while the state is copied to CPU memory (into the previous save's copy, whose pages are
-already mapped, so that copy stays allocated between saves; the peak is the same); a background thread then writes the
-copy into `.tmp-checkpoint-<step>`, fsyncs every file and the directory, and renames it into place, so a crash never
-leaves a half-written `checkpoint-<step>`. `index.json` (written the same way) records each checkpoint's validation
-loss and which one is best. One write runs at a time: a save waits for the previous one.
+already mapped, so that copy stays allocated between saves until `release`; the peak is the same); a background thread
+then writes the copy into `.tmp-checkpoint-<step>`, fsyncs every file and the directory, and renames it into place, so
+a crash never leaves a half-written `checkpoint-<step>`. `index.json` (written the same way) records each checkpoint's
+validation loss and which one is best. One write runs at a time: a save waits for the previous one.
 
 Each finished write appends its timings to `completed_writes`: `stall_s` (training paused: `wait_s` waiting for the
 previous write, plus the CPU copy), `save_pretrained_s` (what the same `save_pretrained` would have stalled training
@@ -162,6 +162,11 @@ class CheckpointManager:
         if self._error is not None:
             error, self._error = self._error, None
             raise CheckpointWriteError(f"writing a checkpoint failed: {error}") from error
+
+    def release(self) -> None:
+        """Wait for the write in flight, then free the CPU copy kept for the next save (training is over)."""
+        self.wait()
+        self._staged = (None, None)
 
     def _write_guarded(self, *args) -> None:
         try:

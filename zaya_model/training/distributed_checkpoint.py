@@ -75,15 +75,7 @@ class ShardedCheckpointManager(CheckpointManager):
         # Collective: every rank builds its manager at the same point of set-up.
         self.group = dist.new_group(backend="gloo") if distributed else None
         self._shards: Future | None = None
-        # Synchronous staging into CPU memory kept across saves (pinned where a GPU copies from it).
-        self._stager = DefaultStager(
-            StagingOptions(
-                use_pinned_memory=torch.cuda.is_available(),
-                use_shared_memory=False,
-                use_async_staging=False,
-                use_non_blocking_copy=False,
-            )
-        )
+        self._stager = _kept_stager()
 
     def save(
         self,
@@ -126,6 +118,11 @@ class ShardedCheckpointManager(CheckpointManager):
             self.wait()
         return stall_s
 
+    def release(self) -> None:
+        super().release()
+        self._stager.close()  # drops its cached CPU storages
+        self._stager = _kept_stager()
+
     def wait(self) -> None:
         super().wait()
         if self._shards is not None:
@@ -140,3 +137,15 @@ class ShardedCheckpointManager(CheckpointManager):
         timing = {"step": step, "stall_s": stalls[0], "wait_s": stalls[1], "shards_s": time.perf_counter() - started}
         temporary = self.directory / f".tmp-{CHECKPOINT_PREFIX}{step}"
         self._publish(step, temporary, tokenizer, training_state, val_loss, timing, started)
+
+
+def _kept_stager() -> DefaultStager:
+    """Synchronous staging into CPU memory that later saves refill (pinned where a GPU copies from it)."""
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=torch.cuda.is_available(),
+            use_shared_memory=False,
+            use_async_staging=False,
+            use_non_blocking_copy=False,
+        )
+    )
