@@ -29,6 +29,11 @@ def test_matches_f_linear(threads, num_threads, rows):
     assert linear(batched, weight).shape == (1, rows, 128)
 
 
+def _misaligned_copy(tensor: torch.Tensor) -> torch.Tensor:
+    storage = torch.empty(tensor.numel() + 1, dtype=tensor.dtype)
+    return storage[1:].view_as(tensor).copy_(tensor)
+
+
 class _RecordOps(TorchDispatchMode):
     def __init__(self):
         super().__init__()
@@ -54,8 +59,7 @@ def test_split_path_runs_only_for_few_rows_aligned_weights_and_no_autograd(threa
     assert "bmm" in _ops_of(inputs, weight)
 
     too_many = torch.randn(MAX_SMALL_BATCH_ROWS + 1, 512)
-    storage = torch.empty(weight.numel() + 1)
-    misaligned = storage[1:].view_as(weight).copy_(weight)
+    misaligned = _misaligned_copy(weight)
     for args in ((too_many, weight), (inputs, misaligned)):
         assert "bmm" not in _ops_of(*args)
         assert torch.equal(linear(*args), F.linear(*args))
@@ -74,11 +78,6 @@ def test_results_do_not_depend_on_where_the_weight_sits(threads):
         moved = storage[offset : offset + weight.numel()].view_as(weight).copy_(weight)
         expected = reference if moved.data_ptr() % ALIGNMENT_BYTES == 0 else F.linear(inputs, weight)
         assert torch.equal(linear(inputs, moved), expected)
-
-
-def _misaligned_copy(tensor: torch.Tensor) -> torch.Tensor:
-    storage = torch.empty(tensor.numel() + 1, dtype=tensor.dtype)
-    return storage[1:].view_as(tensor).copy_(tensor)
 
 
 def test_align_parameters_copies_every_tensor_when_one_is_misaligned_and_keeps_ties():
