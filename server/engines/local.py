@@ -1,10 +1,11 @@
 """The `local` engine: `zaya_model` on CPU with batched decoding, for development, tests and the embedded default.
 
-One scheduler thread per loaded model version decodes every running sequence of that version in one forward pass
-per step (continuous batching): between steps it admits waiting requests by prefilling them together, left-padded,
-and merging their caches into the running batch (keys/values left-padded to a common length, CCA state stacked).
+One scheduler per loaded model version decodes every running sequence of that version in one forward pass per step
+(continuous batching): between steps it admits waiting requests by prefilling them together, left-padded, and
+merging their caches into the running batch (keys/values left-padded to a common length, CCA state stacked).
 Finished and cancelled sequences leave the batch at once. Positions come from each row's attention mask, so padding
-never changes a sequence's result.
+never changes a sequence's result. One compute thread steps every scheduler in turn, and weights load on a thread
+that ends with the load (`server.engines.threads` says why).
 
 Adapters: an adapter version is merged into its own copy of the base weights when it is loaded (PEFT
 `merge_and_unload`) and served as a separate model; requests on the same adapter batch together. Merging keeps the
@@ -40,6 +41,7 @@ from server.engines.base import (
 )
 from server.engines.detokenizer import StopStringDetokenizer
 from server.engines.sampling import choice_generator, sample_token
+from server.engines.threads import on_own_thread
 from zaya_model import ZayaConfig, ZayaForCausalLM
 from zaya_model.cache_zaya import ZayaCache
 
@@ -101,73 +103,122 @@ class SchedulerStats:
     running: int = 0
 
 
-class _Scheduler:
-    """Owns one model; a daemon thread admits requests and decodes all running sequences together."""
+class _ComputeThread:
+    """The engine's one thread for forward passes: it steps every loaded model's scheduler in turn.
 
-    def __init__(self, model: ZayaForCausalLM, tokenizer: PreTrainedTokenizerBase, settings: LocalEngineSettings):
-        self.model, self.tokenizer, self.settings = model, tokenizer, settings
+    One thread, not one per model: an idle thread that has run torch ops slows every op of the busy one
+    (`server.engines.threads` explains), and models stepping at once would only contend for the same cores.
+    """
+
+    def __init__(self) -> None:
+        self.schedulers: list[_Scheduler] = []  # replaced under `lock`, never mutated: the thread reads a snapshot
+        self.lock = threading.Lock()
+        self.wake = threading.Event()
+        self.stopping = False
+        self.thread = threading.Thread(target=self._run, name="zaya-local-engine", daemon=True)
+        self.thread.start()
+
+    def add(self, scheduler: _Scheduler) -> None:
+        with self.lock:
+            self.schedulers = [*self.schedulers, scheduler]
+        self.wake.set()
+
+    def stop(self) -> None:
+        self.stopping = True
+        self.wake.set()
+        self.thread.join(timeout=30)
+
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while not self.stopping:
+                self.wake.clear()  # before looking for work: a submit after this point wakes the wait below
+                pending = False
+                for scheduler in self.schedulers:
+                    if scheduler.closing:
+                        with self.lock:
+                            self.schedulers = [other for other in self.schedulers if other is not scheduler]
+                        scheduler.retire()
+                    else:
+                        pending |= scheduler.step()
+                if not pending:
+                    self.wake.wait()
+
+
+class _Scheduler:
+    """Owns one model: admits its requests and decodes all of its running sequences together, a step at a time on
+    the engine's compute thread."""
+
+    def __init__(
+        self,
+        model: ZayaForCausalLM,
+        tokenizer: PreTrainedTokenizerBase,
+        settings: LocalEngineSettings,
+        wake: threading.Event,
+    ):
+        self.model, self.tokenizer, self.settings, self.wake = model, tokenizer, settings, wake
         self.end_ids = end_of_sequence_ids(tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.inbox: queue.Queue[_Request | None] = queue.Queue()
+        self.inbox: queue.Queue[_Request] = queue.Queue()
         self.backlog: deque[_Request] = deque()  # taken from the inbox, waiting for room in the batch
         self.waiting = 0
         self.waiting_lock = threading.Lock()
+        self.closing = False
+        self.closed = threading.Event()
         self.rows: list[_Sequence] = []
         self.cache: ZayaCache | None = None
         self.mask: torch.Tensor | None = None  # [rows, cached length]: 0 on left padding
         self.stats = SchedulerStats()
-        self.thread = threading.Thread(target=self._run, name="zaya-local-engine", daemon=True)
-        self.thread.start()
 
     # --- called from the event loop -------------------------------------------------------------------------
     def submit(self, request: _Request) -> None:
         with self.waiting_lock:
+            if self.closing:
+                raise EngineError("The model was unloaded.")
             # Room now in the batch plus the queue bound; read racily from the event loop, which is close enough.
             capacity = max(self.settings.max_batch_size - len(self.rows), 0) + self.settings.max_queued_requests
             if self.waiting >= capacity:
                 raise EngineOverloaded("The engine's request queue is full; retry shortly.")
             self.waiting += 1
-        self.inbox.put(request)
+            self.inbox.put(request)
+        self.wake.set()
 
     @property
     def busy(self) -> bool:
         return bool(self.rows) or self.waiting > 0
 
     def close(self) -> None:
-        self.inbox.put(None)
-        self.thread.join(timeout=30)
+        """Ask the compute thread to fail this model's requests and drop it; `closed` is set when it has."""
+        with self.waiting_lock:
+            self.closing = True
+        self.wake.set()
 
-    # --- the scheduler thread -------------------------------------------------------------------------------
-    def _run(self) -> None:
-        with torch.inference_mode():
-            while True:
-                admitted = self._take_waiting(block=not self.rows)
-                if admitted is None:
-                    self._fail_all(EngineError("The model was unloaded."))
-                    return
-                try:
-                    if admitted:
-                        self._prefill(admitted)
-                    self._drop_finished()
-                    if self.rows:
-                        self._decode_step()
-                        self._drop_finished()
-                except Exception as error:  # a failed forward fails its batch, never the engine
-                    logger.exception("local engine step failed")
-                    self._fail_all(EngineError(f"Generation failed: {error}"))
+    # --- on the compute thread ------------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Admit what fits, then one decode step for every running sequence; whether work remains."""
+        try:
+            admitted = self._take_waiting()
+            if admitted:
+                self._prefill(admitted)
+            self._drop_finished()
+            if self.rows:
+                self._decode_step()
+                self._drop_finished()
+        except Exception as error:  # a failed forward fails its batch, never the engine
+            logger.exception("local engine step failed")
+            self._fail_all(EngineError(f"Generation failed: {error}"))
+        return bool(self.rows or self.backlog)
 
-    def _take_waiting(self, block: bool) -> list[_Request] | None:
-        """Waiting requests that fit in the batch now, oldest first; None when the scheduler is closing."""
-        block = block and not self.backlog
+    def retire(self) -> None:
+        self._fail_all(EngineError("The model was unloaded."))
+        self.closed.set()
+
+    def _take_waiting(self) -> list[_Request]:
+        """Waiting requests that fit in the batch now, oldest first."""
         while True:
             try:
-                request = self.inbox.get(block=block)
+                self.backlog.append(self.inbox.get_nowait())
             except queue.Empty:
                 break
-            if request is None:
-                return None
-            self.backlog.append(request)
-            block = False
         admitted: list[_Request] = []
         free = self.settings.max_batch_size - len(self.rows)
         while self.backlog and self.backlog[0].params.n <= free:
@@ -308,14 +359,12 @@ class _Scheduler:
         requests = {id(row.request): row.request for row in self.rows}
         self.rows, self.cache, self.mask = [], None, None
         self.stats.running = 0
-        while True:
-            try:
-                request = self.inbox.get_nowait()
-            except queue.Empty:
-                break
-            if request is not None:
-                self.backlog.append(request)
-        with self.waiting_lock:
+        with self.waiting_lock:  # `submit` adds to the inbox under this lock: nothing slips in unanswered
+            while True:
+                try:
+                    self.backlog.append(self.inbox.get_nowait())
+                except queue.Empty:
+                    break
             self.waiting -= len(self.backlog)
         requests.update((id(request), request) for request in self.backlog)
         self.backlog.clear()
@@ -349,6 +398,7 @@ class LocalEngine(Engine):
         self._tokenizers: dict[str, PreTrainedTokenizerBase] = {}
         self._configs: dict[str, ZayaConfig] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._compute: _ComputeThread | None = None  # started with the first model
 
     # --- loading --------------------------------------------------------------------------------------------
     async def load_model(self, model: ModelRef) -> None:
@@ -383,9 +433,12 @@ class LocalEngine(Engine):
         async with lock:
             if served.version_id not in self._loaded:
                 tokenizer = await self.tokenizer(base)
-                model = await asyncio.to_thread(_load_weights, base, adapter)
+                model = await on_own_thread(_load_weights, base, adapter)
                 await self._make_room()
-                scheduler = _Scheduler(model, tokenizer, self.settings)
+                if self._compute is None:
+                    self._compute = _ComputeThread()
+                scheduler = _Scheduler(model, tokenizer, self.settings, self._compute.wake)
+                self._compute.add(scheduler)
                 self._loaded[served.version_id] = _Loaded(scheduler, base.version_id)
             self._loaded.move_to_end(served.version_id)
             return self._loaded[served.version_id].scheduler
@@ -400,7 +453,8 @@ class LocalEngine(Engine):
     async def _unload(self, served_id: str) -> None:
         loaded = self._loaded.pop(served_id, None)
         if loaded is not None:
-            await asyncio.to_thread(loaded.scheduler.close)
+            loaded.scheduler.close()
+            await asyncio.to_thread(loaded.scheduler.closed.wait, 30)
 
     # --- generation -----------------------------------------------------------------------------------------
     async def generate(
@@ -447,6 +501,9 @@ class LocalEngine(Engine):
     async def close(self) -> None:
         for served_id in list(self._loaded):
             await self._unload(served_id)
+        if self._compute is not None:
+            compute, self._compute = self._compute, None
+            await asyncio.to_thread(compute.stop)
 
 
 def load_model_tokenizer(model: ModelRef) -> PreTrainedTokenizerBase:

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import peft
 import pytest
 import torch
 from transformers import AutoTokenizer
 
+from server.engines import local
 from server.engines.base import EngineError, EngineOverloaded, ModelLoadError, ModelRef, SamplingParams
 from server.engines.local import LocalEngine, LocalEngineSettings
+from server.engines.threads import THREAD_NAME_PREFIX
 from server.run import build_tiny_model
 from zaya_model import ZayaForCausalLM
 
@@ -231,3 +235,48 @@ def test_adapters_are_merged_per_version_and_bad_ones_fail_at_load(model_dir, ba
     with_adapter, without = run(scenario())
     assert with_adapter[0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
     assert with_adapter[0]["text"] != without[0]["text"]
+
+
+def test_all_models_decode_on_one_thread_and_loading_leaves_no_thread_behind(model_dir, base, tokenizer, tmp_path,
+                                                                               monkeypatch):
+    """Torch work on a second long-lived thread slows every op of the decoding one (`server.engines.threads`)."""
+    torch.manual_seed(0)
+    lora = peft.LoraConfig(r=4, lora_alpha=32, target_modules=["q_proj"], init_lora_weights=False)
+    peft.get_peft_model(ZayaForCausalLM.from_pretrained(model_dir), lora).save_pretrained(tmp_path / "adapter")
+    adapter = ModelRef("mv-adapter", tmp_path / "adapter")
+    load_threads: list[threading.Thread] = []
+    forward_threads: set[threading.Thread] = set()
+
+    def load_weights_on_its_thread(*args):
+        load_threads.append(threading.current_thread())
+        return load_weights(*args)
+
+    load_weights = local._load_weights
+    monkeypatch.setattr(local, "_load_weights", load_weights_on_its_thread)
+
+    def record_forward_thread(module, args):
+        if isinstance(module, ZayaForCausalLM):
+            forward_threads.add(threading.current_thread())
+
+    prompt = tokenizer.encode(PROMPTS[0], add_special_tokens=False)
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+
+    async def scenario():
+        engine = LocalEngine()
+        try:
+            await asyncio.gather(engine.load_model(base), engine.load_adapter(adapter, base))
+            await asyncio.gather(collect(engine, base, prompt, params), collect(engine, base, prompt, params, adapter))
+            return engine._compute.thread
+        finally:
+            await engine.close()
+
+    with torch.nn.modules.module.register_module_forward_pre_hook(record_forward_thread):
+        compute_thread = run(scenario())
+    assert len(load_threads) == 2
+    assert all(thread.name.startswith(THREAD_NAME_PREFIX) for thread in load_threads)
+    deadline = time.monotonic() + 10
+    while any(thread.is_alive() for thread in load_threads) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not any(thread.is_alive() for thread in load_threads)
+    assert forward_threads == {compute_thread}  # both models, one thread
+    assert not compute_thread.is_alive()  # `close` stopped it
