@@ -104,16 +104,41 @@ def json_safe(metrics: dict | None) -> dict | None:
     }
 
 
+# Named in a metrics event's message as OpenAI words them ("Step 12/100: training loss=1.2345"): a step's training
+# record and its validation record are separate events, and the message says which is which.
+METRIC_LABELS = {
+    "train_loss": "training loss",
+    "valid_loss": "validation loss",
+    "valid_mean_token_accuracy": "validation token accuracy",
+}
+
+
+def metrics_message(step: int, total_steps: int | None, metrics: dict) -> str:
+    where = f"Step {step}/{total_steps}" if total_steps else f"Step {step}"
+    values = [
+        f"{label}={metrics[name]:.4f}"
+        for name, label in METRIC_LABELS.items()
+        if isinstance(metrics.get(name), int | float) and math.isfinite(metrics[name])
+    ]
+    return f"{where}: {', '.join(values)}" if values else where
+
+
 def make_hooks(run: JobRun):
     """The trainer's hooks, writing events, metrics and checkpoints under the job's lease."""
     base = training.training_hooks_base()
 
     class JobHooks(base):
+        total_steps: int | None = None  # from the trainer's "training from step ... of ..." event
+
         def on_event(self, level, message, data=None):
+            if data and "max_steps" in data:
+                self.total_steps = data["max_steps"]
             run.write(jobs.record_event, message, level=training.LEVELS.get(level, "info"), data=json_safe(data))
 
         def on_metrics(self, step, metrics):
-            run.write(jobs.record_event, f"Step {step}", type_="metrics", data=json_safe({"step": step, **metrics}))
+            data = json_safe({"step": step, "total_steps": self.total_steps, **metrics})
+            message = metrics_message(step, self.total_steps, metrics)
+            run.write(jobs.record_event, message, type_="metrics", data=data)
 
         def on_checkpoint(self, step, path, metrics):
             run.write(jobs.record_checkpoint, step=step, path=str(path), metrics=json_safe(metrics))

@@ -114,8 +114,17 @@ def test_a_job_trains_and_registers_exactly_one_model_version(client, auth, work
     assert "train_loss" in checkpoints[0]["metrics"]
 
     events = client.get(f"/v1/fine_tuning/jobs/{job_id}/events?limit=100", headers=auth("data")).json()["data"]
-    metric_steps = sorted(event["data"]["step"] for event in events if event["type"] == "metrics")
-    assert {1, 2, 3, 4} <= set(metric_steps)
+    metric_events = [event for event in events if event["type"] == "metrics"]
+    assert {1, 2, 3, 4} <= {event["data"]["step"] for event in metric_events}
+    # As OpenAI words them: the step out of the total, then what was measured (training and validation apart).
+    for event in metric_events:
+        data = event["data"]
+        assert data["total_steps"] == 4
+        assert event["message"].startswith(f"Step {data['step']}/4: ")
+        if "valid_loss" in data:
+            assert f"validation loss={data['valid_loss']:.4f}" in event["message"]
+        if "train_loss" in data:
+            assert f"training loss={data['train_loss']:.4f}" in event["message"]
     assert "succeeded" in events[0]["message"]
 
     models = {model["id"] for model in client.get("/v1/models", headers=auth("analyst")).json()["data"]}
@@ -153,6 +162,10 @@ def test_rotated_checkpoints_leave_no_rows_behind(client, auth, worker, create_j
         paths = {row.step: row.path for row in rows}
         messages = [e.message for e in session.scalars(select(JobEvent).where(JobEvent.job_id == job_id))]
     assert all(Path(path).is_dir() for path in paths.values()), paths
+    # Each step logs a training and a validation record: two events whose messages say which is which.
+    step_3 = sorted(message for message in messages if message.startswith("Step 3/5: "))
+    assert len(step_3) == 2
+    assert "training loss=" in step_3[0] and "validation loss=" in step_3[1], step_3
     assert set(paths) == on_disk and 5 in on_disk and len(on_disk) <= 2  # the newest, and the best if older
     rotated = [message for message in messages if message.endswith("deleted (rotation).")]
     assert len(rotated) == 5 - len(on_disk)  # one checkpoint per step was saved; every other one was rotated away
