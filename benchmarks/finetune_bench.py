@@ -8,7 +8,8 @@ Variants: {ours, upstream} x {full, lora}, and ours' LoRA with gradient checkpoi
 trainable parameters; LoRA is PEFT with the settings `zaya finetune` uses by default (r 8, alpha 16, attention
 projections and the fused experts). Ours' full step also runs the balancing-bias update, as our full fine-tuning
 does. All are timed in one process, interleaved (A B C D E, then E D C B A, ...), so load from other processes
-hits them alike; peak memory is measured in a fresh process per variant (see `measure_variant_memory`).
+hits them alike; peak memory is measured in a fresh process per variant (see `measure_variant_memory`). Every
+process keeps freed memory for reuse, as `zaya finetune`'s does (`zaya_model.training.allocator`).
 The harness (interleaved timing, fresh-process memory, machine info) is `model_bench.py`'s.
 """
 
@@ -37,6 +38,7 @@ from finetune.datasets.synthetic import generate_chat_examples  # noqa: E402
 from finetune.train import DEFAULT_LORA_TARGET_MODULES, LORA_EXPERT_PARAMETERS  # noqa: E402
 from zaya_model.pretrain import train_tokenizer  # noqa: E402
 from zaya_model.training import BalancingBiasUpdater  # noqa: E402
+from zaya_model.training.allocator import keep_freed_memory  # noqa: E402
 
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "finetune_bench.json"
 # "+gc": the same LoRA with gradient checkpointing (`zaya finetune --gradient-checkpointing`): memory for time.
@@ -169,6 +171,7 @@ def trainable_parameters(model: torch.nn.Module) -> int:
 
 def measure_variant_memory(variant: str, model_dir: str, sizes: FinetuneSizes) -> dict:
     """Peak RSS of two training steps of one variant (run in a fresh process; see MEMORY_METHOD)."""
+    keep_freed_memory()
     model, step = prepare_variant(variant, model_dir, sizes)
     with torch.no_grad():  # memory-mapped weights become resident now, in the baseline, not in the steps' peak
         for tensor in [*model.parameters(), *model.buffers()]:
@@ -346,7 +349,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--threads must be at least 1")
     torch.set_num_threads(args.threads)
     mb.quiet_transformers()
+    keeps_freed_memory = keep_freed_memory()
     report = run_benchmark(QUICK if args.quick else FULL, "quick" if args.quick else "full")
+    report["keeps_freed_memory"] = keeps_freed_memory
     print_table(report)
     mb.write_json_atomic(args.out, report)
     print(f"wrote {args.out}")

@@ -23,6 +23,7 @@ For each model shape (full: the `tiny` preset and a 512-wide ZAYA1-ratio model; 
 - **checkpoint stall** (fp32): how long training paused per checkpoint (the CPU copy; the write runs in the
   background) next to what a synchronous `save_pretrained` of the same model takes in the training thread, for the
   replicated format and for the sharded (DCP) format of `--sharding fsdp` (1 process).
+The benchmark's processes keep freed memory for reuse, as `zaya pretrain`'s does (`zaya_model.training.allocator`).
 Absolute numbers depend on the machine and its load: compare within one run.
 """
 
@@ -414,8 +415,12 @@ def table(report: dict) -> str:
 
 
 def main(argv=None) -> int:
+    from zaya_model.training.allocator import keep_freed_memory
+
     args = parse_args(argv)
+    keeps_freed_memory = keep_freed_memory()  # inherited by the forked ranks
     report = run(args)
+    report["keeps_freed_memory"] = keeps_freed_memory
     args.out.parent.mkdir(parents=True, exist_ok=True)
     temporary = args.out.with_name(f".tmp-{args.out.name}")
     temporary.write_text(json.dumps(report, indent=2))

@@ -50,11 +50,13 @@ _SETTING_FLAGS = (
 def run(args: argparse.Namespace) -> int:
     from server.cli import CommandError
 
+    from ..training.allocator import keep_freed_memory
     from ..training.checkpointing import CheckpointWriteError
     from .corpus import CorpusError
     from .presets import get_preset
     from .train import Pretrainer, PretrainError
 
+    keep_freed_memory()  # this process only trains
     overrides = {name: getattr(args, name) for name in _SETTING_FLAGS if getattr(args, name) is not None}
     try:
         settings = get_preset(args.preset).replace(**overrides)
