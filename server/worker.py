@@ -225,6 +225,10 @@ class Worker:
             self.run_job(lease)
         except jobs.LeaseLost:
             logger.warning("job %s was taken away from this worker; its result is discarded", lease.job_id)
+        finally:
+            from zaya_model.training.allocator import release_freed_memory  # torch is loaded by now
+
+            release_freed_memory()  # kept for the job's steps (`zaya worker` keeps freed memory), not beyond it
         return True
 
     def run_forever(self, *, exit_when_idle: bool = False) -> None:
