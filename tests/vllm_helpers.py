@@ -66,16 +66,16 @@ def build_checkpoint(path, moe_intermediate_size: int = 32) -> ZayaForCausalLM:
     return model
 
 
-def build_adapter(checkpoint, path, seed: int, *, experts: bool = False):
-    """A random PEFT LoRA on the attention projections (and the fused experts if `experts`), saved to `path`;
-    returns the HF+PEFT model (not stopping at end of sequence)."""
+def build_adapter(checkpoint, path, seed: int, *, experts: bool = False, targets: list[str] = ATTENTION_MODULES):
+    """A random PEFT LoRA on the attention projections `targets` (and the fused experts if `experts`), saved to
+    `path`; returns the HF+PEFT model (not stopping at end of sequence)."""
     import peft
 
     torch.manual_seed(seed)
     config = peft.LoraConfig(
         r=4,
         lora_alpha=8,
-        target_modules=ATTENTION_MODULES,
+        target_modules=targets,
         target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if experts else None,
         init_lora_weights=False,
     )

@@ -110,12 +110,14 @@ def test_state_carries_across_many_decode_steps(checkpoint, engine):
 
 @pytest.fixture(scope="module")
 def adapters(checkpoint, tmp_path_factory):
-    """Three random LoRA adapters on the attention projections, saved by PEFT, with their HF+PEFT models."""
+    """Three random LoRA adapters on the attention projections, saved by PEFT, with their HF+PEFT models. The last
+    one leaves out some of the four projections that vLLM runs as one matmul (`fused_proj`): their slices get no
+    LoRA while the others do."""
     path, _ = checkpoint
     saved = []
-    for seed in (10, 11, 12):
+    for seed, targets in ((10, ATTENTION_MODULES), (11, ATTENTION_MODULES), (12, ["k_proj", "v_proj_delayed"])):
         adapter_path = tmp_path_factory.mktemp(f"adapter{seed}")
-        saved.append((adapter_path, build_adapter(path, adapter_path, seed)))
+        saved.append((adapter_path, build_adapter(path, adapter_path, seed, targets=targets)))
     return saved
 
 
@@ -134,6 +136,7 @@ def test_a_mixed_batch_with_more_adapters_than_slots_gives_each_request_its_adap
     expected = [hf_greedy(model, prompt, 16) for model, prompt in zip(models, prompts, strict=True)]
     # The adapters change the output (otherwise this test proves nothing).
     assert expected[1][0] != hf_greedy(base, prompts[1], 16)[0]
+    assert expected[4][0] != hf_greedy(base, prompts[4], 16)[0]
 
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0)
     outputs = engine.generate(

@@ -1,16 +1,16 @@
 """CCA's q/k/v as a vLLM state-space layer: projections, two causal convolutions, q-k mean skip, value shift.
 
-Per request and layer, vLLM keeps two state tensors in its state-space ("mamba") cache, the same state as
-`zaya_model.cache_zaya`:
-- conv state `[history, channels]`: the last `cca_time0 + cca_time1 - 2` raw q‖k projections (oldest first);
-- shift state `[1, delayed_value_width]`: `v_proj_delayed(x_{t-1})` for the value shift.
+Per request and layer, vLLM keeps one state tensor in its state-space ("mamba") cache, the same state as
+`zaya_model.cache_zaya` in one piece: `[history, channels + delayed_value_width]`, the last
+`cca_time0 + cca_time1 - 2` inputs of the layer (oldest first), each the raw q‖k projection (what the convolutions
+read) followed by `v_proj_delayed(x)` (the newest row's is the next token's shifted value).
 
 A batch arrives as decode tokens first, then prefill chunks; each request has a state slot and (for prefills) a flag
 saying whether its state holds earlier tokens (a continued chunk) or must start from zeros. Only reading and writing
 that state depends on the batch's layout, so only that is a custom op (`zaya_cca_state`): it hands back each token's
-receptive field (its raw q‖k at lags history..0) and its previous delayed value, gathered over a per-token lag table
-without a loop over requests; a batch of decodes only (the steady state of serving) reads each request's field
-straight from its state slot. The projections, convolutions (`convolve_receptive_fields`, shared with
+window, its inputs at lags history..0, gathered over a per-token lag table without a loop over requests; a batch of
+decodes only (the steady state of serving) reads each request's window straight from its state slot. The
+projections (one matmul for all four), convolutions (`convolve_receptive_fields`, shared with
 `zaya_model.modeling_zaya`) and the q-k skip stay in the graph that vLLM compiles.
 """
 
@@ -21,7 +21,7 @@ from torch import nn
 from vllm.compilation.breakable_cudagraph import eager_break_during_capture
 from vllm.config import CacheConfig, ModelConfig, get_current_vllm_config
 from vllm.forward_context import get_forward_context
-from vllm.model_executor.layers.linear import ReplicatedLinear
+from vllm.model_executor.layers.linear import MergedColumnParallelLinear
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator
 from vllm.utils.torch_utils import direct_register_custom_op
@@ -31,10 +31,10 @@ from ..configuration_zaya import ZayaConfig
 from ..modeling_zaya import convolve_receptive_fields
 
 
-def cca_state_shapes(config: ZayaConfig) -> tuple[tuple[int, int], tuple[int, int]]:
-    """(conv state, shift state) shapes of one layer for one request."""
+def cca_state_shapes(config: ZayaConfig) -> tuple[tuple[int, int]]:
+    """The state's shape for one layer and request: `history` rows of q‖k and the delayed value."""
     channels = (config.num_attention_heads + config.num_key_value_heads) * config.head_dim
-    return (cca_history(config), channels), (1, config.num_key_value_heads * config.head_dim // 2)
+    return ((cca_history(config), channels + config.num_key_value_heads * config.head_dim // 2),)
 
 
 def cca_history(config: ZayaConfig) -> int:
@@ -44,10 +44,9 @@ def cca_history(config: ZayaConfig) -> int:
     return history
 
 
-def cca_state_dtypes(model_dtype, mamba_cache_dtype) -> tuple[torch.dtype, torch.dtype]:
-    # `--mamba-cache-dtype` sets both states' dtype ("auto" follows the model dtype).
-    (dtype,) = MambaStateDtypeCalculator.short_conv_state_dtype(model_dtype, mamba_cache_dtype)
-    return dtype, dtype
+def cca_state_dtypes(model_dtype, mamba_cache_dtype) -> tuple[torch.dtype]:
+    # `--mamba-cache-dtype` sets the state's dtype ("auto" follows the model dtype).
+    return MambaStateDtypeCalculator.short_conv_state_dtype(model_dtype, mamba_cache_dtype)
 
 
 class _ConvWeights(nn.Module):
@@ -61,6 +60,11 @@ class _ConvWeights(nn.Module):
 
 class ZayaCCAProjection(MambaBase, nn.Module):
     """Computes CCA's query, key and value `[tokens, q_width + 2 * kv_width]` and advances the per-request state."""
+
+    # The four projections read the same input, so they run as one matmul: `fused_proj` holds the checkpoint's
+    # q_proj, k_proj, v_proj_current and v_proj_delayed stacked in this order (LoRA adapters on any of them apply
+    # to their slice: the model's `packed_modules_mapping`).
+    projections = ("q_proj", "k_proj", "v_proj_current", "v_proj_delayed")
 
     def __init__(
         self,
@@ -81,13 +85,15 @@ class ZayaCCAProjection(MambaBase, nn.Module):
         self.query_width = self.num_heads * self.head_dim
         self.key_width = self.num_kv_heads * self.head_dim
         self.channels = self.query_width + self.key_width
-
-        hidden, bias = config.hidden_size, config.attention_bias
-        self.q_proj = ReplicatedLinear(hidden, self.query_width, bias=bias, prefix=f"{prefix}.q_proj")
-        self.k_proj = ReplicatedLinear(hidden, self.key_width, bias=bias, prefix=f"{prefix}.k_proj")
         half_value = self.key_width // 2
-        self.v_proj_current = ReplicatedLinear(hidden, half_value, bias=bias, prefix=f"{prefix}.v_proj_current")
-        self.v_proj_delayed = ReplicatedLinear(hidden, half_value, bias=bias, prefix=f"{prefix}.v_proj_delayed")
+        self.output_widths = (self.query_width, self.key_width, half_value, half_value)
+        self.fused_proj = MergedColumnParallelLinear(
+            config.hidden_size,
+            list(self.output_widths),
+            bias=config.attention_bias,
+            prefix=f"{prefix}.fused_proj",
+            disable_tp=True,
+        )
         groups = self.num_heads + self.num_kv_heads  # one per query and key head
         self.conv_qk_depthwise = _ConvWeights(self.channels, 1, config.cca_time0)
         self.conv_qk_grouped = _ConvWeights(self.channels, self.channels // groups, config.cca_time1)
@@ -96,13 +102,13 @@ class ZayaCCAProjection(MambaBase, nn.Module):
         if prefix in compilation_config.static_forward_context:
             raise ValueError(f"Duplicate layer name: {prefix}")
         compilation_config.static_forward_context[prefix] = self
-        self.kv_cache = (torch.tensor([]), torch.tensor([]))
+        self.kv_cache = (torch.tensor([]),)
 
     # --- vLLM state-space contract -------------------------------------------------------------------------------
-    def get_state_shape(self) -> tuple[tuple[int, int], tuple[int, int]]:
+    def get_state_shape(self) -> tuple[tuple[int, int]]:
         return cca_state_shapes(self.config)
 
-    def get_state_dtype(self) -> tuple[torch.dtype, torch.dtype]:
+    def get_state_dtype(self) -> tuple[torch.dtype]:
         return cca_state_dtypes(self.model_config.dtype, self.cache_config.mamba_cache_dtype)
 
     @property
@@ -114,79 +120,84 @@ class ZayaCCAProjection(MambaBase, nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """q‖k‖v `[tokens, q_width + 2 * kv_width]`. Only the state's read and update are a custom op
         (`zaya_cca_state`): the projections, convolutions and q-k skip stay in the graph vLLM compiles."""
-        queries, _ = self.q_proj(hidden_states)
-        keys, _ = self.k_proj(hidden_states)
-        current, _ = self.v_proj_current(hidden_states)
-        delayed, _ = self.v_proj_delayed(hidden_states)
-        qk = torch.cat((queries, keys), dim=-1)
-        tokens = qk.shape[0]
-        fields = qk.new_empty(tokens, self.history + 1, self.channels)
-        delayed_before = delayed.new_empty(delayed.shape)
-        torch.ops.vllm.zaya_cca_state(qk, delayed, fields, delayed_before, self.prefix)
-        convolved = convolve_receptive_fields(fields.transpose(1, 2), self.conv_qk_depthwise, self.conv_qk_grouped)
+        projected, _ = self.fused_proj(hidden_states)
+        queries, keys, current, delayed = projected.split(self.output_widths, dim=-1)
+        inputs = torch.cat((queries, keys, delayed), dim=-1)  # one state row
+        tokens = inputs.shape[0]
+        windows = inputs.new_empty(tokens, self.history + 1, inputs.shape[-1])
+        torch.ops.vllm.zaya_cca_state(inputs, windows, self.prefix)
+        fields = windows[:, :, : self.channels].transpose(1, 2)
+        convolved = convolve_receptive_fields(fields, self.conv_qk_depthwise, self.conv_qk_grouped)
+        delayed_before = windows[:, self.history - 1, self.channels :]  # the previous token's delayed value
 
         # q-k mean skip on the pre-convolution projections: q_h += (q_h + k_g(h)) / 2, k_g += (mean q_g + k_g) / 2.
         groups = self.num_heads // self.num_kv_heads
-        grouped_queries = queries.view(tokens, self.num_kv_heads, groups, self.head_dim)
-        query_skip = (grouped_queries + keys.view(tokens, self.num_kv_heads, 1, self.head_dim)) * 0.5
+        grouped_queries = queries.reshape(tokens, self.num_kv_heads, groups, self.head_dim)
+        query_skip = (grouped_queries + keys.reshape(tokens, self.num_kv_heads, 1, self.head_dim)) * 0.5
         query = convolved[:, : self.query_width] + query_skip.reshape(tokens, self.query_width)
         key = convolved[:, self.query_width :] + query_skip.mean(dim=2).reshape(tokens, self.key_width)
         return torch.cat((query, key, current, delayed_before), dim=-1)
 
-    def read_and_advance_state(
-        self, qk: torch.Tensor, delayed: torch.Tensor, fields: torch.Tensor, delayed_before: torch.Tensor
-    ) -> None:
-        """Fill each token's receptive field `fields` [tokens, history + 1, channels] (raw q‖k, oldest first, the
-        token itself last) and the previous token's delayed value `delayed_before`, reading before a request's first
-        token from its state; then store each request's last inputs as its new state."""
+    def read_and_advance_state(self, inputs: torch.Tensor, windows: torch.Tensor) -> None:
+        """Fill each token's window `windows` [tokens, history + 1, width]: its layer inputs (state rows) at lags
+        history..0, reading before a request's first token from its state; then store each request's last
+        `history` inputs as its new state."""
         metadata = get_forward_context().attn_metadata
         metadata = metadata.get(self.prefix) if isinstance(metadata, dict) else None
         if metadata is not None and metadata.num_prefills == 0:
-            tokens = self._decode_step(metadata, qk, delayed, fields, delayed_before)
+            tokens = self._decode_step(metadata, inputs, windows)
         else:
-            tokens = self._mixed_step(metadata, qk, delayed, fields, delayed_before)
-        # CUDA graphs may pad the batch: only the first `tokens` rows are real; the rest must stay finite.
-        fields[tokens:] = 0.0
-        delayed_before[tokens:] = 0.0
+            tokens = self._mixed_step(metadata, inputs, windows)
+        if tokens < windows.shape[0]:
+            # CUDA graphs may pad the batch: only the first `tokens` rows are real; the rest must stay finite.
+            windows[tokens:] = 0.0
 
-    def _decode_step(self, metadata, qk, delayed, fields, delayed_before) -> int:
-        """Every request decodes one token and has state: a token's field is its request's conv state plus itself."""
-        tokens = metadata.num_decode_tokens
-        slots = metadata.state_indices_tensor_d
-        slots = (slots[:, 0] if slots.dim() > 1 else slots)[:tokens].long()
-        conv_state, shift_state = self.kv_cache
+    def _decode_step(self, metadata, inputs: torch.Tensor, windows: torch.Tensor) -> int:
+        """Every request decodes one token and has state: a token's window is its request's state plus itself."""
+        slots = _decode_slots(metadata)
+        tokens = slots.shape[0]
+        (state,) = self.kv_cache
         # index_select / index_copy_: much cheaper per call than advanced indexing for a few rows.
-        fields[:tokens, : self.history] = conv_state.index_select(0, slots)
-        fields[:tokens, self.history] = qk[:tokens]
-        delayed_before[:tokens] = shift_state.index_select(0, slots)[:, 0]
-        conv_state.index_copy_(0, slots, fields[:tokens, 1:].to(conv_state.dtype))
-        shift_state.index_copy_(0, slots, delayed[:tokens, None].to(shift_state.dtype))
+        windows[:tokens, : self.history] = state.index_select(0, slots)
+        windows[:tokens, self.history] = inputs[:tokens]
+        state.index_copy_(0, slots, windows[:tokens, 1:].to(state.dtype))
         return tokens
 
-    def _mixed_step(self, metadata, qk, delayed, fields, delayed_before) -> int:
+    def _mixed_step(self, metadata, inputs: torch.Tensor, windows: torch.Tensor) -> int:
+        width = inputs.shape[-1]
         if metadata is None:
             # Profile run: no state exists yet; treat the batch as one fresh sequence (values are not used).
-            requests = _RequestLayout.single(qk.shape[0], qk.device)
-            conv_history = qk.new_zeros(1, self.history, self.channels)
-            shift_history = delayed.new_zeros(1, delayed.shape[-1])
+            requests = _RequestLayout.single(inputs.shape[0], inputs.device)
+            history = inputs.new_zeros(1, self.history, width)
         else:
-            requests = _RequestLayout.for_step(metadata, qk.device)
-            conv_state, shift_state = self.kv_cache
+            requests = _RequestLayout.for_step(metadata, inputs.device)
+            (state,) = self.kv_cache
             fresh = ~requests.has_initial_state
             # Slots of fresh requests may hold a finished request's state (or garbage): read zeros instead.
-            conv_history = conv_state[requests.slots].to(qk.dtype).masked_fill(fresh[:, None, None], 0.0)
-            shift_history = shift_state[requests.slots, 0].to(delayed.dtype).masked_fill(fresh[:, None], 0.0)
+            history = state[requests.slots].to(inputs.dtype).masked_fill(fresh[:, None, None], 0.0)
         tokens = requests.num_tokens
-        qk, delayed = qk[:tokens], delayed[:tokens]
-        # Frames: every request's history, then the batch's tokens; the field index reaches into a request's
+        # Frames: every request's history, then the batch's tokens; the window index reaches into a request's
         # history rows for lags before its first token.
-        frames = torch.cat((conv_history.reshape(-1, self.channels), qk))
-        fields[:tokens] = frames[requests.field_index(self.history)]
-        delayed_before[:tokens] = torch.cat((shift_history, delayed))[requests.lag_index(1, 1)]
+        frames = torch.cat((history.reshape(-1, width), inputs[:tokens]))
+        windows[:tokens] = frames[requests.window_index(self.history)]
         if metadata is not None:
-            conv_state[requests.slots] = frames[requests.tail_index(self.history)].to(conv_state.dtype)
-            shift_state[requests.slots, 0] = delayed[requests.last_token].to(shift_state.dtype)
+            state[requests.slots] = frames[requests.tail_index(self.history)].to(state.dtype)
         return tokens
+
+
+# The decode slots of the step being run, with the metadata they came from: every CCA layer of a step sees the same
+# metadata object, so they are converted once per step, not once per layer.
+_decode_slots_current: tuple[object, torch.Tensor] | None = None
+
+
+def _decode_slots(metadata) -> torch.Tensor:
+    """The decoding requests' state slots as an index tensor."""
+    global _decode_slots_current
+    if _decode_slots_current is None or _decode_slots_current[0] is not metadata:
+        slots = metadata.state_indices_tensor_d
+        slots = (slots[:, 0] if slots.dim() > 1 else slots)[: metadata.num_decode_tokens]
+        _decode_slots_current = (metadata, slots.long())
+    return _decode_slots_current[1]
 
 
 class _RequestLayout:
@@ -241,9 +252,9 @@ class _RequestLayout:
         starts = torch.cumsum(lengths, 0) - lengths
         return cls(starts, lengths, torch.cat(slots).long(), torch.cat(initial))
 
-    def field_index(self, history: int) -> torch.Tensor:
+    def window_index(self, history: int) -> torch.Tensor:
         """[tokens, history + 1]: rows in the frames of each token's inputs at lags history..0 (oldest first)."""
-        key = ("field", history)
+        key = ("window", history)
         if key not in self._indices:
             lags = [self.lag_index(lag, history) for lag in range(history, -1, -1)]
             self._indices[key] = torch.stack(lags, dim=1)
@@ -279,11 +290,9 @@ class _RequestLayout:
 
 
 @eager_break_during_capture
-def zaya_cca_state(
-    qk: torch.Tensor, delayed: torch.Tensor, fields: torch.Tensor, delayed_before: torch.Tensor, layer_name: str
-) -> None:
+def zaya_cca_state(inputs: torch.Tensor, windows: torch.Tensor, layer_name: str) -> None:
     layer = get_forward_context().no_compile_layers[layer_name]
-    layer.read_and_advance_state(qk, delayed, fields, delayed_before)
+    layer.read_and_advance_state(inputs, windows)
 
 
-direct_register_custom_op(op_name="zaya_cca_state", op_func=zaya_cca_state, mutates_args=["fields", "delayed_before"])
+direct_register_custom_op(op_name="zaya_cca_state", op_func=zaya_cca_state, mutates_args=["windows"])

@@ -344,11 +344,12 @@ class ZayaModel(nn.Module):
 class ZayaForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsLoRA):
     """vLLM entry class for `architectures: ["ZayaForCausalLM"]` checkpoints.
 
-    LoRA: vLLM's per-request LoRA applies to the `ReplicatedLinear` projections (q_proj, k_proj, v_proj_current,
-    v_proj_delayed, o_proj), the names PEFT uses on `zaya_model`. Router and expert weights are not LoRA targets.
+    LoRA: vLLM's per-request LoRA applies to the attention projections (q_proj, k_proj, v_proj_current,
+    v_proj_delayed, o_proj), the names PEFT uses on `zaya_model`; the first four are slices of CCA's `fused_proj`.
+    Router and expert weights are not LoRA targets.
     """
 
-    packed_modules_mapping: dict[str, list[str]] = {}
+    packed_modules_mapping: dict[str, list[str]] = {"fused_proj": list(ZayaCCAProjection.projections)}
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
@@ -400,28 +401,36 @@ class ZayaForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsLoRA):
 
     # --- checkpoint loading ----------------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load an upstream-layout `zaya` checkpoint; names match this module tree one to one."""
+        """Load an upstream-layout `zaya` checkpoint. Names match this module tree one to one, except CCA's four
+        projections, which load as slices of `fused_proj`."""
         targets = dict(self.named_parameters())
         targets.update(self.named_buffers())
         loaded: set[str] = set()
+        fused_slices: dict[str, set[int]] = {}
         for name, tensor in weights:
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # tied to the embedding
             if name.endswith("rotary_emb.inv_freq"):
                 continue  # recomputed from the config
-            if name not in targets:
+            target_name, projection = _fused_slice(name)
+            if target_name not in targets:
                 raise ValueError(
                     f"checkpoint tensor {name!r} has no place in the ZAYA vLLM model (not a zaya checkpoint?)"
                 )
-            target = targets[name]
+            target = targets[target_name]
             loader = getattr(target, "weight_loader", None)
-            if loader is None:
+            if projection is not None:
+                loader(target, tensor, projection)
+                fused_slices.setdefault(target_name, set()).add(projection)
+                if len(fused_slices[target_name]) < len(ZayaCCAProjection.projections):
+                    continue  # loaded once every slice is
+            elif loader is None:
                 if target.shape != tensor.shape:
                     raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.shape)}")
                 default_weight_loader(target, tensor)
             else:
                 loader(target, tensor)
-            loaded.add(name)
+            loaded.add(target_name)
         missing = {name for name in targets if name not in loaded and not _is_derived(name, self.config)}
         if missing:
             raise ValueError(f"checkpoint is missing ZAYA tensors: {sorted(missing)[:8]}")
@@ -429,6 +438,16 @@ class ZayaForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsLoRA):
             if isinstance(module, ZayaExperts):
                 module.prepare_fused_kernel()
         return loaded
+
+
+def _fused_slice(name: str) -> tuple[str, int | None]:
+    """A checkpoint name's parameter here: CCA's `...qkv_proj.k_proj.weight` is slice 1 of `...qkv_proj.fused_proj
+    .weight`; any other name is its own (slice None)."""
+    module, _, leaf = name.rpartition(".")
+    parent, _, projection = module.rpartition(".")
+    if parent.endswith(".qkv_proj") and projection in ZayaCCAProjection.projections:
+        return f"{parent}.fused_proj.{leaf}", ZayaCCAProjection.projections.index(projection)
+    return name, None
 
 
 def _is_derived(name: str, config: ZayaConfig) -> bool:
