@@ -379,8 +379,8 @@ class ZayaForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsLoRA):
 
     @classmethod
     def get_mamba_state_copy_func(cls):
-        # Both states are windows of the most recent inputs (conv history, last delayed value).
-        return get_conv_copy_spec, get_conv_copy_spec
+        # The one state is a window of the layer's most recent inputs, like a short convolution's.
+        return (get_conv_copy_spec,)
 
     # --- forward ---------------------------------------------------------------------------------------------------
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
