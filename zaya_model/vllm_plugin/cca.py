@@ -185,19 +185,26 @@ class ZayaCCAProjection(MambaBase, nn.Module):
         return tokens
 
 
-# The decode slots of the step being run, with the metadata they came from: every CCA layer of a step sees the same
-# metadata object, so they are converted once per step, not once per layer.
-_decode_slots_current: tuple[object, torch.Tensor] | None = None
+# What was derived from the step being run, by kind, with the metadata it came from: every CCA layer of a step sees
+# the same metadata object, so these are built once per step, not once per layer.
+_step_derived: dict[str, tuple[object, object]] = {}
+
+
+def _once_per_step(kind: str, metadata, build):
+    derived = _step_derived.get(kind)
+    if derived is None or derived[0] is not metadata:
+        _step_derived[kind] = derived = (metadata, build())
+    return derived[1]
 
 
 def _decode_slots(metadata) -> torch.Tensor:
     """The decoding requests' state slots as an index tensor."""
-    global _decode_slots_current
-    if _decode_slots_current is None or _decode_slots_current[0] is not metadata:
+
+    def build() -> torch.Tensor:
         slots = metadata.state_indices_tensor_d
-        slots = (slots[:, 0] if slots.dim() > 1 else slots)[: metadata.num_decode_tokens]
-        _decode_slots_current = (metadata, slots.long())
-    return _decode_slots_current[1]
+        return (slots[:, 0] if slots.dim() > 1 else slots)[: metadata.num_decode_tokens].long()
+
+    return _once_per_step("decode_slots", metadata, build)
 
 
 class _RequestLayout:
@@ -206,10 +213,6 @@ class _RequestLayout:
     Frames are indexed as `[histories of all requests (R * h rows), tokens of the batch]`, so a lag that reaches
     before a request's first token lands in that request's history rows.
     """
-
-    # The layout of the step being run, with the metadata it came from: every CCA layer of a step sees the same
-    # batch (one metadata object), so the gather indices are built once per step, not once per layer.
-    _current: tuple[object, _RequestLayout] | None = None
 
     def __init__(self, starts: torch.Tensor, lengths: torch.Tensor, slots, has_initial_state):
         self._indices: dict[tuple, torch.Tensor] = {}
@@ -228,10 +231,8 @@ class _RequestLayout:
 
     @classmethod
     def for_step(cls, metadata, device) -> _RequestLayout:
-        current = cls._current
-        if current is None or current[0] is not metadata:
-            cls._current = current = (metadata, cls.from_metadata(metadata, device))
-        return current[1]
+        """The step's layout, built once per step: every CCA layer of a step sees the same batch."""
+        return _once_per_step("layout", metadata, lambda: cls.from_metadata(metadata, device))
 
     @classmethod
     def from_metadata(cls, metadata, device) -> _RequestLayout:
