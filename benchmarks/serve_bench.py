@@ -414,11 +414,13 @@ def ratios(loads: list[Load], sizes: Sizes) -> dict:
         result[f"{system}_api_overhead"] = {
             c: _overhead(by.get((system, "api", c)), by.get((system, "engine", c))) for c in sizes.concurrency
         }
-        # What HTTP, SSE and the request's database rows add to the server process's CPU per output token.
-        result[f"{system}_api_server_cpu_added_us_per_token"] = {
-            c: _difference(server_cpu.get((system, "api", c)), server_cpu.get((system, "engine", c)))
-            for c in sizes.concurrency
-        }
+        if SYSTEMS[system][0] == "vllm":
+            # What HTTP, SSE and the request's database rows add to the server process's CPU per output token (the
+            # local engine computes in the server process, so there the difference would be its compute's noise).
+            result[f"{system}_api_server_cpu_added_us_per_token"] = {
+                c: _difference(server_cpu.get((system, "api", c)), server_cpu.get((system, "engine", c)))
+                for c in sizes.concurrency
+            }
     result["vllm_zaya_vs_qwen3_moe"] = {
         c: _ratio(by.get(("vllm", "engine", c)), by.get(("qwen3-moe", "engine", c))) for c in sizes.concurrency
     }
