@@ -138,12 +138,11 @@ class ZayaCCAProjection(MambaBase, nn.Module):
         key = convolved[:, self.query_width :] + query_skip.mean(dim=2).reshape(tokens, self.key_width)
         return torch.cat((query, key, current, delayed_before), dim=-1)
 
-    def read_and_advance_state(self, inputs: torch.Tensor, windows: torch.Tensor) -> None:
+    def read_and_advance_state(self, inputs: torch.Tensor, windows: torch.Tensor, step_metadata) -> None:
         """Fill each token's window `windows` [tokens, history + 1, width]: its layer inputs (state rows) at lags
         history..0, reading before a request's first token from its state; then store each request's last
-        `history` inputs as its new state."""
-        metadata = get_forward_context().attn_metadata
-        metadata = metadata.get(self.prefix) if isinstance(metadata, dict) else None
+        `history` inputs as its new state. `step_metadata` is the forward context's `attn_metadata`."""
+        metadata = step_metadata.get(self.prefix) if isinstance(step_metadata, dict) else None
         if metadata is not None and metadata.num_prefills == 0:
             tokens = self._decode_step(metadata, inputs, windows)
         else:
@@ -222,7 +221,6 @@ class _RequestLayout:
         self.num_tokens = int(lengths.sum())
         self.request = torch.repeat_interleave(torch.arange(self.num_requests, device=lengths.device), lengths)
         self.position = torch.arange(self.num_tokens, device=lengths.device) - starts[self.request]
-        self.last_token = starts + lengths - 1
 
     @classmethod
     def single(cls, tokens: int, device) -> _RequestLayout:
@@ -257,18 +255,12 @@ class _RequestLayout:
         """[tokens, history + 1]: rows in the frames of each token's inputs at lags history..0 (oldest first)."""
         key = ("window", history)
         if key not in self._indices:
-            lags = [self.lag_index(lag, history) for lag in range(history, -1, -1)]
+            lags = [self._lag_index(lag, history) for lag in range(history, -1, -1)]
             self._indices[key] = torch.stack(lags, dim=1)
         return self._indices[key]
 
-    def lag_index(self, lag: int, history: int) -> torch.Tensor:
-        """Row in the frames of each token's input `lag` steps back (history rows when before the request start)."""
-        key = ("lag", lag, history)
-        if key not in self._indices:
-            self._indices[key] = self._lag_index(lag, history)
-        return self._indices[key]
-
     def _lag_index(self, lag: int, history: int) -> torch.Tensor:
+        """Row in the frames of each token's input `lag` steps back (history rows when before the request start)."""
         token = torch.arange(self.num_tokens, device=self.position.device)
         in_batch = self.num_requests * history + token - lag
         in_history = self.request * history + history - (lag - self.position)
@@ -292,8 +284,8 @@ class _RequestLayout:
 
 @eager_break_during_capture
 def zaya_cca_state(inputs: torch.Tensor, windows: torch.Tensor, layer_name: str) -> None:
-    layer = get_forward_context().no_compile_layers[layer_name]
-    layer.read_and_advance_state(inputs, windows)
+    context = get_forward_context()
+    context.no_compile_layers[layer_name].read_and_advance_state(inputs, windows, context.attn_metadata)
 
 
 direct_register_custom_op(op_name="zaya_cca_state", op_func=zaya_cca_state, mutates_args=["windows"])
