@@ -240,13 +240,25 @@ def make_prefill(model: torch.nn.Module, sizes: BenchSizes) -> Callable[[], int]
     return prefill
 
 
-def make_decode(model: torch.nn.Module, sizes: BenchSizes, batch: int) -> Callable[[], int]:
+def make_decode(model: torch.nn.Module, sizes: BenchSizes, batch: int, compiled=None) -> Callable[[], int]:
+    """`compiled`: our model's `CompiledDecode` to decode with, or None for eager decode steps."""
     prompt = random_ids(batch, sizes.prompt_len, model.config.vocab_size, seed=5)
 
     def decode() -> int:
+        if hasattr(model, "compiled_decode"):
+            model.compiled_decode = compiled
         return greedy_generate(model, prompt, sizes.new_tokens).numel()
 
     return decode
+
+
+def compiled_decode_of(model: torch.nn.Module):
+    """Our model's compiled decode step (`zaya_model.decode_step`), or None where the model has none (upstream)."""
+    if not hasattr(model, "enable_compiled_decode"):
+        return None
+    model.enable_compiled_decode()
+    compiled, model.compiled_decode = model.compiled_decode, None
+    return compiled
 
 
 def greedy_generate(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
@@ -670,9 +682,19 @@ def time_phases(models: dict[str, torch.nn.Module], sizes: BenchSizes, report: d
     """Interleaved timing of every phase; fills the report's samples, seconds, medians, ratios and targets."""
     report["samples"], report["seconds"], report["medians"] = {}, {}, {}
     # Inference phases first: the train step changes the weights.
+    compiled = compiled_decode_of(models["ours"])
+    report["decode_compile_seconds"] = {}
     for phase in ("prefill", "decode_b1", "decode_b8", "train_step"):
         with stage(f"timing {phase}"):
             runners = {impl: make_phase(phase, model, sizes) for impl, model in models.items()}
+            if phase.startswith("decode") and compiled is not None:
+                # Ours decodes with its compiled step; its eager decoding is timed alongside for reference.
+                batch = sizes.decode_batches[phase == "decode_b8"]
+                runners["ours_eager_decode"] = runners["ours"]
+                runners["ours"] = make_decode(models["ours"], sizes, batch, compiled)
+                start = time.perf_counter()
+                runners["ours"]()  # compiles this batch size's graph
+                report["decode_compile_seconds"][phase] = time.perf_counter() - start
             timing = time_interleaved(runners, sizes.warmup, sizes.repeats)
         report["samples"][phase] = timing.tokens_per_s
         report["seconds"][phase] = timing.seconds
@@ -681,6 +703,11 @@ def time_phases(models: dict[str, torch.nn.Module], sizes: BenchSizes, report: d
         gc.collect()
     medians = report["medians"]
     report["ratios"] = {phase: ratio(medians[phase]["ours"], medians[phase]["upstream"]) for phase in PHASES}
+    report["ratios_eager_decode"] = {
+        phase: ratio(medians[phase]["ours_eager_decode"], medians[phase]["upstream"])
+        for phase in ("decode_b1", "decode_b8")
+        if "ours_eager_decode" in medians[phase]
+    }
     report["targets"] = {
         phase: {
             "min_ratio": target,
@@ -773,12 +800,23 @@ def print_table(report: dict) -> None:
                 target_text,
             )
         )
+    for phase, eager_ratio in report["ratios_eager_decode"].items():
+        compile_s = report["decode_compile_seconds"][phase]
+        rows.append(
+            (
+                f"{labels[phase]}, eager decode",
+                _fmt(medians[phase]["ours_eager_decode"]),
+                _fmt(medians[phase]["upstream"]),
+                _fmt_ratio(eager_ratio),
+                f"ours above compiles its decode step first ({compile_s:,.0f} s)",
+            )
+        )
     for phase in PHASES:
         mem = report["peak_memory_mib"][phase]
         ours_mib, up_mib = mem["ours"].get("peak_mib"), mem["upstream"].get("peak_mib")
         rows.append(
             (
-                f"peak memory {phase} MiB",
+                f"peak memory {phase} MiB" + (" (eager)" if phase.startswith("decode") else ""),
                 _fmt(ours_mib, ",.1f"),
                 _fmt(up_mib, ",.1f"),
                 _fmt_ratio(ratio(ours_mib, up_mib)),

@@ -151,20 +151,21 @@ class ZayaCCAProjection(nn.Module):
             channels, channels, self.grouped_kernel, groups=self.num_heads + self.num_key_value_heads
         )
 
-    def causal_convolutions(self, qk: torch.Tensor, history: torch.Tensor, lag_masks: torch.Tensor | None):
-        """Both causal convolutions over `qk` [batch, seq, channels], preceded by `history` [batch, H, channels].
+    def causal_convolutions(self, window: torch.Tensor, lag_masks: torch.Tensor | None) -> torch.Tensor:
+        """Both causal convolutions over `window` [batch, H + seq, channels]: H frames of history, then the chunk's
+        packed q/k -> [batch, seq, channels].
 
-        Long chunks without document starts run as two `Conv1d`s over [history, qk]. Otherwise each output token
+        Long chunks without document starts run as two `Conv1d`s over the window. Otherwise each output token
         gathers its own receptive field (a view): with `lag_masks` (packed training) it cuts that field at its
         document start, which a sliding kernel cannot do; for decode steps a few fused kernels replace the
         convolutions' fixed cost, which dwarfs the arithmetic of one token.
         """
-        if lag_masks is None and qk.shape[1] > 32:
-            window = torch.cat((history, qk), dim=1).transpose(1, 2)
+        if lag_masks is None and window.shape[1] - self.history > 32:
+            convolved = self.conv_qk_grouped(self.conv_qk_depthwise(window.transpose(1, 2)))
             # Back to [batch, seq, channels] memory order: attention kernels want head_dim contiguous.
-            return self.conv_qk_grouped(self.conv_qk_depthwise(window)).transpose(1, 2).contiguous()
+            return convolved.transpose(1, 2).contiguous()
         # [batch, seq, channels, history + 1]: each token's receptive field, oldest frame first.
-        fields = torch.cat((history, qk), dim=1).unfold(1, self.history + 1, 1)
+        fields = window.unfold(1, self.history + 1, 1)
         if lag_masks is not None:
             fields = fields * lag_masks[..., : self.history + 1].flip(-1)[:, :, None, :]
         return convolve_receptive_fields(fields, self.conv_qk_depthwise, self.conv_qk_grouped)
@@ -174,20 +175,35 @@ class ZayaCCAProjection(nn.Module):
         hidden_states: torch.Tensor,
         lag_masks: torch.Tensor | None,
         past_key_values: ZayaCache | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = hidden_states.shape[0]
+        if past_key_values is not None and past_key_values.has_previous_state(self.layer_idx):
+            conv_history = past_key_values.get_conv_state(self.layer_idx)
+            shift_history = past_key_values.get_shift_state(self.layer_idx)
+        else:
+            channels = self.q_proj.out_features + self.k_proj.out_features
+            conv_history = hidden_states.new_zeros(batch, self.history, channels)
+            shift_history = hidden_states.new_zeros(batch, self.v_proj_delayed.out_features)
+        query_key, value, conv_state, shift_state = self.project(hidden_states, conv_history, shift_history, lag_masks)
+        if past_key_values is not None:
+            past_key_values.update_cca_state(self.layer_idx, conv_state.detach(), shift_state.detach())
+        return query_key, value
+
+    def project(
+        self,
+        hidden_states: torch.Tensor,
+        conv_history: torch.Tensor,
+        shift_history: torch.Tensor,
+        lag_masks: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q/k/v for `hidden_states` [batch, seq, hidden] following the state `conv_history` [batch, H, channels]
+        and `shift_history` [batch, delayed width] -> queries and keys [batch, seq, heads + kv_heads, head_dim],
+        values [batch, seq, kv_heads, head_dim] and the state after the chunk (both histories)."""
         batch, seq, _ = hidden_states.shape
         queries = self.q_proj(hidden_states)
         keys = self.k_proj(hidden_states)
-        qk = torch.cat((queries, keys), dim=-1)
-
-        cached = past_key_values is not None and past_key_values.has_previous_state(self.layer_idx)
-        if cached:
-            conv_history = past_key_values.get_conv_state(self.layer_idx)
-            shift_history = past_key_values.get_shift_state(self.layer_idx)[:, None]
-        else:
-            conv_history = qk.new_zeros(batch, self.history, qk.shape[-1])
-            shift_history = qk.new_zeros(batch, 1, self.v_proj_delayed.out_features)
-        convolved = self.causal_convolutions(qk, conv_history, lag_masks)
+        window = torch.cat((conv_history, torch.cat((queries, keys), dim=-1)), dim=1)
+        convolved = self.causal_convolutions(window, lag_masks)
 
         # q-k mean skip on the pre-convolution projections: q_h += (q_h + k_g(h)) / 2, k_g += (mean q_g + k_g) / 2.
         queries = queries.view(batch, seq, self.num_key_value_heads, self.num_key_value_groups, self.head_dim)
@@ -202,17 +218,14 @@ class ZayaCCAProjection(nn.Module):
         # Value shift: the second half of the value heads carries the previous token's projection.
         value_current = self.v_proj_current(hidden_states)
         delayed = self.v_proj_delayed(hidden_states)
-        value_delayed = shift_by(delayed, shift_history, 1)
+        value_delayed = shift_by(delayed, shift_history[:, None], 1)
         if lag_masks is not None:
             value_delayed = value_delayed * lag_masks[..., 1:2]
         value = torch.cat((value_current, value_delayed), dim=-1).view(batch, seq, self.num_key_value_heads, -1)
 
-        if past_key_values is not None:
-            window = torch.cat((conv_history, qk), dim=1)
-            # Sliced from the front: `[:, -history:]` would keep everything when the kernels read no history.
-            full_history = window[:, window.shape[1] - self.history :]
-            past_key_values.update_cca_state(self.layer_idx, full_history.detach(), delayed[:, -1].detach())
-        return query_key, value
+        # Sliced from the front: `[:, -history:]` would keep everything when the kernels read no history.
+        conv_state = window[:, window.shape[1] - self.history :]
+        return query_key, value, conv_state, delayed[:, -1]
 
 
 class ZayaQKNorm(nn.Module):
@@ -666,7 +679,28 @@ class ZayaForCausalLM(ZayaPreTrainedModel, GenerationMixin):
         self.model = ZayaModel(config)
         self.vocab_size = config.vocab_size
         self.lm_head = SmallBatchLinear(config.hidden_size, config.vocab_size, bias=config.lm_head_bias)
+        self.compiled_decode = None
         self.post_init()
+
+    def enable_compiled_decode(self) -> None:
+        """Let `generate()` run decode steps as one compiled graph (`zaya_model.decode_step`): several times faster
+        per token on CPU once compiled; the first generation of each batch size and length bucket compiles."""
+        from .decode_step import CompiledDecode  # it builds on the modules of this file
+
+        self.compiled_decode = CompiledDecode(self)
+
+    def _prepare_cache_for_generation(
+        self, generation_config, model_kwargs: dict, generation_mode, batch_size: int, max_cache_length: int
+    ) -> None:
+        super()._prepare_cache_for_generation(
+            generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+        )
+        if (
+            self.compiled_decode is not None
+            and model_kwargs.get("past_key_values") is None
+            and generation_config.use_cache is not False
+        ):
+            model_kwargs["past_key_values"] = self.compiled_decode.new_cache(max_cache_length)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
@@ -707,6 +741,15 @@ class ZayaForCausalLM(ZayaPreTrainedModel, GenerationMixin):
         if skip_logits and labels is None:
             raise ValueError("`skip_logits=True` needs `labels`: without them there is nothing to compute.")
         kwargs.pop("return_dict", None)
+        if (
+            self.compiled_decode is not None
+            and labels is None
+            and not output_router_logits
+            and not output_hidden_states
+            and self.compiled_decode.applies(input_ids, past_key_values)
+        ):
+            logits = self.compiled_decode(input_ids, position_ids, attention_mask, past_key_values)
+            return MoeCausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,

@@ -24,25 +24,36 @@ MAX_SMALL_BATCH_ROWS = 64
 ALIGNMENT_BYTES = 64
 
 
+@torch.compiler.assume_constant_result
+def _num_threads() -> int:
+    return torch.get_num_threads()
+
+
 def linear(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear`, with the weight read by every CPU thread when `inputs` has only a few rows."""
     out_features, in_features = weight.shape
     rows = inputs.numel() // in_features if in_features else 0
-    blocks = torch.get_num_threads()
+    blocks = _num_threads()
+    if torch.compiler.is_compiling() and out_features % blocks:
+        blocks = 1  # one block is as good to inductor's loops, and beats `F.linear`'s library call
     if (
         inputs.device.type != "cpu"
         or not 0 < rows <= MAX_SMALL_BATCH_ROWS
         or out_features % blocks
         or torch.is_grad_enabled()
         or not weight.is_contiguous()
-        or weight.data_ptr() % ALIGNMENT_BYTES
+        # Compiled, inductor writes its own loops for the product (alignment does not matter there).
+        or (not torch.compiler.is_compiling() and weight.data_ptr() % ALIGNMENT_BYTES)
         or torch.is_autocast_enabled("cpu")
     ):
         return F.linear(inputs, weight, bias)
     block_weight = weight.view(blocks, out_features // blocks, in_features)
     columns = inputs.reshape(rows, in_features).t().expand(blocks, in_features, rows)
-    if bias is None:
+    if bias is None or torch.compiler.is_compiling():
+        # Compiled, a plain `bmm` (not `baddbmm`) becomes a fused loop with the bias add instead of a library call.
         blocked = torch.bmm(block_weight, columns)
+        if bias is not None:
+            blocked = blocked + bias.view(blocks, out_features // blocks, 1)
     else:
         blocked = torch.baddbmm(bias.view(blocks, out_features // blocks, 1), block_weight, columns)
     # [blocks, out / blocks, rows] -> [rows, out]: a view for one row, a small copy otherwise.

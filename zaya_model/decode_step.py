@@ -1,0 +1,196 @@
+"""A compiled decode step for `generate()`: one fixed-shape graph per batch size and cache capacity.
+
+At batch 1 an eager decode step of a small MoE model is bound neither by arithmetic nor by reading the weights but
+by the fixed cost of a few hundred small kernels (norms, router, convolution taps, cache writes). `torch.compile`
+fuses a whole step into a few dozen loops, but only a graph with fixed shapes and no data-dependent branches. This
+module builds that graph from the model's own modules, changing two things:
+- keys and values are written in place into buffers reserved for the whole generation (`ZayaCache(reserved=...)`)
+  and attention reads every slot, masked to the filled ones, so shapes stay the same from step to step;
+- each token's expert weights are gathered by its routing choice (top-1: one expert per token) instead of grouping
+  tokens by expert, which needs the group sizes on the host.
+
+Opt in with `ZayaForCausalLM.enable_compiled_decode()`. The first step of each batch size and capacity compiles
+(tens of seconds); capacities are rounded up to `CAPACITY_STEP` so that generations of similar lengths share one.
+Models with adapters (PEFT layers or parametrized weights) keep the eager path, which applies them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .cache_zaya import ZayaCache
+from .modeling_zaya import apply_partial_rope
+
+CAPACITY_STEP = 256
+
+
+def reserved_capacity(max_cache_length: int) -> int:
+    return -(-max_cache_length // CAPACITY_STEP) * CAPACITY_STEP
+
+
+def _routed_experts(block: nn.Module, hidden_states: torch.Tensor, router_states: torch.Tensor | None):
+    """`ZayaSparseMoeBlock` for a few tokens without host synchronisation: every token reads its own expert's
+    weights (the skip class reads expert E-1's and discards the result)."""
+    logits, choice, weight, router_states = block.gate(hidden_states, router_states)
+    experts = block.experts
+    flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+    choice, weight = choice.reshape(-1, 1), weight.reshape(-1, 1).to(flat.dtype)
+    index = choice.squeeze(-1).clamp(max=experts.num_experts - 1)
+    gate_up = torch.bmm(experts.gate_up_proj[index], flat[:, :, None]).squeeze(-1)
+    gate, up = gate_up.split(experts.intermediate_size, dim=-1)
+    expert_out = torch.bmm(experts.down_proj[index], (experts.act_fn(gate) * up)[:, :, None]).squeeze(-1)
+    skipped = weight * flat if block.skip_scales_input else torch.zeros_like(flat)
+    output = torch.where(choice < experts.num_experts, expert_out * weight, skipped)
+    return output.view_as(hidden_states), router_states
+
+
+def _attend_one_query(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, attend: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """Softmax attention of one query per row, `query` [batch, heads, 1, d], over `keys`/`values`
+    [batch, kv_heads, capacity, d] where `attend` [batch, capacity] -> [batch, 1, heads, d]. Written out rather
+    than SDPA's kernel, whose fixed cost per call (70 us) exceeds this whole fused computation."""
+    batch, heads, _, head_dim = query.shape
+    kv_heads = keys.shape[1]
+    grouped = query.view(batch, kv_heads, heads // kv_heads, head_dim)
+    # Products and sums, not matmuls: inductor fuses them into loops, while a matmul stays a library call.
+    scores = (grouped[:, :, :, None, :] * keys[:, :, None]).sum(-1) * scaling
+    scores = scores.masked_fill(~attend[:, None, None, :], float("-inf"))
+    weights = torch.softmax(scores.float(), dim=-1).to(query.dtype)
+    return (weights[..., None] * values[:, :, None]).sum(-2).view(batch, 1, heads, head_dim)
+
+
+def decode_logits(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    attend: torch.Tensor,
+    slot: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    conv_states: list[torch.Tensor],
+    shift_states: list[torch.Tensor],
+):
+    """One token per row: `input_ids`, `position_ids` [batch, 1]; `attend` [batch, capacity] marks the slots each row
+    attends to (this step's `slot` [1] included). Writes this step's keys and values into `keys`/`values`
+    [batch, kv_heads, capacity, head_dim] at `slot`; returns logits [batch, 1, vocab] and the new CCA states."""
+    inner, config = model.model, model.config
+    batch = input_ids.shape[0]
+    embeds = inner.embed_tokens(input_ids)
+    dtype = embeds.dtype
+    residual_dtype = torch.float32 if config.residual_in_fp32 else dtype
+    position_embeddings = inner.rotary_emb(position_ids, dtype)
+    residual = ((embeds + inner.input_hidden_states_bias) * inner.input_hidden_states_scale).to(residual_dtype)
+    router_states = None
+    new_conv_states, new_shift_states = [], []
+    for layer, key_cache, value_cache, conv_state, shift_state in zip(
+        inner.layers, keys, values, conv_states, shift_states, strict=True
+    ):
+        attention = layer.self_attn
+        query_key, value, conv_state, shift_state = attention.qkv_proj.project(
+            layer.input_layernorm(residual.to(dtype)), conv_state, shift_state, None
+        )
+        # Contiguous copies: the next step's inputs then have the same strides as this step's (no recompile).
+        new_conv_states.append(conv_state.clone(memory_format=torch.contiguous_format))
+        new_shift_states.append(shift_state.clone(memory_format=torch.contiguous_format))
+        query_key = apply_partial_rope(attention.qk_norm(query_key), *position_embeddings).transpose(1, 2)
+        query, key = query_key.split((attention.num_heads, attention.num_key_value_heads), dim=1)
+        key_cache.index_copy_(2, slot, key)
+        value_cache.index_copy_(2, slot, value.transpose(1, 2))
+        attended = _attend_one_query(query, key_cache, value_cache, attend, attention.scaling)
+        attention_out = attention.o_proj(attended.reshape(batch, 1, -1))
+        residual = layer.post_attention_residual_scale(attention_out, residual)
+        moe_out, router_states = _routed_experts(
+            layer.mlp, layer.post_attention_layernorm(residual.to(dtype)), router_states
+        )
+        residual = layer.post_mlp_residual_scale(moe_out, residual)
+    logits = model.lm_head(inner.norm(residual.to(dtype)))
+    return logits, new_conv_states, new_shift_states
+
+
+def has_adapters(model: nn.Module) -> bool:
+    """Whether any weight is wrapped (PEFT's layers and `target_parameters` hook in this way), which the compiled
+    step would bypass."""
+    for module in model.modules():
+        if type(module).__module__.startswith("peft.") or hasattr(module, "parametrizations"):
+            return True
+    return False
+
+
+def _row_major(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` with the strides of a fresh tensor of its shape: the compiled graph is specialised on strides, and
+    the prefill leaves the CCA state as a view of a larger tensor."""
+    strides, stride = [], 1
+    for size in reversed(tensor.shape):
+        strides.append(stride)
+        stride *= size
+    if tensor.stride() == tuple(reversed(strides)):
+        return tensor
+    return tensor.clone(memory_format=torch.contiguous_format)
+
+
+class CompiledDecode:
+    """The compiled `decode_logits` of one model, and the host-side bookkeeping of each step."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.step = torch.compile(decode_logits, fullgraph=True, dynamic=False)
+        self.compiled_for: set[tuple] = set()
+
+    def new_cache(self, max_cache_length: int) -> ZayaCache | None:
+        """A cache reserved for a generation of up to `max_cache_length` tokens, or None when the model carries
+        adapters (the eager path applies them)."""
+        if has_adapters(self.model):
+            return None
+        return ZayaCache(self.model.config, reserved=reserved_capacity(max_cache_length), compiled_decode=True)
+
+    def applies(self, input_ids: torch.Tensor | None, cache: ZayaCache | None) -> bool:
+        return (
+            cache is not None
+            and cache.compiled_decode
+            and input_ids is not None
+            and input_ids.shape[1] == 1
+            and 0 < cache.get_seq_length() < cache.capacity()
+            and not torch.is_grad_enabled()
+        )
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        cache: ZayaCache,
+    ) -> torch.Tensor:
+        batch, length, capacity = input_ids.shape[0], cache.get_seq_length(), cache.capacity()
+        device = input_ids.device
+        if position_ids is None:
+            position_ids = torch.full((batch, 1), length, device=device)
+        attend = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
+        if attention_mask is None:
+            attend[:, : length + 1] = True
+        else:
+            attend[:, : length + 1] = attention_mask[:, -(length + 1) :].bool()
+        layers = cache.layers
+        # Dynamo's guards cost ~1 ms per step, most of them re-checking the model's modules. Once this shape has
+        # been compiled, only the guards that tell the compiled graphs apart run; the shapes and dtype they are
+        # specialised on are the key, and a new key runs every guard (and compiles).
+        key = (batch, capacity, self.model.dtype, device)
+        known = key in self.compiled_for
+        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=known):
+            logits, conv_states, shift_states = self.step(
+                self.model,
+                input_ids.reshape(batch, 1).clone(),
+                position_ids.reshape(batch, 1).clone(),
+                attend,
+                torch.tensor([length], device=device),
+                [layer.keys for layer in layers],
+                [layer.values for layer in layers],
+                [_row_major(layer.conv_state) for layer in layers],
+                [_row_major(layer.shift_state) for layer in layers],
+            )
+        if len(self.compiled_for) < torch._dynamo.config.recompile_limit // 2:
+            # Past dynamo's limit a new shape runs eagerly, so its key must keep running every guard.
+            self.compiled_for.add(key)
+        cache.advance(conv_states, shift_states)
+        return logits
