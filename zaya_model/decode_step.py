@@ -58,6 +58,8 @@ def _attend_one_query(
     scores = (grouped[:, :, :, None, :] * keys[:, :, None]).sum(-1) * scaling
     scores = scores.masked_fill(~attend[:, None, None, :], float("-inf"))
     weights = torch.softmax(scores.float(), dim=-1).to(query.dtype)
+    # Slots not yet written hold whatever the memory held, NaN included: select them away (0 * NaN is NaN).
+    values = torch.where(attend[:, None, :, None], values, 0.0)
     return (weights[..., None] * values[:, :, None]).sum(-2).view(batch, 1, heads, head_dim)
 
 
