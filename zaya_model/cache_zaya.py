@@ -35,7 +35,7 @@ class ZayaCacheLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def _ensure_capacity(self, key_states: torch.Tensor, value_states: torch.Tensor, needed: int) -> None:
-        capacity = 0 if self.keys is None else self.keys.shape[-2]
+        capacity = self.capacity()
         if needed <= capacity:
             return
         new_capacity = max(needed, 2 * capacity, 64, self.reserved)
@@ -46,6 +46,10 @@ class ZayaCacheLayer(CacheLayerMixin):
             keys[:, :, : self.length] = self.keys[:, :, : self.length]
             values[:, :, : self.length] = self.values[:, :, : self.length]
         self.keys, self.values = keys, values
+
+    def capacity(self) -> int:
+        """Key/value slots allocated (filled or not)."""
+        return 0 if self.keys is None else self.keys.shape[-2]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -103,8 +107,7 @@ class ZayaCache(Cache):
         self.compiled_decode = compiled_decode
 
     def capacity(self) -> int:
-        keys = self.layers[0].keys
-        return 0 if keys is None else keys.shape[-2]
+        return self.layers[0].capacity()
 
     def advance(self, conv_states: list[torch.Tensor], shift_states: list[torch.Tensor]) -> None:
         """Book one decode step whose keys and values were written into the buffers in place (compiled decode)."""

@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from .cache_zaya import ZayaCache
-from .modeling_zaya import apply_partial_rope
 
 CAPACITY_STEP = 256
 
@@ -96,8 +95,7 @@ def decode_logits(
         # Contiguous copies: the next step's inputs then have the same strides as this step's (no recompile).
         new_conv_states.append(conv_state.clone(memory_format=torch.contiguous_format))
         new_shift_states.append(shift_state.clone(memory_format=torch.contiguous_format))
-        query_key = apply_partial_rope(attention.qk_norm(query_key), *position_embeddings).transpose(1, 2)
-        query, key = query_key.split((attention.num_heads, attention.num_key_value_heads), dim=1)
+        query, key = attention.rotated_queries_and_keys(query_key, position_embeddings)
         key_cache.index_copy_(2, slot, key)
         value_cache.index_copy_(2, slot, value.transpose(1, 2))
         attended = _attend_one_query(query, key_cache, value_cache, attend, attention.scaling)

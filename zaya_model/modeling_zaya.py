@@ -31,6 +31,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from .cache_zaya import ZayaCache
 from .checkpoints import is_legacy_config, load_legacy_checkpoint
 from .configuration_zaya import ZayaConfig
+from .decode_step import CompiledDecode
 from .expert_lora import ExpertWeight, expert_weight
 from .small_batch_linear import SmallBatchLinear, align_parameters
 
@@ -295,8 +296,7 @@ class ZayaAttention(nn.Module):
         if padding_mask is not None:
             hidden_states = hidden_states * padding_mask
         query_key, value = self.qkv_proj(hidden_states, lag_masks, past_key_values)
-        query_key = apply_partial_rope(self.qk_norm(query_key), *position_embeddings).transpose(1, 2)
-        query, key = query_key.split((self.num_heads, self.num_key_value_heads), dim=1)
+        query, key = self.rotated_queries_and_keys(query_key, position_embeddings)
         value = value.transpose(1, 2)
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
@@ -315,6 +315,14 @@ class ZayaAttention(nn.Module):
             **kwargs,
         )
         return self.o_proj(output.reshape(batch, seq, -1))
+
+    def rotated_queries_and_keys(
+        self, query_key: torch.Tensor, position_embeddings
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """QK norm and RoPE on `query_key` [batch, seq, heads + kv_heads, d] -> queries [batch, heads, seq, d] and
+        keys [batch, kv_heads, seq, d] (the eager forward and the compiled decode step share it)."""
+        query_key = apply_partial_rope(self.qk_norm(query_key), *position_embeddings).transpose(1, 2)
+        return query_key.split((self.num_heads, self.num_key_value_heads), dim=1)
 
 
 class ZayaResidualScaling(nn.Module):
@@ -685,8 +693,6 @@ class ZayaForCausalLM(ZayaPreTrainedModel, GenerationMixin):
     def enable_compiled_decode(self) -> None:
         """Let `generate()` run decode steps as one compiled graph (`zaya_model.decode_step`): several times faster
         per token on CPU once compiled; the first generation of each batch size and length bucket compiles."""
-        from .decode_step import CompiledDecode  # it builds on the modules of this file
-
         self.compiled_decode = CompiledDecode(self)
 
     def _prepare_cache_for_generation(
