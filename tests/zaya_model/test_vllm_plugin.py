@@ -176,3 +176,37 @@ def test_check_adapter_refuses_expert_adapters_and_other_bases(checkpoint, tmp_p
     peft.get_peft_model(other_base, attention).save_pretrained(tmp_path / "other_base")
     with pytest.raises(AdapterError, match="another base model"):
         check_adapter(tmp_path / "other_base", path)
+
+
+def test_the_decode_state_step_reads_and_advances_each_slot_as_the_general_step_does():
+    """A decode-only batch takes a short path through the CCA state; it must equal the general (prefill) path and
+    the definition: a token's window is its slot's state then itself, and its slot then holds the window's newest
+    `history` rows. A batch padded past its requests (CUDA graphs) gets zero windows for the padding rows."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from zaya_model.vllm_plugin.cca import _general_windows, advance_state, cca_state_shapes
+
+    ((history, width),) = cca_state_shapes(ZayaConfig(num_attention_heads=4, num_key_value_heads=2, head_dim=16))
+    generator = torch.Generator().manual_seed(0)
+    state = torch.randn(6, history, width, generator=generator)
+    slots = torch.tensor([4, 0, 2])
+    inputs = torch.randn(4, width, generator=generator)  # 3 requests and one padding row
+
+    def run(step):
+        advanced = state.clone()
+        metadata = SimpleNamespace(num_prefills=0, num_decode_tokens=3, state_indices_tensor_d=slots)
+        return step(advanced, metadata), advanced
+
+    windows, advanced = run(lambda advanced, metadata: advance_state(advanced, history, metadata, inputs))
+    general, general_advanced = run(lambda advanced, metadata: _general_windows(advanced, history, metadata, inputs))
+
+    expected = torch.cat((state[slots], inputs[:3, None]), dim=1)
+    torch.testing.assert_close(windows[:3], expected, rtol=0, atol=0)
+    torch.testing.assert_close(windows[3], torch.zeros(history + 1, width), rtol=0, atol=0)
+    torch.testing.assert_close(general, expected, rtol=0, atol=0)
+    expected_state = state.clone()
+    expected_state[slots] = expected[:, 1:]
+    torch.testing.assert_close(advanced, expected_state, rtol=0, atol=0)
+    torch.testing.assert_close(general_advanced, expected_state, rtol=0, atol=0)

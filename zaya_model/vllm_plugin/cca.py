@@ -62,9 +62,10 @@ class ZayaCCAProjection(MambaBase, nn.Module):
     """Computes CCA's query, key and value `[tokens, q_width + 2 * kv_width]` and advances the per-request state."""
 
     # The four projections read the same input, so they run as one matmul: `fused_proj` holds the checkpoint's
-    # q_proj, k_proj, v_proj_current and v_proj_delayed stacked in this order (LoRA adapters on any of them apply
-    # to their slice: the model's `packed_modules_mapping`).
-    projections = ("q_proj", "k_proj", "v_proj_current", "v_proj_delayed")
+    # q_proj, k_proj, v_proj_delayed and v_proj_current stacked in this order (LoRA adapters on any of them apply
+    # to their slice: the model's `packed_modules_mapping`). The first three are a state row, so a row of the
+    # fused output's first columns is that row without a copy.
+    projections = ("q_proj", "k_proj", "v_proj_delayed", "v_proj_current")
 
     def __init__(
         self,
@@ -87,6 +88,7 @@ class ZayaCCAProjection(MambaBase, nn.Module):
         self.channels = self.query_width + self.key_width
         half_value = self.key_width // 2
         self.output_widths = (self.query_width, self.key_width, half_value, half_value)
+        self.state_width = self.channels + half_value
         self.fused_proj = MergedColumnParallelLinear(
             config.hidden_size,
             list(self.output_widths),
@@ -121,11 +123,10 @@ class ZayaCCAProjection(MambaBase, nn.Module):
         """q‖k‖v `[tokens, q_width + 2 * kv_width]`. Only the state's read and update are a custom op
         (`zaya_cca_state`): the projections, convolutions and q-k skip stay in the graph vLLM compiles."""
         projected, _ = self.fused_proj(hidden_states)
-        queries, keys, current, delayed = projected.split(self.output_widths, dim=-1)
-        inputs = torch.cat((queries, keys, delayed), dim=-1)  # one state row
+        queries, keys, _, current = projected.split(self.output_widths, dim=-1)
+        inputs = projected[:, : self.state_width]  # q‖k‖delayed value: one state row
         tokens = inputs.shape[0]
-        windows = inputs.new_empty(tokens, self.history + 1, inputs.shape[-1])
-        torch.ops.vllm.zaya_cca_state(inputs, windows, self.prefix)
+        windows = torch.ops.vllm.zaya_cca_state(inputs, self.history, self.prefix)
         fields = windows[:, :, : self.channels].transpose(1, 2)
         convolved = convolve_receptive_fields(fields, self.conv_qk_depthwise, self.conv_qk_grouped)
         delayed_before = windows[:, self.history - 1, self.channels :]  # the previous token's delayed value
@@ -138,50 +139,65 @@ class ZayaCCAProjection(MambaBase, nn.Module):
         key = convolved[:, self.query_width :] + query_skip.mean(dim=2).reshape(tokens, self.key_width)
         return torch.cat((query, key, current, delayed_before), dim=-1)
 
-    def read_and_advance_state(self, inputs: torch.Tensor, windows: torch.Tensor, step_metadata) -> None:
-        """Fill each token's window `windows` [tokens, history + 1, width]: its layer inputs (state rows) at lags
-        history..0, reading before a request's first token from its state; then store each request's last
-        `history` inputs as its new state. `step_metadata` is the forward context's `attn_metadata`."""
+    def read_and_advance_state(self, inputs: torch.Tensor, step_metadata) -> torch.Tensor:
+        """`advance_state` on this layer's state; `step_metadata` is the forward context's `attn_metadata`."""
         metadata = step_metadata.get(self.prefix) if isinstance(step_metadata, dict) else None
-        if metadata is not None and metadata.num_prefills == 0:
-            tokens = self._decode_step(metadata, inputs, windows)
-        else:
-            tokens = self._mixed_step(metadata, inputs, windows)
-        if tokens < windows.shape[0]:
-            # CUDA graphs may pad the batch: only the first `tokens` rows are real; the rest must stay finite.
-            windows[tokens:] = 0.0
+        return advance_state(self.kv_cache[0] if metadata is not None else None, self.history, metadata, inputs)
 
-    def _decode_step(self, metadata, inputs: torch.Tensor, windows: torch.Tensor) -> int:
-        """Every request decodes one token and has state: a token's window is its request's state plus itself."""
-        slots = _decode_slots(metadata)
-        tokens = slots.shape[0]
-        (state,) = self.kv_cache
-        # index_select / index_copy_: much cheaper per call than advanced indexing for a few rows.
-        windows[:tokens, : self.history] = state.index_select(0, slots)
-        windows[:tokens, self.history] = inputs[:tokens]
-        state.index_copy_(0, slots, windows[:tokens, 1:].to(state.dtype))
-        return tokens
 
-    def _mixed_step(self, metadata, inputs: torch.Tensor, windows: torch.Tensor) -> int:
-        width = inputs.shape[-1]
-        if metadata is None:
-            # Profile run: no state exists yet; treat the batch as one fresh sequence (values are not used).
-            requests = _RequestLayout.single(inputs.shape[0], inputs.device)
-            history = inputs.new_zeros(1, self.history, width)
-        else:
-            requests = _RequestLayout.for_step(metadata, inputs.device)
-            (state,) = self.kv_cache
-            fresh = ~requests.has_initial_state
-            # Slots of fresh requests may hold a finished request's state (or garbage): read zeros instead.
-            history = state[requests.slots].to(inputs.dtype).masked_fill(fresh[:, None, None], 0.0)
-        tokens = requests.num_tokens
-        # Frames: every request's history, then the batch's tokens; the window index reaches into a request's
-        # history rows for lags before its first token.
-        frames = torch.cat((history.reshape(-1, width), inputs[:tokens]))
-        windows[:tokens] = frames[requests.window_index(self.history)]
-        if metadata is not None:
-            state[requests.slots] = frames[requests.tail_index(self.history)].to(state.dtype)
-        return tokens
+def advance_state(state: torch.Tensor | None, history: int, metadata, inputs: torch.Tensor) -> torch.Tensor:
+    """Each token's window `[tokens, history + 1, width]`: its layer inputs (state rows) at lags history..0, reading
+    before a request's first token from its state slot; each request's last `history` inputs become its new state.
+    `metadata` is the layer's state-space metadata (None in vLLM's profile run, which has no state)."""
+    if metadata is not None and metadata.num_prefills == 0:
+        windows = _decode_windows(state, metadata, inputs)
+    else:
+        windows = _general_windows(state, history, metadata, inputs)
+    if windows.shape[0] < inputs.shape[0]:
+        # CUDA graphs may pad the batch: only the first rows are real; the rest must stay finite.
+        padding = windows.new_zeros(inputs.shape[0] - windows.shape[0], *windows.shape[1:])
+        windows = torch.cat((windows, padding))
+    return windows
+
+
+def _decode_windows(state: torch.Tensor, metadata, inputs: torch.Tensor) -> torch.Tensor:
+    """Every request decodes one token and has state: a token's window is its request's state plus itself.
+    This is the steady state of serving, so it is kept to a few tensor ops."""
+    slots = _decode_slots(metadata)
+    # index_select / index_copy_: much cheaper per call than advanced indexing for a few rows.
+    history = state.index_select(0, slots)
+    if history.dtype != inputs.dtype:
+        history = history.to(inputs.dtype)
+    windows = torch.cat((history, inputs[: slots.shape[0]].unsqueeze(1)), dim=1)
+    newest = windows[:, 1:]
+    state.index_copy_(0, slots, newest if newest.dtype == state.dtype else newest.to(state.dtype))
+    return windows
+
+
+def _general_windows(state: torch.Tensor | None, history: int, metadata, inputs: torch.Tensor) -> torch.Tensor:
+    """Any batch: decodes and prefill chunks, fresh or continued (vLLM's order)."""
+    width = inputs.shape[-1]
+    if metadata is None:
+        # Profile run: no state exists yet; treat the batch as one fresh sequence (values are not used).
+        requests = _RequestLayout.single(inputs.shape[0], inputs.device)
+        histories = inputs.new_zeros(1, history, width)
+    else:
+        requests = _RequestLayout.for_step(metadata, inputs.device)
+        fresh = ~requests.has_initial_state
+        # Slots of fresh requests may hold a finished request's state (or garbage): read zeros instead.
+        histories = state.index_select(0, requests.slots).to(inputs.dtype).masked_fill(fresh[:, None, None], 0.0)
+    # Frames: every request's history, then the batch's tokens; the window index reaches into a request's
+    # history rows for lags before its first token.
+    frames = torch.cat((histories.reshape(-1, width), inputs[: requests.num_tokens]))
+    if metadata is not None:
+        tails = _gather_rows(frames, requests.tail_index(history))
+        state.index_copy_(0, requests.slots, tails.to(state.dtype))
+    return _gather_rows(frames, requests.window_index(history))
+
+
+def _gather_rows(frames: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`frames[index]` for a 2-D index, as one `index_select` (cheaper per call than advanced indexing)."""
+    return frames.index_select(0, index.reshape(-1)).view(*index.shape, frames.shape[-1])
 
 
 # What was derived from the step being run, by kind, with the metadata it came from: every CCA layer of a step sees
@@ -283,9 +299,13 @@ class _RequestLayout:
 
 
 @eager_break_during_capture
-def zaya_cca_state(inputs: torch.Tensor, windows: torch.Tensor, layer_name: str) -> None:
+def zaya_cca_state(inputs: torch.Tensor, history: int, layer_name: str) -> torch.Tensor:
     context = get_forward_context()
-    context.no_compile_layers[layer_name].read_and_advance_state(inputs, windows, context.attn_metadata)
+    return context.no_compile_layers[layer_name].read_and_advance_state(inputs, context.attn_metadata)
 
 
-direct_register_custom_op(op_name="zaya_cca_state", op_func=zaya_cca_state, mutates_args=["windows"])
+def zaya_cca_state_fake(inputs: torch.Tensor, history: int, layer_name: str) -> torch.Tensor:
+    return inputs.new_empty(inputs.shape[0], history + 1, inputs.shape[-1])
+
+
+direct_register_custom_op(op_name="zaya_cca_state", op_func=zaya_cca_state, fake_impl=zaya_cca_state_fake)
