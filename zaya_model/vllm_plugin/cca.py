@@ -82,13 +82,12 @@ class ZayaCCAProjection(MambaBase, nn.Module):
         self.head_dim = config.head_dim
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
-        self.history = cca_history(config)
+        ((self.history, self.state_width),) = cca_state_shapes(config)  # a state row: q‖k‖delayed value
         self.query_width = self.num_heads * self.head_dim
         self.key_width = self.num_kv_heads * self.head_dim
         self.channels = self.query_width + self.key_width
         half_value = self.key_width // 2
         self.output_widths = (self.query_width, self.key_width, half_value, half_value)
-        self.state_width = self.channels + half_value
         self.fused_proj = MergedColumnParallelLinear(
             config.hidden_size,
             list(self.output_widths),
@@ -165,12 +164,9 @@ def _decode_windows(state: torch.Tensor, metadata, inputs: torch.Tensor) -> torc
     This is the steady state of serving, so it is kept to a few tensor ops."""
     slots = _decode_slots(metadata)
     # index_select / index_copy_: much cheaper per call than advanced indexing for a few rows.
-    history = state.index_select(0, slots)
-    if history.dtype != inputs.dtype:
-        history = history.to(inputs.dtype)
+    history = state.index_select(0, slots).to(inputs.dtype)
     windows = torch.cat((history, inputs[: slots.shape[0]].unsqueeze(1)), dim=1)
-    newest = windows[:, 1:]
-    state.index_copy_(0, slots, newest if newest.dtype == state.dtype else newest.to(state.dtype))
+    state.index_copy_(0, slots, windows[:, 1:].to(state.dtype))
     return windows
 
 
