@@ -1,14 +1,15 @@
 """Typed dependencies: settings, a database session, the calling API key and role checks.
 
 Authentication itself runs in `server.api.middleware` before routing (so even a malformed body without a key gets
-401); these dependencies read its result and enforce the role each route needs.
+401); these dependencies read its result and enforce the role each route needs. Dependencies that do no I/O are
+`async def`: FastAPI runs a plain `def` dependency in its thread pool, a thread hop per dependency per request.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -36,7 +37,7 @@ class Principal:
         return cls(key_id=key.id, name=key.name, role=Role(key.role))
 
 
-def get_settings(request: Request) -> Settings:
+async def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
@@ -56,7 +57,7 @@ def get_session(request: Request) -> Iterator[Session]:
                 session.invalidate()
 
 
-def get_principal(request: Request) -> Principal:
+async def get_principal(request: Request) -> Principal:
     principal = getattr(request.state, "principal", None)
     if principal is None:
         raise Unauthorized("Missing or invalid API key.", code="invalid_api_key")
@@ -68,8 +69,8 @@ SessionDep = Annotated[Session, Depends(get_session)]
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
 
 
-def require_role(role: Role) -> Callable[[Principal], Principal]:
-    def check(principal: PrincipalDep) -> Principal:
+def require_role(role: Role) -> Callable[[Principal], Awaitable[Principal]]:
+    async def check(principal: PrincipalDep) -> Principal:
         if not principal.role.allows(role):
             raise Forbidden(f"This endpoint requires the '{role}' role; your key has '{principal.role}'.")
         return principal
