@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from collections.abc import AsyncIterator
@@ -18,7 +19,8 @@ from server.api.ratelimit import RateLimits
 from server.api.routes import api_router
 from server.console import install_console
 from server.db.migrations import schema_is_current
-from server.db.session import make_engine, make_sessionmaker
+from server.db.row_writer import RowWriter
+from server.db.session import make_autocommit_sessionmaker, make_engine, make_sessionmaker
 from server.services.inference import InferenceService
 from server.services.storage import remove_stale_uploads
 from server.settings import Settings
@@ -41,17 +43,21 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         await app.state.inference.start()
         yield
         await app.state.inference.close()
+        await asyncio.to_thread(app.state.rows.close)
         engine.dispose()
-        app.state.auth_engine.dispose()
+        app.state.read_engine.dispose()
 
     app = FastAPI(title="ZAYA platform", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
     app.state.engine = engine
-    # Authentication's own pool: autocommit lookups without pre-ping (see `server.api.middleware`).
-    app.state.auth_engine = make_engine(settings.database_url, pre_ping=False)
+    # The reads every request makes (authentication, model resolution): autocommit, on a pool without pre-ping
+    # (`server.db.session.read_retrying_once`). The rows it writes go through one group-commit writer.
+    app.state.read_engine = make_engine(settings.database_url, pre_ping=False, pool_size=settings.database_pool_size)
+    app.state.read_sessions = make_autocommit_sessionmaker(app.state.read_engine)
+    app.state.rows = RowWriter(engine)
     app.state.sessionmaker = make_sessionmaker(engine)
     app.state.metrics = Metrics(app.state.sessionmaker)
-    app.state.inference = InferenceService(settings, app.state.sessionmaker)
+    app.state.inference = InferenceService(settings, app.state.read_sessions, app.state.rows)
     app.state.rate_limits = RateLimits(settings)
     install_error_handlers(app)
     # Added first, so it runs inside the request middleware (after authentication, and audited).

@@ -15,6 +15,9 @@ class Settings(BaseSettings):
     data_dir: Path = Path("./var")
     # Empty means the embedded default: an SQLite file under `data_dir`.
     database_url: str = ""
+    # Connections kept open for the reads every request makes (authentication, model resolution), as many again
+    # under load. Fewer than the requests authenticating at once makes the pool open and close connections.
+    database_pool_size: int = Field(default=20, ge=1)
     engine: Literal["vllm", "local"] = "local"
 
     host: str = "127.0.0.1"

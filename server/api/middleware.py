@@ -12,14 +12,16 @@ import time
 from datetime import timedelta
 
 from fastapi import FastAPI, Request, Response
-from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.api.deps import Principal
 from server.api.errors import database_unavailable, error_response
-from server.db.session import make_autocommit_sessionmaker, session_scope
+from server.db.models import AuditLog
+from server.db.session import read_retrying_once
 from server.errors import RateLimited
 from server.services import audit, keys
 
@@ -52,41 +54,29 @@ def _storable(text: str, max_length: int | None = None) -> str:
 
 def install_middleware(app: FastAPI) -> None:
     settings = app.state.settings
-    sessions = app.state.sessionmaker
-    auth_sessions = make_autocommit_sessionmaker(app.state.auth_engine)
     last_used_resolution = timedelta(seconds=settings.key_last_used_resolution_s)
 
-    def look_up(token: str) -> Principal | None:
-        with auth_sessions() as session:
-            key = keys.authenticate(session, token, last_used_resolution=last_used_resolution)
-            return Principal.from_key(key) if key is not None else None
+    def look_up(session: Session, token: str) -> Principal | None:
+        key = keys.authenticate(session, token, last_used_resolution=last_used_resolution)
+        return Principal.from_key(key) if key is not None else None
 
     def authenticate(token: str) -> Principal | None:
-        # Runs on every request, so no pool pre-ping (a round trip): a connection that died with the database is
-        # invalidated on first use, and the lookup is retried once on a fresh one.
-        try:
-            return look_up(token)
-        except DBAPIError as error:
-            if not error.connection_invalidated:
-                raise
-            return look_up(token)
+        return read_retrying_once(app.state.read_sessions, look_up, token)
 
-    def write_audit(request: Request, action: str, path_params: dict, status_code: int) -> None:
+    def audit_entry(request: Request, action: str, path_params: dict, status_code: int) -> dict:
         principal: Principal | None = getattr(request.state, "principal", None)
         target = getattr(request.state, "audit_target", None)
         if target is None and path_params:
             target = ",".join(str(value) for value in path_params.values())
-        with session_scope(sessions) as session:
-            audit.record(
-                session,
-                actor_key_id=principal.key_id if principal else None,
-                action=_storable(action, 64),
-                method=_storable(request.method, 8),
-                path=_storable(request.url.path),
-                target=_storable(target, 256) if target is not None else None,
-                status_code=status_code,
-                client_address=request.client.host if request.client else None,
-            )
+        return audit.entry(
+            actor_key_id=principal.key_id if principal else None,
+            action=_storable(action, 64),
+            method=_storable(request.method, 8),
+            path=_storable(request.url.path),
+            target=_storable(target, 256) if target is not None else None,
+            status_code=status_code,
+            client_address=request.client.host if request.client else None,
+        )
 
     async def admit(request: Request) -> Response | None:
         """Authenticate and rate-limit a request: None lets it through, otherwise the response that refuses it."""
@@ -117,7 +107,7 @@ def install_middleware(app: FastAPI) -> None:
         if request.method in MUTATING_METHODS:
             action = getattr(route, "name", None) or f"{request.method} {route_label}"
             try:
-                await run_in_threadpool(write_audit, request, action, path_params, status_code)
+                await app.state.rows.insert(AuditLog.__table__, audit_entry(request, action, path_params, status_code))
             except Exception:
                 logger.exception("could not write the audit entry for %s %s", request.method, request.url.path)
         app.state.metrics.observe(request.method, route_label, status_code, time.perf_counter() - started)

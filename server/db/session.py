@@ -2,26 +2,37 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Concatenate, ParamSpec, TypeVar
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
+P = ParamSpec("P")
+T = TypeVar("T")
 
-def make_engine(database_url: str, *, pre_ping: bool = True) -> Engine:
+
+def make_engine(database_url: str, *, pre_ping: bool = True, pool_size: int | None = None) -> Engine:
     """`pre_ping` tests each pooled connection before use (a round trip), so connections that died with a database
-    restart are replaced transparently; hot paths that retry on a dead connection themselves turn it off."""
+    restart are replaced transparently; hot paths that retry on a dead connection themselves turn it off.
+
+    `pool_size` connections stay open (default SQLAlchemy's 5); under load as many again may be opened, which are
+    closed when handed back to a full pool (on PostgreSQL each is a new server process: size pools for the load)."""
     url = make_url(database_url)
+    pool = {} if pool_size is None else {"pool_size": pool_size, "max_overflow": pool_size}
     if url.get_backend_name() != "sqlite":
-        return create_engine(url, pool_pre_ping=pre_ping)
+        return create_engine(url, pool_pre_ping=pre_ping, **pool)
 
     if url.database and url.database != ":memory:":
         Path(url.database).parent.mkdir(parents=True, exist_ok=True)
+    else:
+        pool = {}  # an in-memory database lives in its connection: SQLAlchemy keeps one per thread
     # Sessions move between the event loop and worker threads, one at a time.
-    engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+    engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30}, **pool)
 
     @event.listens_for(engine, "connect")
     def _configure_sqlite(dbapi_connection, _record) -> None:
@@ -40,9 +51,24 @@ def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
 
 
 def make_autocommit_sessionmaker(engine: Engine) -> sessionmaker[Session]:
-    """Sessions whose statements commit one by one, for single-statement reads on the hot path (authentication):
+    """Sessions whose statements commit one by one, for reads on the hot path (authentication, model resolution):
     no BEGIN and no ROLLBACK, which are a network round trip each on PostgreSQL."""
     return make_sessionmaker(engine.execution_options(isolation_level="AUTOCOMMIT"))
+
+
+def read_retrying_once(
+    factory: sessionmaker[Session], read: Callable[Concatenate[Session, P], T], *args: P.args, **kwargs: P.kwargs
+) -> T:
+    """`read(session, ...)` for a pool without pre-ping (a round trip per checkout, on every request): a connection
+    that died with a database restart is invalidated on first use, and the read runs once more on a fresh one."""
+    try:
+        with factory() as session:
+            return read(session, *args, **kwargs)
+    except DBAPIError as error:
+        if not error.connection_invalidated:
+            raise
+    with factory() as session:
+        return read(session, *args, **kwargs)
 
 
 @contextmanager

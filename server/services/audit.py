@@ -7,6 +7,7 @@ from datetime import datetime
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from server.db.base import utcnow
 from server.db.models import AuditLog
 
 
@@ -16,8 +17,7 @@ def outcome_for(status_code: int) -> str:
     return "success" if status_code < 400 else "failure"
 
 
-def record(
-    session: Session,
+def entry(
     *,
     actor_key_id: str | None,
     action: str,
@@ -26,19 +26,26 @@ def record(
     target: str | None,
     status_code: int,
     client_address: str | None,
-) -> AuditLog:
-    entry = AuditLog(
-        actor_key_id=actor_key_id,
-        action=action,
-        method=method,
-        path=path,
-        target=target,
-        status_code=status_code,
-        outcome=outcome_for(status_code),
-        client_address=client_address,
-    )
-    session.add(entry)
-    return entry
+) -> dict:
+    """The column values of one audit log row, timed now (the request path inserts them through a `RowWriter`)."""
+    return {
+        "created_at": utcnow(),
+        "actor_key_id": actor_key_id,
+        "action": action,
+        "method": method,
+        "path": path,
+        "target": target,
+        "status_code": status_code,
+        "outcome": outcome_for(status_code),
+        "client_address": client_address,
+    }
+
+
+def record(session: Session, **fields) -> AuditLog:
+    """Add an audit log row (the `entry` fields) to `session`'s transaction."""
+    row = AuditLog(**entry(**fields))
+    session.add(row)
+    return row
 
 
 def list_entries(

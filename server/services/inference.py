@@ -20,12 +20,15 @@ from typing import TYPE_CHECKING, Literal
 import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
 from server.api.deps import Principal
+from server.db.base import utcnow
 from server.db.models import InferenceRecord
-from server.db.session import session_scope
+from server.db.row_writer import RowWriter
+from server.db.session import read_retrying_once
 from server.engines import create_engine
 from server.engines.base import ChoiceDelta, Engine, EngineError, EngineOverloaded, ModelLoadError, SamplingParams
 from server.errors import APIError, GenerationFailed, InvalidRequest, ServiceUnavailable, TooManyRequests
@@ -231,11 +234,13 @@ class InferenceService:
     def __init__(
         self,
         settings,
-        sessionmaker,
+        read_sessions: sessionmaker[Session],
+        rows: RowWriter,
         engine: Engine | None = None,
         engine_factory: Callable[[str], Engine] = create_engine,
     ) -> None:
-        self.settings, self.sessionmaker = settings, sessionmaker
+        """`read_sessions` resolve models (autocommit, see `server.db.session`); `rows` takes the inference records."""
+        self.settings, self.read_sessions, self.rows = settings, read_sessions, rows
         self._engine = engine
         self._engine_factory = engine_factory
         self._engine_state: EngineState = "ready" if engine is not None else "not_started"
@@ -309,7 +314,7 @@ class InferenceService:
     ) -> JSONResponse | StreamingResponse:
         record = _Record(principal.key_id, fmt.endpoint, model)
         try:
-            servable = await run_in_threadpool(self._resolve, model)
+            servable = await run_in_threadpool(read_retrying_once, self.read_sessions, resolve, model)
             record.model_version_id = servable.version_id
             prompt, params = await self._prepare(servable, fmt, options)
             record.prompt_tokens = len(prompt)
@@ -320,7 +325,7 @@ class InferenceService:
             first = await _first_delta(deltas)
         except APIError as error:
             record.status_code = error.status_code
-            await run_in_threadpool(self._write, record)
+            await self._save(record)
             raise
         response_id = f"{fmt.id_prefix}{secrets.token_hex(12)}"
         if options.stream:
@@ -329,12 +334,11 @@ class InferenceService:
         try:
             body = await self._collect(request, response_id, model, fmt, options, first, deltas, record)
         finally:
-            await run_in_threadpool(self._write, record)
+            await self._save(record)
         return JSONResponse(body)
 
-    def _resolve(self, model: str) -> ServableModel:
-        with self.sessionmaker() as session:
-            return resolve(session, model)
+    async def _save(self, record: _Record) -> None:
+        await self.rows.insert(InferenceRecord.__table__, record.row())
 
     async def _prepare(
         self, servable: ServableModel, fmt: Format, options: GenerationOptions
@@ -480,22 +484,7 @@ class InferenceService:
         finally:
             with anyio.CancelScope(shield=True):
                 await deltas.aclose()
-                await run_in_threadpool(self._write, record)
-
-    def _write(self, record: _Record) -> None:
-        with session_scope(self.sessionmaker) as session:
-            session.add(
-                InferenceRecord(
-                    api_key_id=record.api_key_id,
-                    endpoint=record.endpoint,
-                    requested_model=record.requested_model[:256],
-                    model_version_id=record.model_version_id,
-                    prompt_tokens=record.prompt_tokens,
-                    completion_tokens=record.completion_tokens,
-                    latency_ms=(time.perf_counter() - record.started) * 1000,
-                    status_code=record.status_code,
-                )
-            )
+                await self._save(record)
 
 
 @dataclass
@@ -508,6 +497,20 @@ class _Record:
     completion_tokens: int = 0
     status_code: int = 200
     started: float = field(default_factory=time.perf_counter)
+
+    def row(self) -> dict:
+        """The `inference_records` row, timed now."""
+        return {
+            "created_at": utcnow(),
+            "api_key_id": self.api_key_id,
+            "endpoint": self.endpoint,
+            "requested_model": self.requested_model[:256],
+            "model_version_id": self.model_version_id,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "latency_ms": (time.perf_counter() - self.started) * 1000,
+            "status_code": self.status_code,
+        }
 
 
 def _add(choice: _Choice, delta: ChoiceDelta) -> None:

@@ -10,7 +10,7 @@ import openai
 import pytest
 from sqlalchemy import select
 
-from server.db.models import File, FineTuningJob, InferenceRecord, JobStatus, ModelAlias, ModelVersion
+from server.db.models import AuditLog, File, FineTuningJob, InferenceRecord, JobStatus, ModelAlias, ModelVersion
 from server.run import build_tiny_model
 
 MESSAGES = [{"role": "user", "content": "Summarise case CASE-7 for the investigations queue."}]
@@ -80,6 +80,33 @@ def test_streaming_matches_the_whole_answer_and_reports_usage_last(client):
     assert finishes == [whole.choices[0].finish_reason]
     assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
     assert all(chunk.usage is None for chunk in chunks[:-1])
+
+
+def test_concurrent_requests_reuse_the_read_pool_and_each_leaves_its_record_and_audit_entry(
+    client, app, sessions, version_id
+):
+    """The request path's reads keep `database_pool_size` connections open: bursts of requests reuse them instead of
+    opening and closing connections per request (each a new server process on PostgreSQL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sqlalchemy import event
+
+    def complete(_) -> None:
+        client.completions.create(model="zaya-tiny", prompt="Case", max_tokens=2)
+
+    def burst(requests: int) -> None:
+        with ThreadPoolExecutor(requests) as pool:
+            list(pool.map(complete, range(requests)))
+
+    closed = []
+    event.listen(app.state.read_engine.pool, "close", lambda *_: closed.append(1))
+    burst(16)
+    burst(16)
+    assert closed == []
+    assert len(records(sessions)) == 32
+    with sessions() as session:
+        entries = session.scalars(select(AuditLog).where(AuditLog.action == "completions")).all()
+    assert len(entries) == 32 and {entry.status_code for entry in entries} == {200}
 
 
 def test_the_sse_stream_ends_with_done(live_server, keys, version_id):

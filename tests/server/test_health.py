@@ -48,7 +48,8 @@ def test_503_while_the_engine_is_loading_then_ready(settings, sessions, auth, ti
         return create_engine(kind)
 
     app = create_app(settings)
-    app.state.inference = InferenceService(settings, app.state.sessionmaker, engine_factory=slow_engine)
+    state = app.state
+    state.inference = InferenceService(settings, state.read_sessions, state.rows, engine_factory=slow_engine)
     with TestClient(app) as client:
         status, body = health(client)
         assert status == 503
