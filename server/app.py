@@ -20,7 +20,7 @@ from server.api.routes import api_router
 from server.console import install_console
 from server.db.migrations import schema_is_current
 from server.db.row_writer import RowWriter
-from server.db.session import make_autocommit_sessionmaker, make_engine, make_sessionmaker
+from server.db.session import RequestReads, make_engine, make_sessionmaker
 from server.services.inference import InferenceService
 from server.services.storage import remove_stale_uploads
 from server.settings import Settings
@@ -50,14 +50,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="ZAYA platform", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
     app.state.engine = engine
-    # The reads every request makes (authentication, model resolution): autocommit, on a pool without pre-ping
-    # (`server.db.session.read_retrying_once`). The rows it writes go through one group-commit writer.
+    # The reads every request makes (authentication, model resolution) have a pool of their own; the rows it writes
+    # go through one group-commit writer (`server.db.session.RequestReads`, `server.db.row_writer`).
     app.state.read_engine = make_engine(settings.database_url, pre_ping=False, pool_size=settings.database_pool_size)
-    app.state.read_sessions = make_autocommit_sessionmaker(app.state.read_engine)
+    app.state.reads = RequestReads(app.state.read_engine)
     app.state.rows = RowWriter(engine)
     app.state.sessionmaker = make_sessionmaker(engine)
     app.state.metrics = Metrics(app.state.sessionmaker)
-    app.state.inference = InferenceService(settings, app.state.read_sessions, app.state.rows)
+    app.state.inference = InferenceService(settings, app.state.reads, app.state.rows)
     app.state.rate_limits = RateLimits(settings)
     install_error_handlers(app)
     # Added first, so it runs inside the request middleware (after authentication, and audited).

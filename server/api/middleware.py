@@ -14,14 +14,11 @@ from datetime import timedelta
 from fastapi import FastAPI, Request, Response
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
-from starlette.concurrency import run_in_threadpool
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.api.deps import Principal
 from server.api.errors import database_unavailable, error_response
-from server.db.models import AuditLog
-from server.db.session import read_retrying_once
 from server.errors import RateLimited
 from server.services import audit, keys
 
@@ -56,12 +53,12 @@ def install_middleware(app: FastAPI) -> None:
     settings = app.state.settings
     last_used_resolution = timedelta(seconds=settings.key_last_used_resolution_s)
 
-    def look_up(session: Session, token: str) -> Principal | None:
-        key = keys.authenticate(session, token, last_used_resolution=last_used_resolution)
-        return Principal.from_key(key) if key is not None else None
-
-    def authenticate(token: str) -> Principal | None:
-        return read_retrying_once(app.state.read_sessions, look_up, token)
+    def look_up(session: Session, token: str) -> tuple[Principal, dict | None] | None:
+        """The caller, and the last use to record for its key (None while the stored one is recent enough)."""
+        key = keys.find_active(session, token)
+        if key is None:
+            return None
+        return Principal.from_key(key), keys.last_use_to_record(key, resolution=last_used_resolution)
 
     def audit_entry(request: Request, action: str, path_params: dict, status_code: int) -> dict:
         principal: Principal | None = getattr(request.state, "principal", None)
@@ -84,16 +81,18 @@ def install_middleware(app: FastAPI) -> None:
             return None
         token = _bearer_token(request)
         try:
-            principal = await run_in_threadpool(authenticate, token) if token else None
+            found = await app.state.reads.run(look_up, token) if token else None
+            if found is not None and found[1] is not None:
+                await app.state.rows.execute(keys.MARK_USED, found[1])
         except SQLAlchemyError as error:
             # Answered here: an error escaping a middleware makes uvicorn drop the client's connection.
             if (unavailable := database_unavailable(request, error)) is None:
                 raise
             return unavailable
-        if principal is None:
+        if found is None:
             message = "Invalid API key." if token else "Missing API key: send 'Authorization: Bearer <key>'."
             return error_response(401, message, code="invalid_api_key")
-        request.state.principal = principal
+        principal = request.state.principal = found[0]
         try:
             app.state.rate_limits.check_request(principal.key_id)
         except RateLimited as error:
@@ -107,7 +106,7 @@ def install_middleware(app: FastAPI) -> None:
         if request.method in MUTATING_METHODS:
             action = getattr(route, "name", None) or f"{request.method} {route_label}"
             try:
-                await app.state.rows.insert(AuditLog.__table__, audit_entry(request, action, path_params, status_code))
+                await app.state.rows.execute(audit.INSERT_ENTRY, audit_entry(request, action, path_params, status_code))
             except Exception:
                 logger.exception("could not write the audit entry for %s %s", request.method, request.url.path)
         app.state.metrics.observe(request.method, route_label, status_code, time.perf_counter() - started)

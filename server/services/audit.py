@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import select
+from sqlalchemy import insert, select
 from sqlalchemy.orm import Session
 
 from server.db.base import utcnow
@@ -17,6 +17,9 @@ def outcome_for(status_code: int) -> str:
     return "success" if status_code < 400 else "failure"
 
 
+INSERT_ENTRY = insert(AuditLog)
+
+
 def entry(
     *,
     actor_key_id: str | None,
@@ -27,7 +30,7 @@ def entry(
     status_code: int,
     client_address: str | None,
 ) -> dict:
-    """The column values of one audit log row, timed now (the request path inserts them through a `RowWriter`)."""
+    """The column values of one audit log row, timed now (the request path writes them with `INSERT_ENTRY`)."""
     return {
         "created_at": utcnow(),
         "actor_key_id": actor_key_id,

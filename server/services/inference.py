@@ -20,15 +20,14 @@ from typing import TYPE_CHECKING, Literal
 import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from sqlalchemy.orm import Session, sessionmaker
-from starlette.concurrency import run_in_threadpool
+from sqlalchemy import insert
 from starlette.types import Receive, Scope, Send
 
 from server.api.deps import Principal
 from server.db.base import utcnow
 from server.db.models import InferenceRecord
 from server.db.row_writer import RowWriter
-from server.db.session import read_retrying_once
+from server.db.session import RequestReads
 from server.engines import create_engine
 from server.engines.base import ChoiceDelta, Engine, EngineError, EngineOverloaded, ModelLoadError, SamplingParams
 from server.errors import APIError, GenerationFailed, InvalidRequest, ServiceUnavailable, TooManyRequests
@@ -40,6 +39,7 @@ if TYPE_CHECKING:
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer
 ENGINE_LOADING_RETRY_AFTER_S = 5
 OVERLOADED_RETRY_AFTER_S = 1
+INSERT_RECORD = insert(InferenceRecord)
 
 EngineState = Literal["not_started", "loading", "ready", "failed"]
 READY_ENGINE_STATES = frozenset({"not_started", "ready"})
@@ -234,13 +234,13 @@ class InferenceService:
     def __init__(
         self,
         settings,
-        read_sessions: sessionmaker[Session],
+        reads: RequestReads,
         rows: RowWriter,
         engine: Engine | None = None,
         engine_factory: Callable[[str], Engine] = create_engine,
     ) -> None:
-        """`read_sessions` resolve models (autocommit, see `server.db.session`); `rows` takes the inference records."""
-        self.settings, self.read_sessions, self.rows = settings, read_sessions, rows
+        """`reads` resolve models, `rows` writes the inference records."""
+        self.settings, self.reads, self.rows = settings, reads, rows
         self._engine = engine
         self._engine_factory = engine_factory
         self._engine_state: EngineState = "ready" if engine is not None else "not_started"
@@ -314,7 +314,7 @@ class InferenceService:
     ) -> JSONResponse | StreamingResponse:
         record = _Record(principal.key_id, fmt.endpoint, model)
         try:
-            servable = await run_in_threadpool(read_retrying_once, self.read_sessions, resolve, model)
+            servable = await self.reads.run(resolve, model)
             record.model_version_id = servable.version_id
             prompt, params = await self._prepare(servable, fmt, options)
             record.prompt_tokens = len(prompt)
@@ -338,7 +338,7 @@ class InferenceService:
         return JSONResponse(body)
 
     async def _save(self, record: _Record) -> None:
-        await self.rows.insert(InferenceRecord.__table__, record.row())
+        await self.rows.execute(INSERT_RECORD, record.row())
 
     async def _prepare(
         self, servable: ServableModel, fmt: Format, options: GenerationOptions

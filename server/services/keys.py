@@ -8,7 +8,7 @@ import secrets
 from dataclasses import dataclass
 from datetime import timedelta
 
-from sqlalchemy import select
+from sqlalchemy import bindparam, select, update
 from sqlalchemy.orm import Session
 
 from server.db.base import utcnow
@@ -47,16 +47,33 @@ def create_key(session: Session, *, name: str, role: Role | str, created_by: str
     return CreatedKey(key=key, secret=secret)
 
 
-def authenticate(session: Session, secret: str, *, last_used_resolution: timedelta) -> ApiKey | None:
-    """The active key whose secret this is, or None. Revocation is read from the database on every call."""
+def find_active(session: Session, secret: str) -> ApiKey | None:
+    """The active key whose secret this is, or None (a read). Revocation is read from the database on every call."""
     if not secret.startswith(SECRET_MARKER) or len(secret) <= PREFIX_LENGTH:
         return None
     key = session.scalars(select(ApiKey).where(ApiKey.prefix == secret[:PREFIX_LENGTH])).one_or_none()
     if key is None or not hmac.compare_digest(key.secret_hash, hash_secret(secret)) or key.revoked_at is not None:
         return None
+    return key
+
+
+def last_use_to_record(key: ApiKey, *, resolution: timedelta) -> dict | None:
+    """`MARK_USED`'s parameters when `key.last_used_at` is older than `resolution` (else None: no write per use)."""
     now = utcnow()
-    if key.last_used_at is None or now - key.last_used_at >= last_used_resolution:
-        key.last_used_at = now
+    if key.last_used_at is None or now - key.last_used_at >= resolution:
+        return {"key_id": key.id, "used_at": now}
+    return None
+
+
+_keys = ApiKey.__table__
+MARK_USED = update(_keys).where(_keys.c.id == bindparam("key_id")).values(last_used_at=bindparam("used_at"))
+
+
+def authenticate(session: Session, secret: str, *, last_used_resolution: timedelta) -> ApiKey | None:
+    """`find_active`, recording the key's use in `session` (committed)."""
+    key = find_active(session, secret)
+    if key is not None and (last_use := last_use_to_record(key, resolution=last_used_resolution)) is not None:
+        key.last_used_at = last_use["used_at"]
         session.commit()
     return key
 

@@ -27,9 +27,10 @@ def _compares(node: ast.AST) -> list[ast.Compare]:
 
 
 def test_key_secrets_are_checked_by_prefix_lookup_and_a_constant_time_hash_comparison():
-    """Reads `keys.authenticate` itself: the row is found by its public prefix, and the secret's hash is compared
-    with `hmac.compare_digest`, never with `==` (whose time depends on how many leading characters match)."""
-    tree = ast.parse(inspect.getsource(keys.authenticate))
+    """Reads `keys.find_active` itself (the lookup of the API and of the console's sign-in): the row is found by its
+    public prefix, and the secret's hash is compared with `hmac.compare_digest`, never with `==` (whose time depends
+    on how many leading characters match)."""
+    tree = ast.parse(inspect.getsource(keys.find_active))
     calls = {ast.unparse(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
     assert "hmac.compare_digest" in calls
     for compare in _compares(tree):

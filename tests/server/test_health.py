@@ -49,7 +49,7 @@ def test_503_while_the_engine_is_loading_then_ready(settings, sessions, auth, ti
 
     app = create_app(settings)
     state = app.state
-    state.inference = InferenceService(settings, state.read_sessions, state.rows, engine_factory=slow_engine)
+    state.inference = InferenceService(settings, state.reads, state.rows, engine_factory=slow_engine)
     with TestClient(app) as client:
         status, body = health(client)
         assert status == 503

@@ -1,4 +1,4 @@
-"""`RowWriter`: rows of concurrent requests committed together, each caller told its own row's outcome."""
+"""`RowWriter`: writes of concurrent requests committed together, each caller told its own write's outcome."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from server.db.base import utcnow
 from server.db.models import AuditLog, InferenceRecord
 from server.db.row_writer import RowWriter
 from server.db.session import make_engine
+from server.services.audit import INSERT_ENTRY
+from server.services.inference import INSERT_RECORD
 
 
 @pytest.fixture
@@ -80,10 +82,10 @@ def test_concurrent_rows_are_committed_together_and_each_caller_waits_for_its_ow
     held = FirstTransactionHeld(engine)
 
     async def scenario() -> None:
-        first = asyncio.ensure_future(writer.insert(AuditLog.__table__, audit_row(0)))
+        first = asyncio.ensure_future(writer.execute(INSERT_ENTRY, audit_row(0)))
         await wait_for(held.started)
-        rest = [asyncio.ensure_future(writer.insert(AuditLog.__table__, audit_row(i))) for i in range(1, 40)]
-        rest.append(asyncio.ensure_future(writer.insert(InferenceRecord.__table__, record_row(None))))
+        rest = [asyncio.ensure_future(writer.execute(INSERT_ENTRY, audit_row(i))) for i in range(1, 40)]
+        rest.append(asyncio.ensure_future(writer.execute(INSERT_RECORD, record_row(None))))
         await asyncio.sleep(0.05)
         assert not any(task.done() for task in [first, *rest])  # nobody returns before the commit
         held.release.set()
@@ -91,7 +93,7 @@ def test_concurrent_rows_are_committed_together_and_each_caller_waits_for_its_ow
 
     asyncio.run(scenario())
     writer.close()
-    # The first row alone, then the 40 rows that queued meanwhile in one transaction (two tables, two INSERTs).
+    # The first row alone, then the 40 rows that queued meanwhile in one transaction (two statements, two INSERTs).
     assert held.transactions == 2
     assert count(engine, AuditLog.__table__) == 40
     assert count(engine, InferenceRecord.__table__) == 1
@@ -102,11 +104,11 @@ def test_a_row_that_cannot_be_stored_fails_only_its_own_caller(engine):
     held = FirstTransactionHeld(engine)
 
     async def scenario() -> list:
-        first = asyncio.ensure_future(writer.insert(AuditLog.__table__, audit_row(0)))
+        first = asyncio.ensure_future(writer.execute(INSERT_ENTRY, audit_row(0)))
         await wait_for(held.started)
         # A key that does not exist: the foreign key refuses this row.
-        bad = asyncio.ensure_future(writer.insert(InferenceRecord.__table__, record_row("key_missing")))
-        good = [asyncio.ensure_future(writer.insert(AuditLog.__table__, audit_row(i))) for i in range(1, 6)]
+        bad = asyncio.ensure_future(writer.execute(INSERT_RECORD, record_row("key_missing")))
+        good = [asyncio.ensure_future(writer.execute(INSERT_ENTRY, audit_row(i))) for i in range(1, 6)]
         await asyncio.sleep(0.05)
         held.release.set()
         return await asyncio.gather(first, bad, *good, return_exceptions=True)
@@ -124,7 +126,7 @@ def test_a_cancelled_caller_still_gets_its_row_written(engine):
     held = FirstTransactionHeld(engine)
 
     async def scenario() -> None:
-        task = asyncio.ensure_future(writer.insert(AuditLog.__table__, audit_row(0)))
+        task = asyncio.ensure_future(writer.execute(INSERT_ENTRY, audit_row(0)))
         await wait_for(held.started)
         task.cancel()
         held.release.set()
@@ -144,13 +146,13 @@ def test_the_thread_ends_when_closed_or_idle_and_comes_back_for_the_next_row(eng
     def writer_threads() -> list[threading.Thread]:
         return [thread for thread in threading.enumerate() if thread.name == "zaya-row-writer" and thread not in others]
 
-    asyncio.run(writer.insert(AuditLog.__table__, audit_row(0)))
+    asyncio.run(writer.execute(INSERT_ENTRY, audit_row(0)))
     writer.close()
     assert writer_threads() == []
-    asyncio.run(writer.insert(AuditLog.__table__, audit_row(1)))
+    asyncio.run(writer.execute(INSERT_ENTRY, audit_row(1)))
     [thread] = writer_threads()
     thread.join(timeout=10)  # idle past IDLE_EXIT_S
     assert not thread.is_alive()
-    asyncio.run(writer.insert(AuditLog.__table__, audit_row(2)))
+    asyncio.run(writer.execute(INSERT_ENTRY, audit_row(2)))
     writer.close()
     assert count(engine, AuditLog.__table__) == 3

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from datetime import UTC, datetime
 
 import pytest
@@ -10,7 +12,7 @@ from sqlalchemy.exc import IntegrityError, StatementError
 
 from server.db.migrations import upgrade
 from server.db.models import ApiKey, File
-from server.db.session import make_engine, make_sessionmaker
+from server.db.session import RequestReads, make_engine, make_sessionmaker
 from server.settings import Settings
 
 
@@ -46,3 +48,22 @@ def test_timestamps_come_back_timezone_aware_and_naive_ones_are_refused(sessions
         key.last_used_at = datetime(2026, 1, 1)
         with pytest.raises(StatementError, match="naive"):
             session.commit()
+
+
+def test_request_reads_run_on_the_event_loop_on_sqlite_only(settings):
+    """SQLite reads stay on the event loop (no GIL handoffs to a pool thread); PostgreSQL's go to the thread pool."""
+    engine = make_engine(settings.database_url, pre_ping=False)
+    reads = RequestReads(engine)
+
+    def read(session) -> int:
+        session.execute(text("SELECT 1"))
+        return threading.get_ident()
+
+    async def threads() -> tuple[int, int]:
+        return threading.get_ident(), await reads.run(read)
+
+    try:
+        loop_thread, read_thread = asyncio.run(threads())
+    finally:
+        engine.dispose()
+    assert (read_thread == loop_thread) == (engine.dialect.name == "sqlite")
