@@ -17,7 +17,6 @@ import json
 import multiprocessing
 import os
 import platform
-import secrets
 import socket
 import statistics
 import subprocess
@@ -40,6 +39,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from server.db.migrations import upgrade  # noqa: E402
 from server.db.models import File, FineTuningJob, JobStatus, Role, new_id  # noqa: E402
+from server.db.scratch import scratch_database  # noqa: E402
 from server.db.session import make_autocommit_sessionmaker, make_engine, make_sessionmaker, session_scope  # noqa: E402
 from server.services import jobs, keys, registry  # noqa: E402
 from zaya_model.atomic_io import write_json_atomic  # noqa: E402
@@ -77,25 +77,10 @@ QUICK = BenchSizes(list_requests=100, clients=2, auth_calls=100, job_creations=1
 
 @contextmanager
 def bench_database(server_url: str | None, directory: Path) -> Iterator[str]:
-    """A migrated, empty database: a fresh schema in PostgreSQL (dropped afterwards), else a new SQLite file."""
-    if not server_url:
-        url = f"sqlite:///{directory / 'bench.db'}"
+    """A migrated, empty database: a scratch schema in PostgreSQL (dropped afterwards), else a new SQLite file."""
+    with scratch_database(directory, server_url) as url:
         upgrade(url)
         yield url
-        return
-    schema = f"zaya_bench_{secrets.token_hex(6)}"
-    admin = make_engine(server_url)
-    with admin.begin() as connection:
-        connection.execute(text(f'CREATE SCHEMA "{schema}"'))
-    try:
-        url = make_url(server_url).update_query_dict({"options": f"-csearch_path={schema}"})
-        rendered = url.render_as_string(hide_password=False)
-        upgrade(rendered)
-        yield rendered
-    finally:
-        with admin.begin() as connection:
-            connection.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
-        admin.dispose()
 
 
 def seed(database_url: str, model_dir: Path) -> dict:

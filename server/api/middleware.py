@@ -82,8 +82,8 @@ def install_middleware(app: FastAPI) -> None:
         token = _bearer_token(request)
         try:
             found = await app.state.reads.run(look_up, token) if token else None
-            if found is not None and found[1] is not None:
-                await app.state.rows.execute(keys.MARK_USED, found[1])
+            if found is not None and (last_use := found[1]) is not None:
+                await app.state.rows.execute(keys.MARK_USED, last_use)
         except SQLAlchemyError as error:
             # Answered here: an error escaping a middleware makes uvicorn drop the client's connection.
             if (unavailable := database_unavailable(request, error)) is None:

@@ -72,20 +72,21 @@ class RequestReads:
         self.sessions = make_autocommit_sessionmaker(engine)
         self._on_event_loop = engine.dialect.name == "sqlite"
 
-    async def run(self, read: Callable[Concatenate[Session, P], T], *args: P.args, **kwargs: P.kwargs) -> T:
+    async def run(self, query: Callable[Concatenate[Session, P], T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """`query(session, ...)`'s result."""
         if self._on_event_loop:
-            return self.read(read, *args, **kwargs)
-        return await to_thread.run_sync(functools.partial(self.read, read, *args, **kwargs))
+            return self.read(query, *args, **kwargs)
+        return await to_thread.run_sync(functools.partial(self.read, query, *args, **kwargs))
 
-    def read(self, read: Callable[Concatenate[Session, P], T], *args: P.args, **kwargs: P.kwargs) -> T:
+    def read(self, query: Callable[Concatenate[Session, P], T], *args: P.args, **kwargs: P.kwargs) -> T:
         try:
             with self.sessions() as session:
-                return read(session, *args, **kwargs)
+                return query(session, *args, **kwargs)
         except DBAPIError as error:
             if not error.connection_invalidated:
                 raise
         with self.sessions() as session:
-            return read(session, *args, **kwargs)
+            return query(session, *args, **kwargs)
 
 
 @contextmanager

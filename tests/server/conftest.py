@@ -5,7 +5,6 @@ an app per test on a clean database, API keys for every role, and a real uvicorn
 from __future__ import annotations
 
 import os
-import secrets
 import socket
 import threading
 import time
@@ -17,13 +16,13 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-from sqlalchemy import delete, text
-from sqlalchemy.engine import make_url
+from sqlalchemy import delete
 
 from server.app import create_app
 from server.db.base import Base
 from server.db.migrations import upgrade
 from server.db.models import Role
+from server.db.scratch import scratch_database
 from server.db.session import make_engine, make_sessionmaker, session_scope
 from server.services.keys import create_key
 from server.settings import Settings
@@ -41,21 +40,8 @@ VALID_DATASET = b"".join(
 @contextmanager
 def fresh_database(directory: Path) -> Iterator[str]:
     """An empty database: a new SQLite file, or a new schema in the PostgreSQL named by ZAYA_TEST_DATABASE_URL."""
-    server_url = os.environ.get(TEST_DATABASE_URL_ENV)
-    if not server_url:
-        yield f"sqlite:///{directory / f'test-{secrets.token_hex(4)}.db'}"
-        return
-    schema = f"zaya_test_{secrets.token_hex(6)}"
-    admin = make_engine(server_url)
-    with admin.begin() as connection:
-        connection.execute(text(f'CREATE SCHEMA "{schema}"'))
-    try:
-        url = make_url(server_url).update_query_dict({"options": f"-csearch_path={schema}"})
-        yield url.render_as_string(hide_password=False)
-    finally:
-        with admin.begin() as connection:
-            connection.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
-        admin.dispose()
+    with scratch_database(directory, os.environ.get(TEST_DATABASE_URL_ENV)) as url:
+        yield url
 
 
 @pytest.fixture(name="fresh_database")
