@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
-from sqlalchemy import select
+from sqlalchemy import event, select
 
 from server.db.models import AuditLog, File, FineTuningJob, InferenceRecord, JobStatus, ModelAlias, ModelVersion
 from server.run import build_tiny_model
@@ -87,9 +88,6 @@ def test_concurrent_requests_reuse_the_read_pool_and_each_leaves_its_record_and_
 ):
     """The request path's reads keep `database_pool_size` connections open: bursts of requests reuse them instead of
     opening and closing connections per request (each a new server process on PostgreSQL)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from sqlalchemy import event
 
     def complete(_) -> None:
         client.completions.create(model="zaya-tiny", prompt="Case", max_tokens=2)
