@@ -73,17 +73,23 @@ def count(engine, table) -> int:
         return connection.execute(select(func.count()).select_from(table)).scalar_one()
 
 
-async def wait_for(condition: threading.Event) -> None:
-    assert await asyncio.to_thread(condition.wait, 30)
+@pytest.fixture
+def held(engine) -> FirstTransactionHeld:
+    return FirstTransactionHeld(engine)
 
 
-def test_concurrent_rows_are_committed_together_and_each_caller_waits_for_its_own(engine):
+async def hold_first_write(writer: RowWriter, held: FirstTransactionHeld) -> asyncio.Future:
+    """Send one write and wait until the writer holds its transaction open: writes sent now queue behind it."""
+    first = asyncio.ensure_future(writer.execute(INSERT_ENTRY, audit_row(0)))
+    assert await asyncio.to_thread(held.started.wait, 30)
+    return first
+
+
+def test_concurrent_rows_are_committed_together_and_each_caller_waits_for_its_own(engine, held):
     writer = RowWriter(engine)
-    held = FirstTransactionHeld(engine)
 
     async def scenario() -> None:
-        first = asyncio.ensure_future(writer.execute(INSERT_ENTRY, audit_row(0)))
-        await wait_for(held.started)
+        first = await hold_first_write(writer, held)
         rest = [asyncio.ensure_future(writer.execute(INSERT_ENTRY, audit_row(i))) for i in range(1, 40)]
         rest.append(asyncio.ensure_future(writer.execute(INSERT_RECORD, record_row(None))))
         await asyncio.sleep(0.05)
@@ -99,13 +105,11 @@ def test_concurrent_rows_are_committed_together_and_each_caller_waits_for_its_ow
     assert count(engine, InferenceRecord.__table__) == 1
 
 
-def test_a_row_that_cannot_be_stored_fails_only_its_own_caller(engine):
+def test_a_row_that_cannot_be_stored_fails_only_its_own_caller(engine, held):
     writer = RowWriter(engine)
-    held = FirstTransactionHeld(engine)
 
     async def scenario() -> list:
-        first = asyncio.ensure_future(writer.execute(INSERT_ENTRY, audit_row(0)))
-        await wait_for(held.started)
+        first = await hold_first_write(writer, held)
         # A key that does not exist: the foreign key refuses this row.
         bad = asyncio.ensure_future(writer.execute(INSERT_RECORD, record_row("key_missing")))
         good = [asyncio.ensure_future(writer.execute(INSERT_ENTRY, audit_row(i))) for i in range(1, 6)]
@@ -121,13 +125,11 @@ def test_a_row_that_cannot_be_stored_fails_only_its_own_caller(engine):
     assert count(engine, InferenceRecord.__table__) == 0
 
 
-def test_a_cancelled_caller_still_gets_its_row_written(engine):
+def test_a_cancelled_caller_still_gets_its_row_written(engine, held):
     writer = RowWriter(engine)
-    held = FirstTransactionHeld(engine)
 
     async def scenario() -> None:
-        task = asyncio.ensure_future(writer.execute(INSERT_ENTRY, audit_row(0)))
-        await wait_for(held.started)
+        task = await hold_first_write(writer, held)
         task.cancel()
         held.release.set()
         with pytest.raises(asyncio.CancelledError):
