@@ -55,8 +55,8 @@ class ZayaRMSNorm(nn.Module):
 class ZayaRotaryEmbedding(nn.Module):
     """Partial NeoX RoPE on the first `partial_rotary_factor * head_dim` channels of each head.
 
-    Returns full-width `(cos, sin, source)` so that a layer rotates with three kernels, `x * cos + x[source] * sin`:
-    `source` swaps the two rotary halves, `sin` carries rotate-half's sign, and the pass-through channels get
+    Returns full-width `(cos, sin)` so that a layer rotates with three kernels, `x * cos + swapped(x) * sin`, where
+    `swapped` exchanges the two rotary halves: `sin` carries rotate-half's sign, and the pass-through channels get
     `cos = 1, sin = 0`.
     """
 
@@ -72,25 +72,22 @@ class ZayaRotaryEmbedding(nn.Module):
         return 1.0 / (self.base**exponents)
 
     @torch.no_grad()
-    def forward(
-        self, position_ids: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`position_ids` [batch, seq] -> cos, sin [batch, seq, 1, head_dim] and `source` [head_dim]."""
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`position_ids` [batch, seq] -> cos, sin [batch, seq, 1, head_dim]."""
         freqs = position_ids[..., None].to(torch.float32) * self.inv_freq.to(position_ids.device)
         cos, sin = freqs.cos(), freqs.sin()
         passed = self.head_dim - self.rotary_dim
         cos = torch.cat((cos, cos, cos.new_ones(*cos.shape[:-1], passed)), dim=-1)
         sin = torch.cat((-sin, sin, sin.new_zeros(*sin.shape[:-1], passed)), dim=-1)
-        half = self.rotary_dim // 2
-        source = torch.arange(self.head_dim, device=position_ids.device)
-        source[:half] += half
-        source[half : self.rotary_dim] -= half
-        return cos[:, :, None].to(dtype), sin[:, :, None].to(dtype), source
+        return cos[:, :, None].to(dtype), sin[:, :, None].to(dtype)
 
 
-def apply_partial_rope(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, source: torch.Tensor):
+def apply_partial_rope(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
     """Rotate-half RoPE of `states` [batch, seq, heads, head_dim] with `ZayaRotaryEmbedding`'s tables."""
-    return torch.addcmul(states * cos, states.index_select(-1, source), sin)
+    half = rotary_dim // 2
+    # Slices joined by `cat`: an `index_select` along the last dimension gathers element by element (8x slower).
+    swapped = torch.cat((states[..., half:rotary_dim], states[..., :half], states[..., rotary_dim:]), dim=-1)
+    return torch.addcmul(states * cos, swapped, sin)
 
 
 def shift_by(states: torch.Tensor, history: torch.Tensor, lag: int) -> torch.Tensor:
@@ -275,6 +272,7 @@ class ZayaAttention(nn.Module):
         self.num_key_value_heads = config.num_key_value_heads
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
         self.scaling = self.head_dim**-0.5
+        self.rotary_dim = int(config.head_dim * config.partial_rotary_factor)
         self.is_causal = True
         self.qkv_proj = ZayaCCAProjection(config, layer_idx)
         self.qk_norm = ZayaQKNorm(config)
@@ -285,7 +283,7 @@ class ZayaAttention(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None,
         lag_masks: torch.Tensor | None,
         past_key_values: ZayaCache | None = None,
@@ -321,7 +319,7 @@ class ZayaAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """QK norm and RoPE on `query_key` [batch, seq, heads + kv_heads, d] -> queries [batch, heads, seq, d] and
         keys [batch, kv_heads, seq, d] (the eager forward and the compiled decode step share it)."""
-        query_key = apply_partial_rope(self.qk_norm(query_key), *position_embeddings).transpose(1, 2)
+        query_key = apply_partial_rope(self.qk_norm(query_key), *position_embeddings, self.rotary_dim).transpose(1, 2)
         return query_key.split((self.num_heads, self.num_key_value_heads), dim=1)
 
 
@@ -411,7 +409,9 @@ class ZayaExperts(nn.Module):
             return self._forward_few_tokens(hidden_states, expert_index, gate_up, down)
         order = torch.argsort(expert_index, stable=True)
         group_sizes = torch.bincount(expert_index, minlength=self.num_experts)
-        gate, up = gate_up.grouped(hidden_states[order], group_sizes).split(self.intermediate_size, dim=-1)
+        # `index_select`, not `hidden_states[order]`: the latter's backward is an accumulating `index_put`, 4x slower.
+        sorted_states = hidden_states.index_select(0, order)
+        gate, up = gate_up.grouped(sorted_states, group_sizes).split(self.intermediate_size, dim=-1)
         out = down.grouped(self.act_fn(gate) * up, group_sizes)
         return torch.empty_like(out).index_copy_(0, order, out)
 
@@ -452,7 +452,8 @@ class ZayaSparseMoeBlock(nn.Module):
             output = self.experts(flat_states, flat_choice) * weight
         else:
             routed_rows = routed.nonzero().squeeze(-1)
-            expert_out = self.experts(flat_states[routed_rows], flat_choice[routed_rows]) * weight[routed_rows]
+            expert_out = self.experts(flat_states.index_select(0, routed_rows), flat_choice[routed_rows])
+            expert_out = expert_out * weight.index_select(0, routed_rows)
             output = output.index_copy(0, routed_rows, expert_out)
             if self.skip_scales_input:
                 output = output + torch.where(routed[:, None], 0.0, weight * flat_states)
@@ -475,7 +476,7 @@ class ZayaDecoderLayer(GradientCheckpointingLayer):
         self,
         residual: torch.Tensor,
         router_states: torch.Tensor | None,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None,
         lag_masks: torch.Tensor | None,
         past_key_values: ZayaCache | None = None,
