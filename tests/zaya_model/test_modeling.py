@@ -89,7 +89,7 @@ def test_scaled_input_skip_returns_probability_times_input():
     torch.testing.assert_close(out, skip_probability * hidden)
 
 
-@pytest.mark.parametrize("tokens", [50, 3, 1])  # grouped matmul, and the few-token (decode) path
+@pytest.mark.parametrize("tokens", [50, 3, 1])  # grouped matmul (large and small groups), one-token path
 @torch.no_grad()
 def test_experts_match_per_token_reference(tiny_model, tokens):
     experts = tiny_model.model.layers[0].mlp.experts

@@ -1,6 +1,7 @@
 """LoRA through PEFT: attention projections (target_modules) and fused 3-D experts (target_parameters)."""
 
 import peft
+import pytest
 import torch
 import transformers
 from tiny_models import TINY_ZAYA, randomize_zaya
@@ -104,12 +105,13 @@ def test_expert_lora_stays_low_rank_and_matches_upstream_peft(tmp_path):
     assert expert_grads == 2 * 2 * TINY_ZAYA["num_hidden_layers"]
 
 
+@pytest.mark.parametrize("batch", [1, 2])  # decode steps: the one-token expert path, the grouped one
 @torch.no_grad()
-def test_expert_lora_decode_matches_upstream_peft(tmp_path):
-    """The few-token (decode) expert path applies the low-rank update too: cached decode steps match upstream."""
+def test_expert_lora_decode_matches_upstream_peft(tmp_path, batch):
+    """Decode steps apply the experts' low-rank update too: cached decode steps match upstream."""
     ours, upstream = lora_pair(tmp_path)
     ours.eval(), upstream.eval()
-    input_ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(7))
+    input_ids = torch.randint(3, 128, (batch, 9), generator=torch.Generator().manual_seed(7))
     kwargs = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, output_logits=True)
     ours_out = ours.generate(input_ids=input_ids, return_dict_in_generate=True, **kwargs)
     upstream_out = upstream.generate(input_ids=input_ids, return_dict_in_generate=True, **kwargs)
