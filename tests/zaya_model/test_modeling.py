@@ -47,11 +47,12 @@ def test_other_cca_kernel_sizes_decode_and_pack_exactly(kernels):
         pieces.append(model(input_ids[:, step : step + 1], past_key_values=cache, use_cache=True).logits)
     assert (torch.cat(pieces, dim=1) - full).abs().max() <= 1e-5
 
-    documents = [input_ids[0, :7], input_ids[0, 7:8], input_ids[0, 8:20]]
-    position_ids = torch.cat([torch.arange(len(d)) for d in documents])[None]
-    packed = model(torch.cat(documents)[None], position_ids=position_ids, use_cache=False).logits[0]
-    separate = torch.cat([model(d[None], use_cache=False).logits[0] for d in documents])
-    assert (packed - separate).abs().max() <= 1e-5
+    for end in (20, 40):  # each token's receptive field; the convolutions, then the tokens after each start
+        documents = [input_ids[0, :7], input_ids[0, 7:8], input_ids[0, 8:end]]
+        position_ids = torch.cat([torch.arange(len(d)) for d in documents])[None]
+        packed = model(torch.cat(documents)[None], position_ids=position_ids, use_cache=False).logits[0]
+        separate = torch.cat([model(d[None], use_cache=False).logits[0] for d in documents])
+        assert (packed - separate).abs().max() <= 1e-5
 
 
 @pytest.mark.parametrize("skip_mode", ["zero", "scaled_input"])
@@ -123,17 +124,26 @@ def test_left_padding_does_not_change_any_sequence(tiny_model):
             assert (batched_step[row] - alone_step[0]).abs().max() <= 1e-5
 
 
-@torch.no_grad()
-def test_packed_documents_do_not_leak(tiny_model):
+# 28 tokens gather each token's receptive field; 58 run the convolutions and recompute the tokens after each start.
+@pytest.mark.parametrize("lengths", [(9, 1, 5, 13), (9, 1, 5, 13, 30)])
+def test_packed_documents_do_not_leak(tiny_model, lengths):
     generator = torch.Generator().manual_seed(6)
-    documents = [torch.randint(3, 128, (n,), generator=generator) for n in (9, 1, 5, 13)]
+    documents = [torch.randint(3, 128, (n,), generator=generator) for n in lengths]
     packed = torch.cat(documents)[None]
     position_ids = torch.cat([torch.arange(len(d)) for d in documents])[None]
     packed_logits = tiny_model(packed, position_ids=position_ids, use_cache=False).logits[0]
     separate = torch.cat([tiny_model(d[None], use_cache=False).logits[0] for d in documents])
     assert (packed_logits - separate).abs().max() <= 1e-5
+    # Training on the pack gives each weight the gradient of training on the documents one by one.
+    parameters = [p for p in tiny_model.parameters() if p.requires_grad]
+    packed_grads = torch.autograd.grad(packed_logits.square().sum(), parameters, allow_unused=True)
+    separate_grads = torch.autograd.grad(separate.square().sum(), parameters, allow_unused=True)
+    for packed_grad, separate_grad in zip(packed_grads, separate_grads, strict=True):
+        if packed_grad is not None:
+            assert (packed_grad - separate_grad).abs().max() <= 1e-4 * max(1.0, separate_grad.abs().max().item())
     # Without the restart the documents would see each other, so the test can fail.
-    unpacked = tiny_model(packed, use_cache=False).logits[0]
+    with torch.no_grad():
+        unpacked = tiny_model(packed, use_cache=False).logits[0]
     assert (unpacked - separate).abs().max() > 1e-3
 
 
