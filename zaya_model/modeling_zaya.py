@@ -181,6 +181,7 @@ class ZayaCCAProjection(nn.Module):
         frames = tokens[:, None] + torch.arange(self.history + 1, device=tokens.device)  # window index, oldest first
         fields = window[rows[:, None], frames].transpose(1, 2) * masks[rows, tokens].flip(-1)[:, None, :]
         recomputed = convolve_receptive_fields(fields, self.conv_qk_depthwise, self.conv_qk_grouped)
+        # Under CPU autocast the Conv1d ran in bf16 while the recomputation's multiply-adds stayed in fp32.
         return convolved.index_put((rows, tokens), recomputed.to(convolved.dtype))
 
     def forward(
