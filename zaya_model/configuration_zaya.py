@@ -113,6 +113,11 @@ class ZayaConfig(PreTrainedConfig):
         return float(self.rope_parameters["hybrid"].get("partial_rotary_factor", 1.0))
 
     @property
+    def rotary_dim(self) -> int:
+        """Channels of each head that RoPE rotates (the first ones); the rest pass through."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
     def router_norm_eps(self) -> float:
         return self.rms_norm_eps if self.router_rms_norm_eps is None else self.router_rms_norm_eps
 

@@ -63,7 +63,7 @@ class ZayaRotaryEmbedding(nn.Module):
     def __init__(self, config: ZayaConfig):
         super().__init__()
         self.head_dim = config.head_dim
-        self.rotary_dim = int(config.head_dim * config.partial_rotary_factor)
+        self.rotary_dim = config.rotary_dim
         self.base = config.rope_theta
         self.register_buffer("inv_freq", self.compute_inv_freq(), persistent=False)
 
@@ -288,7 +288,7 @@ class ZayaAttention(nn.Module):
         self.num_key_value_heads = config.num_key_value_heads
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
         self.scaling = self.head_dim**-0.5
-        self.rotary_dim = int(config.head_dim * config.partial_rotary_factor)
+        self.rotary_dim = config.rotary_dim
         self.is_causal = True
         self.qkv_proj = ZayaCCAProjection(config, layer_idx)
         self.qk_norm = ZayaQKNorm(config)
