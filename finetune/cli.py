@@ -137,11 +137,11 @@ def run_finetune_command(args: argparse.Namespace) -> int:
     from transformers.utils import logging as transformers_logging
 
     from finetune.train import CheckpointWriteError, FinetuneError, FinetuneSpec, run_finetune
-    from zaya_model.training.allocator import keep_freed_memory
     from zaya_model.training.callbacks import NonFiniteLossError
+    from zaya_model.training.runtime import prepare_training_process
 
     transformers_logging.disable_progress_bar()  # one bar, ours, instead of one per weight load and save
-    keep_freed_memory()  # this process only trains
+    prepare_training_process()  # this process only trains
 
     spec = FinetuneSpec(
         model_dir=args.model,

@@ -66,9 +66,9 @@ def _worker(args: argparse.Namespace) -> int:
     from server.db.session import make_engine, make_sessionmaker
     from server.services import training
     from server.worker import Worker, WorkerConfig, install_signal_handlers
-    from zaya_model.training.allocator import keep_freed_memory
+    from zaya_model.training.runtime import prepare_training_process
 
-    keep_freed_memory()  # the worker's process runs training jobs
+    prepare_training_process()  # the worker's process runs training jobs
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("alembic").setLevel(logging.WARNING)
     try:

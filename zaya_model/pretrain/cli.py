@@ -37,26 +37,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--eval-every", type=int)
     parser.add_argument("--save-every", type=int)
     parser.add_argument("--keep-last", type=int, help="checkpoints kept besides the best")
+    parser.add_argument("--compile", action="store_true", default=None,
+                        help="run each block's attention, routing and merge as compiled graphs (torch.compile): "
+                        "faster steps after the first, which compiles")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=run)
 
 
 _SETTING_FLAGS = (
     "max_steps", "seq_len", "seed", "batch_size", "grad_accum", "optimizer", "lr", "warmup_steps", "dtype",
-    "sharding", "tokenizer_vocab_size", "validation_fraction", "eval_every", "save_every", "keep_last",
+    "sharding", "tokenizer_vocab_size", "validation_fraction", "eval_every", "save_every", "keep_last", "compile",
 )
 
 
 def run(args: argparse.Namespace) -> int:
     from server.cli import CommandError
 
-    from ..training.allocator import keep_freed_memory
     from ..training.checkpointing import CheckpointWriteError
+    from ..training.runtime import prepare_training_process
     from .corpus import CorpusError
     from .presets import get_preset
     from .train import Pretrainer, PretrainError
 
-    keep_freed_memory()  # this process only trains
+    prepare_training_process()  # this process only trains
     overrides = {name: getattr(args, name) for name in _SETTING_FLAGS if getattr(args, name) is not None}
     try:
         settings = get_preset(args.preset).replace(**overrides)
