@@ -113,6 +113,12 @@ def _register_finetune(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="recompute each layer in the backward pass: far less activation memory, about one more forward",
     )
+    finetune.add_argument(
+        "--compile",
+        action="store_true",
+        help="run each block's attention, routing and merge as compiled graphs (torch.compile): faster steps after "
+        "the first, which compiles",
+    )
     finetune.add_argument("--merge", action="store_true", help="also merge the adapter into a full checkpoint")
     finetune.add_argument("--resume", metavar="CHECKPOINT", help="continue a paused run from its checkpoint dir")
     finetune.add_argument("--seed", type=int, default=0)
@@ -167,6 +173,7 @@ def run_finetune_command(args: argparse.Namespace) -> int:
         keep_checkpoints=args.keep_checkpoints,
         balancing_bias_lr=args.balancing_bias_lr,
         gradient_checkpointing=args.gradient_checkpointing,
+        compile=args.compile,
     )
     hooks = _ProgressBarHooks()
     try:

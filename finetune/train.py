@@ -121,6 +121,7 @@ class FinetuneSpec:
     keep_checkpoints: int | None = None  # keep the newest N checkpoints (and the best); None keeps every one
     balancing_bias_lr: float = 1e-3  # full fine-tuning's balancing-bias update rate (as pretraining); 0: off
     gradient_checkpointing: bool = False  # recompute layers in the backward pass: less memory, ~one more forward
+    compile: bool = False  # each block's attention, routing and merge as compiled graphs (the first step compiles)
 
 
 @dataclass
@@ -235,6 +236,8 @@ def run_finetune(
     base = ZayaForCausalLM.from_pretrained(spec.model_dir, dtype=torch.float32)
     base.generation_config.eos_token_id = _stop_token_ids(tokenizer)
     base.generation_config.pad_token_id = tokenizer.pad_token_id
+    if spec.compile:
+        base.enable_compiled_layers()
     fingerprint = base_model_fingerprint(base)
     model = _with_adapter(base, spec) if spec.method == "lora" else base
 

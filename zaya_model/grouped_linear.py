@@ -14,6 +14,36 @@ import torch.nn.functional as F
 # Up to this many rows `weight @ inputs^T` reads an expert's weight faster than `inputs @ weight^T` (MKL's
 # transposed path): 1.4-1.9x for 4-8 rows of a cold [1024, 512] expert here, as a short prompt's prefill gives.
 FEW_ROWS = 16
+# CPU matmuls in bf16/fp16 run in oneDNN, which compiles a kernel for each new shape (~2 ms on an AMX Xeon, 10x
+# the matmul) and caches it. Group sizes change every step, so larger groups are padded to a multiple of this many
+# rows: the shapes then repeat and hit the cache.
+LOW_PRECISION_ROW_MULTIPLE = 32
+
+
+def group_row_multiple(dtype: torch.dtype, device: torch.device) -> int:
+    """Rows a group is padded to a multiple of for matmuls in `dtype` on `device`: 1 (no padding) but for CPU
+    matmuls in a low-precision dtype, as under CPU bf16 autocast."""
+    if device.type != "cpu":
+        return 1
+    if torch.is_autocast_enabled("cpu"):
+        dtype = torch.get_autocast_dtype("cpu")
+    return LOW_PRECISION_ROW_MULTIPLE if dtype in (torch.bfloat16, torch.float16) else 1
+
+
+def group_layout(group_index: torch.Tensor, num_groups: int, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows for tokens grouped by `group_index` [tokens]: group g's rows are contiguous, in token order, groups in
+    order. With `multiple` > 1 a group of more than `FEW_ROWS` tokens is padded to a multiple of it (the padding
+    rows, between groups, are for the caller to zero). Returns each token's row and each group's row count."""
+    group_sizes = torch.bincount(group_index, minlength=num_groups)
+    order = torch.argsort(group_index, stable=True)
+    if multiple == 1:
+        return torch.empty_like(order).index_copy_(0, order, torch.arange(len(order))), group_sizes
+    rounded = (group_sizes + multiple - 1) // multiple * multiple
+    padded_sizes = torch.where(group_sizes <= FEW_ROWS, group_sizes, rounded)
+    # How far each group's first row moves: the padding of the groups before it.
+    offsets = torch.cumsum(padded_sizes - group_sizes, dim=0) - (padded_sizes - group_sizes)
+    sorted_rows = torch.arange(len(order)) + offsets.index_select(0, group_index.index_select(0, order))
+    return torch.empty_like(order).index_copy_(0, order, sorted_rows), padded_sizes
 
 
 def _spans(group_sizes: list[int]):

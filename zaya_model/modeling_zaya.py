@@ -12,6 +12,7 @@ token at position p only sees the p tokens before it.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Callable
@@ -33,6 +34,7 @@ from .checkpoints import is_legacy_config, load_legacy_checkpoint
 from .configuration_zaya import ZayaConfig
 from .decode_step import CompiledDecode
 from .expert_lora import ExpertWeight, expert_weight
+from .grouped_linear import group_layout, group_row_multiple
 from .small_batch_linear import SmallBatchLinear, align_parameters
 
 
@@ -184,24 +186,13 @@ class ZayaCCAProjection(nn.Module):
         # Under CPU autocast the Conv1d ran in bf16 while the recomputation's multiply-adds stayed in fp32.
         return convolved.index_put((rows, tokens), recomputed.to(convolved.dtype))
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        lag_masks: torch.Tensor | None,
-        past_key_values: ZayaCache | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = hidden_states.shape[0]
-        if past_key_values is not None and past_key_values.has_previous_state(self.layer_idx):
-            conv_history = past_key_values.get_conv_state(self.layer_idx)
-            shift_history = past_key_values.get_shift_state(self.layer_idx)
-        else:
-            channels = self.q_proj.out_features + self.k_proj.out_features
-            conv_history = hidden_states.new_zeros(batch, self.history, channels)
-            shift_history = hidden_states.new_zeros(batch, self.v_proj_delayed.out_features)
-        query_key, value, conv_state, shift_state = self.project(hidden_states, conv_history, shift_history, lag_masks)
-        if past_key_values is not None:
-            past_key_values.update_cca_state(self.layer_idx, conv_state.detach(), shift_state.detach())
-        return query_key, value
+    def zero_state(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The state before a sequence's first token: no history for the convolutions or the value shift."""
+        batch, channels = hidden_states.shape[0], self.q_proj.out_features + self.k_proj.out_features
+        return (
+            hidden_states.new_zeros(batch, self.history, channels),
+            hidden_states.new_zeros(batch, self.v_proj_delayed.out_features),
+        )
 
     def project(
         self,
@@ -306,15 +297,63 @@ class ZayaAttention(nn.Module):
         padding_mask: torch.Tensor | None = None,
         **kwargs,
     ) -> torch.Tensor:
-        batch, seq, _ = hidden_states.shape
+        """Attention for a chunk after whatever `past_key_values` holds (if anything), which it then extends."""
+        if past_key_values is None or not past_key_values.has_previous_state(self.layer_idx):
+            output, state = self.attend_chunk(
+                hidden_states, position_embeddings, attention_mask, lag_masks, padding_mask, **kwargs
+            )
+            if past_key_values is not None:
+                self.cache_state(past_key_values, *state)
+            return output
         if padding_mask is not None:
             hidden_states = hidden_states * padding_mask
-        query_key, value = self.qkv_proj(hidden_states, lag_masks, past_key_values)
+        query_key, value, conv_state, shift_state = self.qkv_proj.project(
+            hidden_states,
+            past_key_values.get_conv_state(self.layer_idx),
+            past_key_values.get_shift_state(self.layer_idx),
+            lag_masks,
+        )
+        past_key_values.update_cca_state(self.layer_idx, conv_state.detach(), shift_state.detach())
+        query, key = self.rotated_queries_and_keys(query_key, position_embeddings)
+        key, value = past_key_values.update(key, value.transpose(1, 2), self.layer_idx)
+        return self._attend(query, key, value, attention_mask, **kwargs)
+
+    def attend_chunk(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None,
+        lag_masks: torch.Tensor | None,
+        padding_mask: torch.Tensor | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """Attention for a chunk that starts its sequences (a training batch, a prompt): no cache is read, so this
+        is a function of tensors alone, which `torch.compile` can take whole. Returns the output and what a cache
+        keeps after the chunk: keys, values [batch, kv_heads, seq, d], conv state and shift state."""
+        if padding_mask is not None:
+            hidden_states = hidden_states * padding_mask
+        query_key, value, conv_state, shift_state = self.qkv_proj.project(
+            hidden_states, *self.qkv_proj.zero_state(hidden_states), lag_masks
+        )
         query, key = self.rotated_queries_and_keys(query_key, position_embeddings)
         value = value.transpose(1, 2)
-        if past_key_values is not None:
-            key, value = past_key_values.update(key, value, self.layer_idx)
+        output = self._attend(query, key, value, attention_mask, **kwargs)
+        return output, (key, value, conv_state, shift_state)
 
+    def cache_state(
+        self,
+        past_key_values: ZayaCache,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        conv_state: torch.Tensor,
+        shift_state: torch.Tensor,
+    ) -> None:
+        """Store `attend_chunk`'s state as this layer's first entry in `past_key_values`."""
+        past_key_values.update_cca_state(self.layer_idx, conv_state.detach(), shift_state.detach())
+        past_key_values.update(key.detach(), value.detach(), self.layer_idx)
+
+    def _attend(self, query, key, value, attention_mask, **kwargs) -> torch.Tensor:
+        batch, _, seq, _ = query.shape
         attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
@@ -404,8 +443,8 @@ class ZayaRouter(nn.Module):
 class ZayaExperts(nn.Module):
     """Top-1 SwiGLU experts with fused 3-D weights: `gate_up_proj` [E, 2I, H] (gate rows first), `down_proj` [E, H, I].
 
-    Tokens are sorted by expert and each projection runs as one grouped matmul (`grouped_linear`); no Python loop
-    over tokens. LoRA from PEFT's `target_parameters` stays low-rank (`expert_lora`).
+    Tokens are grouped by expert (`group_layout`) and each projection runs as one grouped matmul (`grouped_linear`);
+    no Python loop over tokens. LoRA from PEFT's `target_parameters` stays low-rank (`expert_lora`).
     """
 
     def __init__(self, config: ZayaConfig):
@@ -424,13 +463,13 @@ class ZayaExperts(nn.Module):
         if hidden_states.shape[0] == 1:
             # Decoding one sequence: read only its expert's weights, without the sort and the scatter.
             return self._expert(hidden_states, int(expert_index), gate_up, down)
-        order = torch.argsort(expert_index, stable=True)
-        group_sizes = torch.bincount(expert_index, minlength=self.num_experts)
-        # `index_select`, not `hidden_states[order]`: the latter's backward is an accumulating `index_put`, 4x slower.
-        sorted_states = hidden_states.index_select(0, order)
-        gate, up = gate_up.grouped(sorted_states, group_sizes).split(self.intermediate_size, dim=-1)
-        out = down.grouped(self.act_fn(gate) * up, group_sizes)
-        return torch.empty_like(out).index_copy_(0, order, out)
+        multiple = group_row_multiple(hidden_states.dtype, hidden_states.device)
+        rows, group_sizes = group_layout(expert_index, self.num_experts, multiple)
+        # Each token's row; padding rows (low precision) are zero, so they add nothing to any gradient.
+        allocate = hidden_states.new_zeros if multiple > 1 else hidden_states.new_empty
+        grouped_states = allocate(int(group_sizes.sum()), hidden_states.shape[-1]).index_copy_(0, rows, hidden_states)
+        gate, up = gate_up.grouped(grouped_states, group_sizes).split(self.intermediate_size, dim=-1)
+        return down.grouped(self.act_fn(gate) * up, group_sizes).index_select(0, rows)
 
     def _expert(self, hidden_states: torch.Tensor, expert: int, gate_up: ExpertWeight, down: ExpertWeight):
         gate, up = gate_up.single(hidden_states, expert).split(self.intermediate_size, dim=-1)
@@ -448,35 +487,53 @@ class ZayaSparseMoeBlock(nn.Module):
         self.skip_scales_input = config.skip_expert_mode == "scaled_input"
 
     def forward(self, hidden_states: torch.Tensor, router_states: torch.Tensor | None):
-        batch, seq, hidden = hidden_states.shape
         logits, choice, weight, router_states = self.gate(hidden_states, router_states)
-        flat_states, flat_choice = hidden_states.reshape(-1, hidden), choice.reshape(-1)
-        weight = weight.reshape(-1, 1).to(hidden_states.dtype)
+        expert_out = self.expert_outputs(hidden_states, choice)
+        return self.combine(expert_out, hidden_states, choice, weight), router_states, logits, choice
+
+    def expert_outputs(self, hidden_states: torch.Tensor, choice: torch.Tensor) -> torch.Tensor:
+        """Each token's expert output, unweighted, and zero where the skip class was chosen. Tokens are grouped by
+        expert on the host, so shapes depend on the routing: this part always runs eagerly."""
+        flat_states, flat_choice = hidden_states.reshape(-1, hidden_states.shape[-1]), choice.reshape(-1)
         routed = flat_choice < self.gate.num_experts
-        output = torch.zeros_like(flat_states)
         if bool(routed.all()):
-            output = self.experts(flat_states, flat_choice) * weight
-        else:
-            routed_rows = routed.nonzero().squeeze(-1)
-            expert_out = self.experts(flat_states.index_select(0, routed_rows), flat_choice[routed_rows])
-            expert_out = expert_out * weight.index_select(0, routed_rows)
-            output = output.index_copy(0, routed_rows, expert_out)
-            if self.skip_scales_input:
-                output = output + torch.where(routed[:, None], 0.0, weight * flat_states)
-        return output.view(batch, seq, hidden), router_states, logits, choice
+            return self.experts(flat_states, flat_choice).view_as(hidden_states)
+        rows = routed.nonzero().squeeze(-1)
+        expert_out = self.experts(flat_states.index_select(0, rows), flat_choice.index_select(0, rows))
+        return torch.zeros_like(flat_states).index_copy(0, rows, expert_out).view_as(hidden_states)
+
+    def combine(
+        self, expert_out: torch.Tensor, hidden_states: torch.Tensor, choice: torch.Tensor, weight: torch.Tensor
+    ) -> torch.Tensor:
+        """Expert outputs weighted by the routing probability `weight` [batch, seq, 1]; skip-class tokens give zero
+        or the scaled input."""
+        weight = weight.to(hidden_states.dtype)
+        output = expert_out * weight
+        if self.skip_scales_input:
+            skipped = (choice >= self.gate.num_experts)[..., None]
+            output = output + torch.where(skipped, weight * hidden_states, 0.0)
+        return output
 
 
 class ZayaDecoderLayer(GradientCheckpointingLayer):
-    """One ZAYA block: attention half then MoE half, each pre-normed and merged by residual scaling."""
+    """One ZAYA block: attention half then MoE half, each pre-normed and merged by residual scaling.
+
+    A block runs in three parts: attention and routing, the experts, and the weighted merge. The first and last
+    are functions of tensors alone (for a chunk that starts its sequences: training, a prompt's prefill), so
+    `ZayaForCausalLM.enable_compiled_layers` can run them as compiled graphs; the experts, whose shapes follow
+    the routing, and anything that reads a cache stay eager.
+    """
 
     def __init__(self, config: ZayaConfig, layer_idx: int):
         super().__init__()
+        self.layer_idx = layer_idx
         self.self_attn = ZayaAttention(config, layer_idx)
         self.mlp = ZayaSparseMoeBlock(config, layer_idx)
         self.input_layernorm = ZayaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = ZayaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_residual_scale = ZayaResidualScaling(config.hidden_size)
         self.post_mlp_residual_scale = ZayaResidualScaling(config.hidden_size)
+        self.compiled = False
 
     def forward(
         self,
@@ -489,17 +546,76 @@ class ZayaDecoderLayer(GradientCheckpointingLayer):
         padding_mask: torch.Tensor | None = None,
         **kwargs,
     ):
-        dtype = self.input_layernorm.weight.dtype
-        attn_out = self.self_attn(
-            self.input_layernorm(residual.to(dtype)), position_embeddings, attention_mask, lag_masks,
-            past_key_values, padding_mask, **kwargs,
-        )
-        residual = self.post_attention_residual_scale(attn_out, residual)
-        moe_out, router_states, router_logits, choice = self.mlp(
-            self.post_attention_layernorm(residual.to(dtype)), router_states
-        )
-        residual = self.post_mlp_residual_scale(moe_out, residual)
+        continuing = past_key_values is not None and past_key_values.has_previous_state(self.layer_idx)
+        compiled = self.compiled and not continuing and not kwargs
+        if continuing:
+            dtype = self.input_layernorm.weight.dtype
+            attn_out = self.self_attn(
+                self.input_layernorm(residual.to(dtype)), position_embeddings, attention_mask, lag_masks,
+                past_key_values, padding_mask, **kwargs,
+            )
+            routed = self.route(attn_out, residual, router_states)
+        else:
+            first_half = compiled_function(attention_and_routing) if compiled else attention_and_routing
+            routed, state = first_half(
+                self, residual, router_states, position_embeddings, attention_mask, lag_masks, padding_mask, **kwargs
+            )
+            if past_key_values is not None:
+                self.self_attn.cache_state(past_key_values, *state)
+        residual, moe_input, router_logits, choice, weight, router_states = routed
+        expert_out = self.mlp.expert_outputs(moe_input, choice)
+        merge = compiled_function(merge_experts) if compiled else merge_experts
+        residual = merge(self, expert_out, moe_input, choice, weight, residual)
         return residual, router_states, router_logits, choice
+
+    def route(self, attn_out: torch.Tensor, residual: torch.Tensor, router_states: torch.Tensor | None):
+        """Merge the attention output into the residual, then route its normed MoE input."""
+        residual = self.post_attention_residual_scale(attn_out, residual)
+        moe_input = self.post_attention_layernorm(residual.to(self.post_attention_layernorm.weight.dtype))
+        logits, choice, weight, router_states = self.mlp.gate(moe_input, router_states)
+        return residual, moe_input, logits, choice, weight, router_states
+
+
+def attention_and_routing(
+    layer: ZayaDecoderLayer,
+    residual: torch.Tensor,
+    router_states: torch.Tensor | None,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    attention_mask: torch.Tensor | None,
+    lag_masks: torch.Tensor | None,
+    padding_mask: torch.Tensor | None,
+    **kwargs,
+):
+    """A block's first part for a chunk that starts its sequences: `(residual, moe_input, router logits, choice,
+    weight, router_states)` and the attention's cache state."""
+    hidden_states = layer.input_layernorm(residual.to(layer.input_layernorm.weight.dtype))
+    attn_out, state = layer.self_attn.attend_chunk(
+        hidden_states, position_embeddings, attention_mask, lag_masks, padding_mask, **kwargs
+    )
+    return layer.route(attn_out, residual, router_states), state
+
+
+def merge_experts(
+    layer: ZayaDecoderLayer,
+    expert_out: torch.Tensor,
+    moe_input: torch.Tensor,
+    choice: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor,
+) -> torch.Tensor:
+    """A block's last part: weight the expert outputs and merge them into the residual."""
+    return layer.post_mlp_residual_scale(layer.mlp.combine(expert_out, moe_input, choice, weight), residual)
+
+
+COMPILED_GRAPHS_LIMIT = 32
+
+
+@functools.cache
+def compiled_function(function: Callable) -> Callable:
+    """One compiled wrapper per function, shared by every layer and model: the module is an argument, so its
+    weights are graph inputs and all layers of a shape reuse one graph. Shapes start static; a shape that changes
+    is recompiled once as dynamic (torch.compile's default)."""
+    return torch.compile(function)
 
 
 class ZayaPreTrainedModel(PreTrainedModel):
@@ -601,6 +717,9 @@ class ZayaModel(ZayaPreTrainedModel):
     ) -> MoeModelOutputWithPast:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
+        # PEFT passes `output_attentions=None`; what reaches the layers are attention-kernel arguments only.
+        if kwargs.pop("output_attentions", None):
+            raise ValueError("ZAYA does not return attention weights (`output_attentions=True`).")
         if past_key_values is not None and not isinstance(past_key_values, ZayaCache):
             raise TypeError(f"ZAYA needs a `ZayaCache` (KV + CCA state), got {type(past_key_values).__name__}.")
         use_cache = self.config.use_cache if use_cache is None else use_cache
@@ -701,6 +820,19 @@ class ZayaForCausalLM(ZayaPreTrainedModel, GenerationMixin):
         """Let `generate()` run decode steps as one compiled graph (`zaya_model.decode_step`): several times faster
         per token on CPU once compiled; the first generation of each batch size and length bucket compiles."""
         self.compiled_decode = CompiledDecode(self)
+
+    def enable_compiled_layers(self, enabled: bool = True) -> None:
+        """Run each block's attention, routing and expert merge as compiled graphs (`torch.compile`; the experts
+        themselves stay eager) for chunks that start their sequences: training steps and prompt prefill. Decoding
+        steps are unaffected (see `enable_compiled_decode`). The first call of each shape and mode compiles.
+
+        Each combination of layer kind (the first router has no EDA input), grad mode, autocast, mask kinds and shape
+        kind is a graph of its own; a training run with evaluation and packed and unpacked batches makes about ten,
+        so torch.compile's per-function limit (8, then eager) is raised to `COMPILED_GRAPHS_LIMIT`."""
+        if enabled:
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, COMPILED_GRAPHS_LIMIT)
+        for layer in self.model.layers:
+            layer.compiled = enabled
 
     def _prepare_cache_for_generation(
         self, generation_config, model_kwargs: dict, generation_mode, batch_size: int, max_cache_length: int

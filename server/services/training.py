@@ -61,6 +61,7 @@ def build_spec(
         merge_adapter=supervised.get("merge_adapter", False),
         keep_checkpoints=hyper.get("keep_checkpoints"),
         gradient_checkpointing=hyper.get("gradient_checkpointing", False),
+        compile=hyper.get("compile", False),
         **optional,
     )
 

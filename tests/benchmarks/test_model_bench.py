@@ -23,7 +23,7 @@ def run_quick_benchmark(out: Path) -> tuple[dict, str, float]:
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
-        timeout=600,  # ~1-2 min here (compiling the decode steps is most of it); generous for a busy CI runner
+        timeout=600,  # ~2 min here (compiling is most of it); generous for a busy CI runner
     )
     elapsed = time.monotonic() - start
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
@@ -52,12 +52,14 @@ def test_quick_benchmark_reports_every_metric(tmp_path):
             assert memory["peak_mib"] >= 0 and _positive(memory["baseline_mib"])
         expected = report["medians"][phase]["ours"] / report["medians"][phase]["upstream"]
         assert math.isclose(report["ratios"][phase], expected)
-    # Ours decodes with its compiled step; its eager decoding is timed alongside.
-    for phase in ("decode_b1", "decode_b8"):
-        assert len(report["samples"][phase]["ours_eager_decode"]) == repeats
-        expected = report["medians"][phase]["ours_eager_decode"] / report["medians"][phase]["upstream"]
-        assert math.isclose(report["ratios_eager_decode"][phase], expected)
-        assert _positive(report["decode_compile_seconds"][phase])
+    # Ours runs its compiled paths (layers; the decode step too when decoding); the same model eager is timed alongside.
+    for phase in PHASES:
+        assert len(report["samples"][phase]["ours_eager"]) == repeats
+        expected = report["medians"][phase]["ours_eager"] / report["medians"][phase]["upstream"]
+        assert math.isclose(report["ratios_eager"][phase], expected)
+        assert _positive(report["compile_seconds"][phase])
+    # The benchmark runs as our training processes do, for both implementations.
+    assert report["process"] == {"keeps_freed_memory": True, "flushes_subnormals": True}
     assert set(report["targets"]) == {"train_step", "prefill", "decode_b1"}
     for target in report["targets"].values():
         assert target["met"] == (target["ratio"] >= target["min_ratio"])
@@ -86,10 +88,10 @@ def test_quick_benchmark_reports_every_metric(tmp_path):
             assert bf16["probe"]["bf16_gflops"] < bf16["probe"]["fp32_gflops"]
         else:
             assert _positive(bf16["matmul_gflops"])
-            for impl in IMPLS:
+            for impl in (*IMPLS, "ours_eager"):
                 assert _positive(bf16[f"train_step_gflops_{impl}"])
 
-    assert "ours/upstream" in stdout and "greedy decode b1" in stdout and "eager decode" in stdout
+    assert "ours/upstream" in stdout and "greedy decode b1" in stdout and "ours eager" in stdout
 
 
 def test_rejects_bad_thread_count(tmp_path):

@@ -8,6 +8,7 @@ import os
 import peft
 import pytest
 import torch
+from compile_helpers import compiled_calls, compiled_graphs
 from finetune_helpers import Recorder, chat, save_tiny_model, spec, write_data
 
 from finetune.data import IGNORE_INDEX, TokenizedDataset, make_collator, read_examples
@@ -199,6 +200,21 @@ def test_auto_hyperparameters_follow_the_dataset_size(model_dir, data, tmp_path)
 def test_unknown_lora_target_module_names_the_field(model_dir, data, tmp_path):
     with pytest.raises(FinetuneError, match="^lora_target_modules: .*nope"):
         run_finetune(spec(model_dir, data[0], tmp_path, lora_target_modules=["nope"]))
+
+
+@pytest.mark.slow  # compiles graphs
+def test_compiled_layers_train_the_same(model_dir, data, tmp_path):
+    runs = {}
+    for compiled in (False, True):
+        calls_before = compiled_calls()
+        hooks = Recorder()
+        settings = dict(max_steps=3, learning_rate_multiplier=20, compile=compiled)
+        result = run_finetune(spec(model_dir, data[0], tmp_path / str(compiled), **settings), hooks)
+        assert result.status == "succeeded"
+        runs[compiled] = (list(hooks.losses.values()), compiled_calls() - calls_before)
+    (eager_losses, eager_calls), (compiled_losses, calls) = runs[False], runs[True]
+    assert eager_calls == 0 and calls > 0 and compiled_graphs() > 0  # compiled only when asked to
+    assert compiled_losses == pytest.approx(eager_losses, abs=1e-5)
 
 
 def test_gradient_checkpointing_recomputes_layers_and_trains_the_same(model_dir, data, tmp_path, monkeypatch):

@@ -39,7 +39,8 @@ def test_routed_experts_equal_the_moe_block(skip_mode):
     model = skip_prone_model(ids, skip_expert_mode=skip_mode)
     captured = {}
     block = model.model.layers[1].mlp
-    hook = block.register_forward_pre_hook(lambda _module, args: captured.update(args=args))
+    # The router sees the block's inputs: its normed hidden states and the previous layer's router states.
+    hook = block.gate.register_forward_pre_hook(lambda _module, args: captured.update(args=args))
     with torch.no_grad():
         model(ids)
     hook.remove()
@@ -103,6 +104,7 @@ def test_compiled_decode_generates_what_eager_decoding_does():
 
     model.enable_compiled_decode()
     torch._dynamo.reset()
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # other tests' graphs, if any
     compiled = [greedy(model, ids, m) for ids, m in cases]
     for (eager_tokens, eager_logits), (tokens, logits) in zip(eager, compiled, strict=True):
         assert torch.equal(tokens, eager_tokens)
@@ -113,7 +115,7 @@ def test_compiled_decode_generates_what_eager_decoding_does():
         (3, reserved_capacity(9 + 12), torch.float32, torch.device("cpu")),
         (1, reserved_capacity(5 + 12), torch.float32, torch.device("cpu")),
     }
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before == 2
 
 
 def test_models_with_adapters_decode_eagerly():

@@ -275,6 +275,23 @@ def test_bf16_autocast_trains_close_to_fp32_with_fp32_master_weights(corpus, tok
     assert {tensor.dtype for tensor in saved.values()} == {torch.float32}
 
 
+@pytest.mark.slow  # compiles graphs
+def test_compiled_layers_train_like_eager_and_may_be_toggled_on_resume(corpus, tokenizer_dir, tmp_path):
+    settings = MICRO.replace(max_steps=4)
+    Pretrainer(corpus, tmp_path / "eager", settings, tokenizer_path=tokenizer_dir).train()
+    compiled = Pretrainer(corpus, tmp_path / "run", settings.replace(compile=True), tokenizer_path=tokenizer_dir)
+    assert all(layer.compiled for layer in compiled.model.model.layers)
+    compiled.train(until_step=2)
+    # `compile` is no part of a run's identity: the run resumes without it.
+    resumed = Pretrainer(corpus, tmp_path / "run", settings, tokenizer_path=tokenizer_dir)
+    assert resumed.step == 2 and not any(layer.compiled for layer in resumed.model.model.layers)
+    resumed.train()
+    expected, got = step_losses(tmp_path / "eager"), step_losses(tmp_path / "run")
+    assert sorted(got) == [1, 2, 3, 4]
+    for step, loss in expected.items():
+        assert got[step] == pytest.approx(loss, abs=1e-5), step
+
+
 def test_grad_accumulation_matches_one_larger_batch(corpus, tokenizer_dir, tmp_path):
     one = Pretrainer(corpus, tmp_path / "one", MICRO.replace(max_steps=2, batch_size=2), tokenizer_path=tokenizer_dir)
     one.train()

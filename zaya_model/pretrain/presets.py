@@ -45,6 +45,9 @@ class PretrainSettings:
     shuffle_buffer: int = 256
     max_rollbacks: int = 3
     step_timeout_s: float = 1800.0
+    # Each block's attention, routing and expert merge as compiled graphs (`ZayaForCausalLM.enable_compiled_layers`):
+    # faster steps once the first has compiled. Not part of a run's identity: a resume may turn it on or off.
+    compile: bool = False
 
     def __post_init__(self):
         for name in ("tokenizer_vocab_size", "seq_len", "batch_size", "grad_accum", "max_steps", "eval_every",

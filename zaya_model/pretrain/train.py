@@ -220,6 +220,7 @@ class Pretrainer:
         self.config = settings.model_config(self.tokenizer)
         torch.manual_seed(settings.seed)
         self.model = ZayaForCausalLM(self.config).to(self.device).train()
+        self.model.enable_compiled_layers(settings.compile)
         if self.sharded_checkpoints and self.dist.enabled:  # one process has nothing to shard
             shard_model(self.model)
         self.optimizers = build_optimizers(self.model, settings)

@@ -3,7 +3,7 @@
 Request and response bodies mirror OpenAI's field for field (the official client parses them); our additions live
 inside `method.supervised`: `adapter` ("lora" | "full"), `lora` settings, `merge_adapter`, and extra
 hyperparameters (`max_steps`, `max_seconds`, `eval_every`, `early_stopping_patience`, `max_seq_len`, `packing`,
-`keep_checkpoints`, `balancing_bias_lr`, `gradient_checkpointing`).
+`keep_checkpoints`, `balancing_bias_lr`, `gradient_checkpointing`, `compile`).
 """
 
 from __future__ import annotations
@@ -55,6 +55,9 @@ class Hyperparameters(Strict):
     balancing_bias_lr: StrictFloat | StrictInt | None = None
     # Ours: recompute each layer in the backward pass (far less activation memory, about one more forward).
     gradient_checkpointing: StrictBool = False
+    # Ours: run each block's attention, routing and expert merge as compiled graphs (`torch.compile`): faster
+    # steps once the first one has compiled (tens of seconds).
+    compile: StrictBool = False
 
 
 class LoraSettings(Strict):

@@ -1,0 +1,20 @@
+"""What `enable_compiled_layers` did, for tests: calls of the compiled block parts and graphs dynamo holds for them.
+
+Both are per process; under pytest-xdist another test in the same worker may have compiled the same graphs already,
+so tests compare counts before and after, or ask only that graphs exist.
+"""
+
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+from zaya_model.modeling_zaya import attention_and_routing, compiled_function, merge_experts
+
+
+def compiled_calls() -> int:
+    """Times a layer ran a compiled part (it fetches the part's compiled wrapper on every call)."""
+    info = compiled_function.cache_info()
+    return info.hits + info.misses
+
+
+def compiled_graphs() -> int:
+    """Graphs dynamo holds for the two block parts (one per shape, mode and layer kind)."""
+    return sum(len(_debug_get_cache_entry_list(f.__code__)) for f in (attention_and_routing, merge_experts))
