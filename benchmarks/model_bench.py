@@ -47,9 +47,16 @@ if str(REPO_ROOT) not in sys.path:
 
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "model_bench.json"
 LOGITS_TOLERANCE = 1e-4
-BF16_PROBE_SIZE = 256
+BF16_PROBE_SIZE = 512
 PHASES = ("train_step", "prefill", "decode_b1", "decode_b8")
 TARGETS = {"train_step": 2.0, "prefill": 1.5, "decode_b1": 5.0}  # issue 2: minimum ours/upstream speed ratios
+# What ours runs compiled in each phase (the `ours_eager` rows run the same model without).
+COMPILED_PATHS = {
+    "train_step": "compiled layers",
+    "prefill": "compiled layers",
+    "decode_b1": "compiled layers + decode step",
+    "decode_b8": "compiled layers + decode step",
+}
 PAD, BOS, EOS = 0, 2, 1
 
 
@@ -240,25 +247,31 @@ def make_prefill(model: torch.nn.Module, sizes: BenchSizes) -> Callable[[], int]
     return prefill
 
 
-def make_decode(model: torch.nn.Module, sizes: BenchSizes, batch: int, compiled=None) -> Callable[[], int]:
-    """`compiled`: our model's `CompiledDecode` to decode with, or None for eager decode steps."""
+def make_decode(model: torch.nn.Module, sizes: BenchSizes, batch: int) -> Callable[[], int]:
     prompt = random_ids(batch, sizes.prompt_len, model.config.vocab_size, seed=5)
 
     def decode() -> int:
-        if hasattr(model, "compiled_decode"):
-            model.compiled_decode = compiled
         return greedy_generate(model, prompt, sizes.new_tokens).numel()
 
     return decode
 
 
-def compiled_decode_of(model: torch.nn.Module):
-    """Our model's compiled decode step (`zaya_model.decode_step`), or None where the model has none (upstream)."""
-    if not hasattr(model, "enable_compiled_decode"):
-        return None
-    model.enable_compiled_decode()
-    compiled, model.compiled_decode = model.compiled_decode, None
-    return compiled
+def has_compiled_paths(model: torch.nn.Module) -> bool:
+    """Whether the model has our compiled paths (`enable_compiled_layers`, `enable_compiled_decode`); upstream has
+    neither."""
+    return hasattr(model, "enable_compiled_layers") and hasattr(model, "enable_compiled_decode")
+
+
+def with_compiled_paths(model: torch.nn.Module, run: Callable[[], int], compiled: bool, decode) -> Callable[[], int]:
+    """`run` with our model's compiled paths switched on (`compiled`: compiled layers, and `decode`, a
+    `CompiledDecode`, for decoding) or off, so that one model object is timed both ways."""
+
+    def switched() -> int:
+        model.enable_compiled_layers(compiled)
+        model.compiled_decode = decode if compiled else None
+        return run()
+
+    return switched
 
 
 def greedy_generate(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
@@ -382,6 +395,7 @@ def run_isolated(target: Callable[..., dict], *args, timeout_s: int) -> dict:
 def _isolated_entry(sender, num_threads: int, target: Callable[..., dict], args: tuple) -> None:
     torch.set_num_threads(num_threads)
     init_amx()
+    prepare_process()
     quiet_transformers()
     try:
         result = target(*args)
@@ -534,17 +548,41 @@ def init_amx() -> bool:
     return bool(torch.cpu._init_amx()) if hasattr(torch.cpu, "_init_amx") else False
 
 
+def bf16_matmul_probe() -> dict:
+    """GFLOP/s of a `BF16_PROBE_SIZE`^2 matmul in bf16 and in fp32 (tensors already in the dtype, so no autocast
+    casts are timed; each kernel compiled by a first call). Without hardware bf16 (AMX or AVX512-BF16) bf16 runs a
+    slow reference kernel, ~1 s here, and loses to fp32."""
+    result = {"size": BF16_PROBE_SIZE}
+    for name, dtype in (("bf16_gflops", torch.bfloat16), ("fp32_gflops", torch.float32)):
+        a, b = (torch.randn(BF16_PROBE_SIZE, BF16_PROBE_SIZE, dtype=dtype) for _ in range(2))
+        a @ b
+        samples = []
+        for _ in range(5):
+            start = time.perf_counter()
+            a @ b
+            samples.append(2 * BF16_PROBE_SIZE**3 / (time.perf_counter() - start) / 1e9)
+        result[name] = median(samples)
+    return result
+
+
+def prepare_process() -> dict:
+    """Run as our training processes do (`zaya_model.training.runtime`): freed memory kept for reuse, subnormal
+    floats flushed to zero. Process-wide, so both implementations get the same."""
+    if (REPO_ROOT / "zaya_model" / "training" / "runtime.py").exists():
+        from zaya_model.training.runtime import prepare_training_process
+
+        return prepare_training_process()
+    return {}
+
+
 def measure_bf16(model_dir: str, sizes: BenchSizes, ours_source: str) -> dict:
-    """Matmul and train-step speed under bf16 autocast (run in a subprocess with a timeout by the main process).
+    """Matmul and train-step speed under bf16 autocast (run in a subprocess with a timeout by the main process);
+    ours with compiled layers, and eager as `ours_eager`, as in fp32.
 
     Without hardware bf16 (AMX or AVX512-BF16) a bf16 matmul runs a slow reference kernel (a 2048^2 matmul takes
     ~15 s): a small probe detects that, and then only the probe is reported, with the reason."""
     amx = init_amx()
-    probe = {
-        "size": BF16_PROBE_SIZE,
-        "bf16_gflops": median(matmul_gflops(BF16_PROBE_SIZE, 3, bf16_autocast=True)),
-        "fp32_gflops": median(matmul_gflops(BF16_PROBE_SIZE, 3, bf16_autocast=False)),
-    }
+    probe = bf16_matmul_probe()
     result = {"amx_initialized": amx, "probe": probe}
     if probe["bf16_gflops"] < probe["fp32_gflops"]:
         result["skipped"] = "bf16 matmul is slower than fp32 on this CPU (no hardware bf16): only the probe ran"
@@ -553,7 +591,14 @@ def measure_bf16(model_dir: str, sizes: BenchSizes, ours_source: str) -> dict:
     result["matmul_gflops"] = matmul_gflops(sizes.matmul_size, sizes.bf16_repeats, bf16_autocast=True)
     models = {impl: load_model(impl, model_dir, ours_source) for impl in ("ours", "upstream")}
     runners = {impl: make_train_step(model, sizes) for impl, model in models.items()}
+    ours = models["ours"]
     with torch.autocast("cpu", dtype=torch.bfloat16):
+        if has_compiled_paths(ours):
+            runners["ours_eager"] = with_compiled_paths(ours, make_train_step(ours, sizes), False, None)
+            runners["ours"] = with_compiled_paths(ours, runners["ours"], True, None)
+            start = time.perf_counter()
+            runners["ours"]()
+            result["compile_seconds"] = time.perf_counter() - start
         timing = time_interleaved(runners, warmup=1, repeats=sizes.bf16_repeats)
     result["train_step_seconds"] = timing.seconds
     return result
@@ -679,34 +724,40 @@ def run_benchmark(sizes: BenchSizes, mode: str, ours_source_arg: str) -> dict:
 
 
 def time_phases(models: dict[str, torch.nn.Module], sizes: BenchSizes, report: dict, stage) -> None:
-    """Interleaved timing of every phase; fills the report's samples, seconds, medians, ratios and targets."""
+    """Interleaved timing of every phase; fills the report's samples, seconds, medians, ratios and targets.
+
+    Ours runs with its compiled paths (compiled layers for the train step and prefill, plus the compiled decode
+    step for decoding), compiled before timing; the same model fully eager is timed alongside as `ours_eager`."""
     report["samples"], report["seconds"], report["medians"] = {}, {}, {}
+    ours = models["ours"]
+    compiled = has_compiled_paths(ours)
+    decode = None
+    if compiled:
+        ours.enable_compiled_decode()
+        decode = ours.compiled_decode
+    report["compile_seconds"] = {}
     # Inference phases first: the train step changes the weights.
-    compiled = compiled_decode_of(models["ours"])
-    report["decode_compile_seconds"] = {}
     for phase in ("prefill", "decode_b1", "decode_b8", "train_step"):
         with stage(f"timing {phase}"):
             runners = {impl: make_phase(phase, model, sizes) for impl, model in models.items()}
-            if phase.startswith("decode") and compiled is not None:
-                # Ours decodes with its compiled step; its eager decoding is timed alongside for reference.
-                batch = sizes.decode_batches[phase == "decode_b8"]
-                runners["ours_eager_decode"] = runners["ours"]
-                runners["ours"] = make_decode(models["ours"], sizes, batch, compiled)
+            if compiled:
+                runners["ours_eager"] = with_compiled_paths(ours, make_phase(phase, ours, sizes), False, decode)
+                runners["ours"] = with_compiled_paths(ours, runners["ours"], True, decode)
                 start = time.perf_counter()
-                runners["ours"]()  # compiles this batch size's graph
-                report["decode_compile_seconds"][phase] = time.perf_counter() - start
+                runners["ours"]()  # compiles this phase's graphs
+                report["compile_seconds"][phase] = time.perf_counter() - start
             timing = time_interleaved(runners, sizes.warmup, sizes.repeats)
         report["samples"][phase] = timing.tokens_per_s
         report["seconds"][phase] = timing.seconds
         report["medians"][phase] = {impl: median(v) for impl, v in timing.tokens_per_s.items()}
-        del runners  # frees the AdamW state
+        del runners  # frees the AdamW states
         gc.collect()
     medians = report["medians"]
     report["ratios"] = {phase: ratio(medians[phase]["ours"], medians[phase]["upstream"]) for phase in PHASES}
-    report["ratios_eager_decode"] = {
-        phase: ratio(medians[phase]["ours_eager_decode"], medians[phase]["upstream"])
-        for phase in ("decode_b1", "decode_b8")
-        if "ours_eager_decode" in medians[phase]
+    report["ratios_eager"] = {
+        phase: ratio(medians[phase]["ours_eager"], medians[phase]["upstream"])
+        for phase in PHASES
+        if "ours_eager" in medians[phase]
     }
     report["targets"] = {
         phase: {
@@ -745,7 +796,7 @@ def measure_gflops(report: dict, flops: dict, model_dir: str, sizes: BenchSizes,
         "matmul_gflops_samples": fp32_matmul,
         "matmul_gflops": median(fp32_matmul),
     }
-    for impl in ("ours", "upstream"):
+    for impl in report["seconds"]["train_step"]:
         achieved = flops["flops_per_step"] / median(report["seconds"]["train_step"][impl]) / 1e9
         fp32[f"train_step_gflops_{impl}"] = achieved
         fp32[f"train_step_fraction_of_matmul_{impl}"] = achieved / fp32["matmul_gflops"]
@@ -800,15 +851,14 @@ def print_table(report: dict) -> None:
                 target_text,
             )
         )
-    for phase, eager_ratio in report["ratios_eager_decode"].items():
-        compile_s = report["decode_compile_seconds"][phase]
+    for phase, eager_ratio in report["ratios_eager"].items():
         rows.append(
             (
-                f"{labels[phase]}, eager decode",
-                _fmt(medians[phase]["ours_eager_decode"]),
+                f"{labels[phase]}, ours eager",
+                _fmt(medians[phase]["ours_eager"]),
                 _fmt(medians[phase]["upstream"]),
                 _fmt_ratio(eager_ratio),
-                f"ours above compiles its decode step first ({compile_s:,.0f} s)",
+                f"ours above: {COMPILED_PATHS[phase]}, compiled first ({report['compile_seconds'][phase]:,.0f} s)",
             )
         )
     for phase in PHASES:
@@ -853,6 +903,17 @@ def print_table(report: dict) -> None:
                 note,
             )
         )
+        eager_gflops = g.get("train_step_gflops_ours_eager")
+        if eager_gflops is not None:
+            rows.append(
+                (
+                    f"train GFLOP/s {precision}, ours eager",
+                    _fmt(eager_gflops, ",.1f"),
+                    _fmt(up_gflops, ",.1f"),
+                    _fmt_ratio(ratio(eager_gflops, up_gflops)),
+                    "",
+                )
+            )
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
     for index, row in enumerate(rows):
         print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
@@ -909,9 +970,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--threads must be at least 1")
     torch.set_num_threads(args.threads)
     init_amx()
+    process = prepare_process()
     quiet_transformers()
     mode = "quick" if args.quick else "full"
     report = run_benchmark(QUICK if args.quick else FULL, mode, args.ours)
+    report["process"] = process
     print_table(report)
     write_json_atomic(args.out, report)
     print(f"wrote {args.out}")

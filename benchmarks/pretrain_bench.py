@@ -5,7 +5,8 @@ Run: `python benchmarks/pretrain_bench.py [--quick] [--threads N] [--out benchma
 For each model shape (full: the `tiny` preset and a 512-wide ZAYA1-ratio model; quick: a micro model) and dtype
 (fp32, and bf16 autocast where the CPU has native bf16):
 - **our loop** (`Pretrainer.train()`): tokens/s of each optimizer step (forward, backward, clipping, AdamW, balancing
-  update; the step also pays for streaming tokenization and packing of its rows);
+  update; the step also pays for streaming tokenization and packing of its rows); as `zaya pretrain` runs by default
+  (`ours`) and with `--compile` (`ours_compiled`: compiled layers, compiled in the warm-up step);
 - **Trainer**: the same model, initial weights, packed rows, batch, optimizer settings and schedule under
   `transformers.Trainer` (rows pre-packed in memory, no balancing update), tokens/s from the interval between
   consecutive `on_step_end` callbacks;
@@ -13,7 +14,7 @@ For each model shape (full: the `tiny` preset and a 512-wide ZAYA1-ratio model; 
   loaded as `model_bench.py` loads it) from a checkpoint of the same initial weights, on the same rows (the run
   aborts if its logits differ from ours); `ours_over_upstream` is our loop against it (issue 3's target: >= 2x in
   fp32), `trainer_ours_over_upstream` both models under `Trainer`;
-  the three alternate (ours, Trainer, upstream, then upstream, Trainer, ours, ...) so that load from other
+  the four alternate (ours, ours compiled, Trainer, upstream, then in reverse, ...) so that load from other
   processes hits them alike;
 - **our loop on 2 processes** (fp32, forked gloo ranks with half the batch and half the threads each, so the same
   global batch and cores): replicated (`--sharding none`) and FSDP2 (`--sharding fsdp`);
@@ -23,7 +24,8 @@ For each model shape (full: the `tiny` preset and a 512-wide ZAYA1-ratio model; 
 - **checkpoint stall** (fp32): how long training paused per checkpoint (the CPU copy; the write runs in the
   background) next to what a synchronous `save_pretrained` of the same model takes in the training thread, for the
   replicated format and for the sharded (DCP) format of `--sharding fsdp` (1 process).
-The benchmark's processes keep freed memory for reuse, as `zaya pretrain`'s does (`zaya_model.training.allocator`).
+The benchmark's processes are prepared as `zaya pretrain`'s is (`zaya_model.training.runtime`: freed memory kept for
+reuse, subnormal floats flushed to zero).
 Absolute numbers depend on the machine and its load: compare within one run.
 """
 
@@ -49,7 +51,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "pretrain_bench.json"
-IMPLS = ("ours", "trainer", "upstream")  # our loop; our model under Trainer; upstream's model under Trainer
+# Our loop (eager, and with compiled layers); our model under Trainer; upstream's model under Trainer.
+IMPLS = ("ours", "ours_compiled", "trainer", "upstream")
 TARGET_OURS_OVER_UPSTREAM = 2.0  # issue 3, fp32 tokens/s
 TARGET_MFU = 0.5  # issue 3, of the plain matmul's GFLOP/s in the same dtype
 
@@ -323,8 +326,10 @@ def run(args: argparse.Namespace) -> dict:
                 for round_ in range(shape["rounds"]):  # alternate the order: forward, then reversed
                     for impl in IMPLS if round_ % 2 == 0 else IMPLS[::-1]:
                         directory = scratch / f"{shape['name']}-{dtype}-{impl}-{round_}"
-                        if impl == "ours":
-                            speeds[impl] += measure_our_loop(corpus, tokenizer, directory, settings)
+                        if impl.startswith("ours"):
+                            speeds[impl] += measure_our_loop(
+                                corpus, tokenizer, directory, settings.replace(compile=impl == "ours_compiled")
+                            )
                         else:
                             speeds[impl] += measure_trainer(
                                 corpus, tokenizer, directory, settings, upstream=impl == "upstream"
@@ -343,6 +348,7 @@ def run(args: argparse.Namespace) -> dict:
                 median = entry["median_tokens_per_s"]
                 entry["ours_over_trainer"] = median["ours"] / median["trainer"]
                 entry["ours_over_upstream"] = median["ours"] / median["upstream"]
+                entry["ours_compiled_over_upstream"] = median["ours_compiled"] / median["upstream"]
                 entry["trainer_ours_over_upstream"] = median["trainer"] / median["upstream"]
                 if dtype == "fp32":  # same global batch on 2 processes (gloo), replicated and FSDP-sharded
                     for sharding in ("none", "fsdp"):
@@ -365,9 +371,11 @@ def run(args: argparse.Namespace) -> dict:
 
 def targets(entry: dict) -> dict:
     """Issue 3's targets for one (shape, dtype) result: value, bound and whether it is met."""
-    checks = {"mfu_vs_matmul_ours": (entry["mfu_vs_matmul"]["ours"], TARGET_MFU)}
-    if entry["dtype"] == "fp32":
-        checks["ours_over_upstream"] = (entry["ours_over_upstream"], TARGET_OURS_OVER_UPSTREAM)
+    checks = {}
+    for impl in ("ours", "ours_compiled"):
+        checks[f"mfu_vs_matmul_{impl}"] = (entry["mfu_vs_matmul"][impl], TARGET_MFU)
+        if entry["dtype"] == "fp32":
+            checks[f"{impl}_over_upstream"] = (entry[f"{impl}_over_upstream"], TARGET_OURS_OVER_UPSTREAM)
     return {name: {"value": value, "min": bound, "met": value >= bound} for name, (value, bound) in checks.items()}
 
 
@@ -376,21 +384,24 @@ def table(report: dict) -> str:
         f"matmul peak ({report['matmul']['size']}^2): "
         + ", ".join(f"{dtype} {value:.0f} GFLOP/s" for dtype, value in report["matmul"]["gflops"].items()),
         "",
-        "| shape | dtype | ours tok/s | Trainer tok/s | upstream tok/s | ours/Trainer | ours/upstream "
-        "| Trainer ours/upstream | ours GFLOP/s | ours MFU | Trainer MFU | upstream MFU | ours 2 proc tok/s "
-        "| ours 2 proc FSDP tok/s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | dtype | ours tok/s | ours compiled tok/s | Trainer tok/s | upstream tok/s | ours/Trainer "
+        "| ours/upstream | ours compiled/upstream | Trainer ours/upstream | ours GFLOP/s | ours MFU "
+        "| ours compiled MFU | Trainer MFU | upstream MFU | ours 2 proc tok/s | ours 2 proc FSDP tok/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for entry in report["results"]:
         speed, mfu = entry["median_tokens_per_s"], entry["mfu_vs_matmul"]
         lines.append(
-            f"| {entry['shape']} | {entry['dtype']} | {speed['ours']:.0f} | {speed['trainer']:.0f} | "
-            f"{speed['upstream']:.0f} | {entry['ours_over_trainer']:.2f} | {entry['ours_over_upstream']:.2f} | "
+            f"| {entry['shape']} | {entry['dtype']} | {speed['ours']:.0f} | {speed['ours_compiled']:.0f} | "
+            f"{speed['trainer']:.0f} | {speed['upstream']:.0f} | {entry['ours_over_trainer']:.2f} | "
+            f"{entry['ours_over_upstream']:.2f} | {entry['ours_compiled_over_upstream']:.2f} | "
             f"{entry['trainer_ours_over_upstream']:.2f} | {entry['gflops']['ours']:.1f} | {mfu['ours']:.1%} | "
-            f"{mfu['trainer']:.1%} | {mfu['upstream']:.1%} | {speed.get('ours_2proc_none', math.nan):.0f} | "
+            f"{mfu['ours_compiled']:.1%} | {mfu['trainer']:.1%} | {mfu['upstream']:.1%} | "
+            f"{speed.get('ours_2proc_none', math.nan):.0f} | "
             f"{speed.get('ours_2proc_fsdp', math.nan):.0f} |"
         )
-    lines += ["", "Targets (issue 3): ours/upstream tok/s >= 2x in fp32; ours MFU >= 50% of the matmul, each dtype"]
+    lines += ["", "Targets (issue 3): ours/upstream tok/s >= 2x in fp32; ours MFU >= 50% of the matmul, each dtype "
+              "(ours eager and compiled)"]
     for entry in report["results"]:
         for name, target in entry["targets"].items():
             lines.append(
@@ -415,12 +426,12 @@ def table(report: dict) -> str:
 
 
 def main(argv=None) -> int:
-    from zaya_model.training.allocator import keep_freed_memory
+    from zaya_model.training.runtime import prepare_training_process
 
     args = parse_args(argv)
-    keeps_freed_memory = keep_freed_memory()  # inherited by the forked ranks
+    process = prepare_training_process()  # first, so torch's threads take it; inherited by the forked ranks
     report = run(args)
-    report["keeps_freed_memory"] = keeps_freed_memory
+    report["process"] = process
     args.out.parent.mkdir(parents=True, exist_ok=True)
     temporary = args.out.with_name(f".tmp-{args.out.name}")
     temporary.write_text(json.dumps(report, indent=2))

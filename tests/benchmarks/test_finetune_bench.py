@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-VARIANTS = ("ours_full", "ours_lora", "ours_lora+gc", "upstream_full", "upstream_lora")
+VARIANTS = (
+    "ours_full", "ours_lora", "ours_lora+gc", "ours_full+compile", "ours_lora+compile", "upstream_full", "upstream_lora"
+)
 
 
 def _positive(value) -> bool:
@@ -34,7 +36,8 @@ def test_quick_finetune_benchmark_reports_every_metric(tmp_path):
     assert report["batch"]["trained_tokens"] > 0
     trainable = report["parameters"]["trainable"]
     assert trainable["ours_full"] == trainable["upstream_full"] == report["parameters"]["total"]
-    assert trainable["ours_lora"] == trainable["ours_lora+gc"] == trainable["upstream_lora"]
+    assert trainable["ours_lora"] == trainable["ours_lora+gc"] == trainable["ours_lora+compile"]
+    assert trainable["ours_lora"] == trainable["upstream_lora"]
     assert 0 < trainable["ours_lora"] < trainable["ours_full"]
     for variant in VARIANTS:
         assert len(report["seconds"][variant]) == report["sizes"]["repeats"]
@@ -51,6 +54,9 @@ def test_quick_finetune_benchmark_reports_every_metric(tmp_path):
     memory = report["peak_memory"]
     expected = memory["ours_lora+gc"]["peak_rss_mib"] / memory["ours_full"]["peak_rss_mib"]
     assert math.isclose(report["ratios"]["lora+gc/full peak memory (ours)"], expected)
+    expected = medians["ours_lora+compile"]["tokens_per_s"] / medians["upstream_lora"]["tokens_per_s"]
+    assert math.isclose(report["ratios"]["ours/upstream tokens/s, lora (compiled)"], expected)
+    assert report["process"] == {"keeps_freed_memory": True, "flushes_subnormals": True}
     for target in report["targets"].values():
         bound_ok = target["ratio"] <= target["bound"] if target["kind"] == "max" else target["ratio"] >= target["bound"]
         assert target["met"] == bound_ok
