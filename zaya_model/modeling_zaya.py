@@ -33,7 +33,7 @@ from .cache_zaya import ZayaCache
 from .checkpoints import is_legacy_config, load_legacy_checkpoint
 from .configuration_zaya import ZayaConfig
 from .decode_step import CompiledDecode
-from .expert_lora import ExpertWeight, expert_weight
+from .expert_lora import ExpertWeight, expert_weight, peft_expert_weights
 from .grouped_linear import group_layout, group_row_multiple
 from .small_batch_linear import SmallBatchLinear, align_parameters
 
@@ -457,9 +457,14 @@ class ZayaExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(config.num_experts, config.hidden_size, config.moe_intermediate_size))
         self.act_fn = ACT2FN[config.hidden_act]
 
-    def forward(self, hidden_states: torch.Tensor, expert_index: torch.Tensor) -> torch.Tensor:
-        """`hidden_states` [tokens, H], `expert_index` [tokens] in [0, E) -> expert outputs [tokens, H] (unweighted)."""
-        gate_up, down = expert_weight(self, "gate_up_proj"), expert_weight(self, "down_proj")
+    def forward(
+        self, hidden_states: torch.Tensor, expert_index: torch.Tensor, adapted: dict[str, ExpertWeight] | None = None
+    ) -> torch.Tensor:
+        """`hidden_states` [tokens, H], `expert_index` [tokens] in [0, E) -> expert outputs [tokens, H] (unweighted).
+        `adapted`: weights given with LoRA factors by name (`peft_expert_weights`), used instead of the module's."""
+        adapted = adapted or {}
+        gate_up = adapted.get("gate_up_proj") or expert_weight(self, "gate_up_proj")
+        down = adapted.get("down_proj") or expert_weight(self, "down_proj")
         if hidden_states.shape[0] == 1:
             # Decoding one sequence: read only its expert's weights, without the sort and the scatter.
             return self._expert(hidden_states, int(expert_index), gate_up, down)
@@ -497,10 +502,19 @@ class ZayaSparseMoeBlock(nn.Module):
         flat_states, flat_choice = hidden_states.reshape(-1, hidden_states.shape[-1]), choice.reshape(-1)
         routed = flat_choice < self.gate.num_experts
         if bool(routed.all()):
-            return self.experts(flat_states, flat_choice).view_as(hidden_states)
+            return self._run_experts(flat_states, flat_choice).view_as(hidden_states)
         rows = routed.nonzero().squeeze(-1)
-        expert_out = self.experts(flat_states.index_select(0, rows), flat_choice.index_select(0, rows))
+        expert_out = self._run_experts(flat_states.index_select(0, rows), flat_choice.index_select(0, rows))
         return torch.zeros_like(flat_states).index_copy(0, rows, expert_out).view_as(hidden_states)
+
+    def _run_experts(self, hidden_states: torch.Tensor, expert_index: torch.Tensor) -> torch.Tensor:
+        # With PEFT's expert LoRA, call our experts with the adapters' factors: PEFT's wrappers would register (and
+        # so evaluate once) a parametrization of each whole expert stack on every forward.
+        adapted = peft_expert_weights(self.experts)
+        if adapted is None:
+            return self.experts(hidden_states, expert_index)
+        experts, weights = adapted
+        return experts(hidden_states, expert_index, weights)
 
     def combine(
         self, expert_out: torch.Tensor, hidden_states: torch.Tensor, choice: torch.Tensor, weight: torch.Tensor

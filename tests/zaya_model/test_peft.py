@@ -117,3 +117,41 @@ def test_expert_lora_decode_matches_upstream_peft(tmp_path, batch):
     upstream_out = upstream.generate(input_ids=input_ids, return_dict_in_generate=True, **kwargs)
     for ours_logits, upstream_logits in zip(ours_out.logits, upstream_out.logits, strict=True):
         assert (ours_logits - upstream_logits).abs().max() <= 1e-5
+
+
+def test_expert_lora_skips_peft_parametrization_and_falls_back_where_peft_must_run(tmp_path, monkeypatch):
+    """Our MoE block reads the expert adapters' factors from PEFT's wrappers instead of letting them register (and
+    evaluate) a parametrization of each expert stack per forward; PEFT's own path still runs where it must."""
+    ours, upstream = lora_pair(tmp_path)
+    ours.eval(), upstream.eval()
+    registered = []
+    register = torch.nn.utils.parametrize.register_parametrization
+    monkeypatch.setattr(
+        torch.nn.utils.parametrize,
+        "register_parametrization",
+        lambda module, name, *args, **kwargs: registered.append(name) or register(module, name, *args, **kwargs),
+    )
+    input_ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        upstream_logits = upstream(input_ids).logits
+        assert registered  # upstream's experts take PEFT's path
+        registered.clear()
+        assert (ours(input_ids).logits - upstream_logits).abs().max() <= 1e-5
+        assert registered == []
+        with ours.disable_adapter():  # disabled adapters: the base model
+            base_logits = ours(input_ids).logits
+        assert (base_logits - upstream_logits).abs().max() > 1e-4
+
+        # Two active adapters on the experts: PEFT sums them into one materialised delta, and we read that.
+        config = dict(r=4, lora_alpha=8, target_parameters=EXPERTS)
+        for model in (ours, upstream):
+            model.add_adapter("second", peft.LoraConfig(**config))
+            generator = torch.Generator().manual_seed(9)  # the same second adapter in both
+            for name, parameter in model.named_parameters():
+                if ".second." in name:
+                    parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
+            model.base_model.set_adapter(["default", "second"])
+        registered.clear()
+        expected = upstream(input_ids).logits
+        assert (ours(input_ids).logits - expected).abs().max() <= 1e-5
+        assert "gate_up_proj" in registered and (expected - upstream_logits).abs().max() > 1e-4
