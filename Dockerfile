@@ -14,6 +14,11 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /app
 
+# g++: torch.compile's CPU backend builds C++ kernels (`--compile`, the `compile` job hyperparameter).
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
+
 # torch first and pinned to the CPU build: an unpinned resolve would pull several GB of CUDA packages.
 RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 

@@ -237,7 +237,10 @@ def run_finetune(
     base.generation_config.eos_token_id = _stop_token_ids(tokenizer)
     base.generation_config.pad_token_id = tokenizer.pad_token_id
     if spec.compile:
-        base.enable_compiled_layers()
+        try:
+            base.enable_compiled_layers()
+        except RuntimeError as error:
+            raise FinetuneError(f"compile: {error}") from None
     fingerprint = base_model_fingerprint(base)
     model = _with_adapter(base, spec) if spec.method == "lora" else base
 

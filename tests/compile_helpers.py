@@ -4,6 +4,8 @@ Both are per process; under pytest-xdist another test in the same worker may hav
 so tests compare counts before and after, or ask only that graphs exist.
 """
 
+import contextlib
+
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from zaya_model.modeling_zaya import attention_and_routing, compiled_function, merge_experts
@@ -18,3 +20,13 @@ def compiled_calls() -> int:
 def compiled_graphs() -> int:
     """Graphs dynamo holds for the two block parts (one per shape, mode and layer kind)."""
     return sum(len(_debug_get_cache_entry_list(f.__code__)) for f in (attention_and_routing, merge_experts))
+
+
+@contextlib.contextmanager
+def no_cpp_compiler(monkeypatch):
+    """Make torch.compile's CPU backend find no C++ compiler (as on a slim image without g++)."""
+    import torch._inductor.config
+
+    monkeypatch.delenv("CXX", raising=False)
+    with torch._inductor.config.patch({"cpp.cxx": ("no-such-c++-compiler",)}):
+        yield

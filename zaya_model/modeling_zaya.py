@@ -624,6 +624,20 @@ def merge_experts(
 COMPILED_GRAPHS_LIMIT = 32
 
 
+def require_cpp_compiler() -> None:
+    """torch.compile's CPU backend (inductor) builds C++: without a compiler, say so now rather than at the first
+    compiled step."""
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    try:
+        get_cpp_compiler()
+    except Exception as error:  # inductor's InvalidCxxCompiler
+        raise RuntimeError(
+            f"compiled layers on CPU need a C++ compiler (torch.compile builds C++ kernels): {error}; install g++ "
+            "or point CXX at one"
+        ) from None
+
+
 @functools.cache
 def compiled_function(function: Callable) -> Callable:
     """One compiled wrapper per function, shared by every layer and model: the module is an argument, so its
@@ -844,6 +858,8 @@ class ZayaForCausalLM(ZayaPreTrainedModel, GenerationMixin):
         kind is a graph of its own; a training run with evaluation and packed and unpacked batches makes about ten,
         so torch.compile's per-function limit (8, then eager) is raised to `COMPILED_GRAPHS_LIMIT`."""
         if enabled:
+            if self.device.type == "cpu":
+                require_cpp_compiler()
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, COMPILED_GRAPHS_LIMIT)
         for layer in self.model.layers:
             layer.compiled = enabled

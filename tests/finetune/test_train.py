@@ -8,7 +8,7 @@ import os
 import peft
 import pytest
 import torch
-from compile_helpers import compiled_calls, compiled_graphs
+from compile_helpers import compiled_calls, compiled_graphs, no_cpp_compiler
 from finetune_helpers import Recorder, chat, save_tiny_model, spec, write_data
 
 from finetune.data import IGNORE_INDEX, TokenizedDataset, make_collator, read_examples
@@ -215,6 +215,12 @@ def test_compiled_layers_train_the_same(model_dir, data, tmp_path):
     (eager_losses, eager_calls), (compiled_losses, calls) = runs[False], runs[True]
     assert eager_calls == 0 and calls > 0 and compiled_graphs() > 0  # compiled only when asked to
     assert compiled_losses == pytest.approx(eager_losses, abs=1e-5)
+
+
+def test_compile_without_a_cpp_compiler_is_a_clear_error(model_dir, data, tmp_path, monkeypatch):
+    with no_cpp_compiler(monkeypatch), pytest.raises(FinetuneError, match="^compile: .* need a C\\+\\+ compiler"):
+        run_finetune(spec(model_dir, data[0], tmp_path / "out", max_steps=2, compile=True))
+    assert not (tmp_path / "out").exists()
 
 
 def test_gradient_checkpointing_recomputes_layers_and_trains_the_same(model_dir, data, tmp_path, monkeypatch):

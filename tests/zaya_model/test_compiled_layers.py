@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from compile_helpers import compiled_calls, compiled_graphs
+from compile_helpers import compiled_calls, compiled_graphs, no_cpp_compiler
 from tiny_models import TINY_ZAYA, randomize_zaya
 
 from zaya_model import ZayaConfig, ZayaForCausalLM
@@ -99,3 +99,10 @@ def test_compiled_prefill_then_eager_decoding_equals_eager_generation():
     assert torch.equal(got.sequences, expected.sequences)
     for got_step, expected_step in zip(got.logits, expected.logits, strict=True):
         assert (got_step - expected_step).abs().max() <= 1e-5
+
+
+def test_without_a_cpp_compiler_enabling_fails_at_once_and_says_what_to_do(monkeypatch):
+    model = ZayaForCausalLM(ZayaConfig(**TINY_ZAYA))
+    with no_cpp_compiler(monkeypatch), pytest.raises(RuntimeError, match="need a C\\+\\+ compiler.*install g\\+\\+"):
+        model.enable_compiled_layers()
+    assert not any(layer.compiled for layer in model.model.layers)

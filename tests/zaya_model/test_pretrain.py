@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from compile_helpers import no_cpp_compiler
 from pretrain_helpers import MICRO, metrics, step_losses, train_rank
 from safetensors.torch import load_file
 
@@ -290,6 +291,14 @@ def test_compiled_layers_train_like_eager_and_may_be_toggled_on_resume(corpus, t
     assert sorted(got) == [1, 2, 3, 4]
     for step, loss in expected.items():
         assert got[step] == pytest.approx(loss, abs=1e-5), step
+
+
+def test_compile_without_a_cpp_compiler_fails_before_anything_is_written(corpus, tmp_path, monkeypatch, capsys):
+    output = tmp_path / "run"
+    with no_cpp_compiler(monkeypatch):
+        assert main(["pretrain", "--data", str(corpus), "--output", str(output), "--compile", "--no-progress"]) == 1
+    assert "--compile: compiled layers on CPU need a C++ compiler" in capsys.readouterr().err
+    assert not output.exists()
 
 
 def test_grad_accumulation_matches_one_larger_batch(corpus, tokenizer_dir, tmp_path):

@@ -64,7 +64,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from transformers import PreTrainedTokenizerFast
 
 from ..atomic_io import fsync_tree
-from ..modeling_zaya import ZayaForCausalLM, ZayaRouter
+from ..modeling_zaya import ZayaForCausalLM, ZayaRouter, require_cpp_compiler
 from ..training.balancing import BalancingBiasUpdater
 from ..training.callbacks import STOP_REASONS, TrainingHooks
 from ..training.checkpointing import CheckpointManager, load_model_weights, load_training_state
@@ -200,6 +200,11 @@ class Pretrainer:
         self.dist = distributed or DistributedContext.from_environment()
         self.device = self.dist.device()
         self.autocast = autocast_dtype(settings.dtype, self.device)
+        if settings.compile and self.device.type == "cpu":
+            try:  # before anything is written
+                require_cpp_compiler()
+            except RuntimeError as error:
+                raise PretrainError(f"--compile: {error}") from None
         self.files = corpus_files(data)
         self._prepare_output()
         self.sharded_checkpoints = settings.sharding == "fsdp"
