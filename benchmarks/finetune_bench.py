@@ -275,39 +275,29 @@ def run_benchmark(sizes: FinetuneSizes, mode: str) -> dict:
 
 def ratios(report: dict) -> dict[str, float | None]:
     medians, memory = report["medians"], report["peak_memory"]
-    return {
-        "lora/full step time (ours)": mb.ratio(medians["ours_lora"]["step_s"], medians["ours_full"]["step_s"]),
-        "lora/full step time (upstream)": mb.ratio(
-            medians["upstream_lora"]["step_s"], medians["upstream_full"]["step_s"]
-        ),
-        "lora/full peak memory (ours)": mb.ratio(
-            memory["ours_lora"].get("peak_rss_mib"), memory["ours_full"].get("peak_rss_mib")
-        ),
-        "lora/full peak memory delta (ours)": mb.ratio(
-            memory["ours_lora"].get("peak_delta_mib"), memory["ours_full"].get("peak_delta_mib")
-        ),
-        "lora+gc/full step time (ours)": mb.ratio(medians["ours_lora+gc"]["step_s"], medians["ours_full"]["step_s"]),
-        "lora+gc/full peak memory (ours)": mb.ratio(
-            memory["ours_lora+gc"].get("peak_rss_mib"), memory["ours_full"].get("peak_rss_mib")
-        ),
-        "ours/upstream tokens/s, lora": mb.ratio(
-            medians["ours_lora"]["tokens_per_s"], medians["upstream_lora"]["tokens_per_s"]
-        ),
-        "ours/upstream tokens/s, full": mb.ratio(
-            medians["ours_full"]["tokens_per_s"], medians["upstream_full"]["tokens_per_s"]
-        ),
-        "lora/full step time (ours, compiled)": mb.ratio(
-            medians["ours_lora+compile"]["step_s"], medians["ours_full+compile"]["step_s"]
-        ),
-        "lora/full peak memory (ours, compiled)": mb.ratio(
-            memory["ours_lora+compile"].get("peak_rss_mib"), memory["ours_full+compile"].get("peak_rss_mib")
-        ),
-        "ours/upstream tokens/s, lora (compiled)": mb.ratio(
-            medians["ours_lora+compile"]["tokens_per_s"], medians["upstream_lora"]["tokens_per_s"]
-        ),
-        "ours/upstream tokens/s, full (compiled)": mb.ratio(
-            medians["ours_full+compile"]["tokens_per_s"], medians["upstream_full"]["tokens_per_s"]
-        ),
+
+    def step(a: str, b: str) -> float | None:
+        return mb.ratio(medians[a]["step_s"], medians[b]["step_s"])
+
+    def speed(a: str, b: str) -> float | None:
+        return mb.ratio(medians[a]["tokens_per_s"], medians[b]["tokens_per_s"])
+
+    def peak(a: str, b: str, key: str = "peak_rss_mib") -> float | None:
+        return mb.ratio(memory[a].get(key), memory[b].get(key))
+
+    result = {}
+    for ours, option in (("ours", ""), ("ours, compiled", "+compile")):
+        full, lora = f"ours_full{option}", f"ours_lora{option}"
+        compiled = " (compiled)" if option else ""
+        result[f"lora/full step time ({ours})"] = step(lora, full)
+        result[f"lora/full peak memory ({ours})"] = peak(lora, full)
+        result[f"ours/upstream tokens/s, lora{compiled}"] = speed(lora, "upstream_lora")
+        result[f"ours/upstream tokens/s, full{compiled}"] = speed(full, "upstream_full")
+    return result | {
+        "lora/full step time (upstream)": step("upstream_lora", "upstream_full"),
+        "lora/full peak memory delta (ours)": peak("ours_lora", "ours_full", "peak_delta_mib"),
+        "lora+gc/full step time (ours)": step("ours_lora+gc", "ours_full"),
+        "lora+gc/full peak memory (ours)": peak("ours_lora+gc", "ours_full"),
     }
 
 
