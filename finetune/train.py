@@ -43,6 +43,7 @@ from zaya_model import ZayaConfig, ZayaForCausalLM
 from zaya_model.atomic_io import write_json_atomic
 from zaya_model.pretrain import generation_eos_token_ids
 from zaya_model.training.callbacks import (
+    COMPILING_MESSAGE,
     HooksCallback,
     NonFiniteLossCallback,
     TrainingHooks,
@@ -275,6 +276,8 @@ def run_finetune(
     trainer.remove_callback(PrinterCallback)  # progress goes to the hooks, not to stdout
     if resume_from is not None:
         hooks.on_event("info", f"resuming from {resume_from}", {"path": resume_from})
+    if spec.compile:
+        hooks.on_event("info", COMPILING_MESSAGE)
     output = trainer.train(resume_from_checkpoint=resume_from)
 
     metrics = _final_metrics(trainer, output.metrics)

@@ -23,6 +23,7 @@ from finetune.train import (
 )
 from zaya_model import ZayaForCausalLM
 from zaya_model.pretrain import END_OF_TURN_TOKEN
+from zaya_model.training.callbacks import COMPILING_MESSAGE
 
 
 @pytest.fixture(scope="module")
@@ -212,6 +213,7 @@ def test_compiled_layers_train_the_same(model_dir, data, tmp_path):
         result = run_finetune(spec(model_dir, data[0], tmp_path / str(compiled), **settings), hooks)
         assert result.status == "succeeded"
         runs[compiled] = (list(hooks.losses.values()), compiled_calls() - calls_before)
+        assert (("info", COMPILING_MESSAGE) in hooks.events) is compiled  # the silent first steps are announced
     (eager_losses, eager_calls), (compiled_losses, calls) = runs[False], runs[True]
     assert eager_calls == 0 and calls > 0 and compiled_graphs() > 0  # compiled only when asked to
     assert compiled_losses == pytest.approx(eager_losses, abs=1e-5)

@@ -66,7 +66,7 @@ from transformers import PreTrainedTokenizerFast
 from ..atomic_io import fsync_tree
 from ..modeling_zaya import ZayaForCausalLM, ZayaRouter, require_cpp_compiler
 from ..training.balancing import BalancingBiasUpdater
-from ..training.callbacks import STOP_REASONS, TrainingHooks
+from ..training.callbacks import COMPILING_MESSAGE, STOP_REASONS, TrainingHooks
 from ..training.checkpointing import CheckpointManager, load_model_weights, load_training_state
 from ..training.distributed import DistributedContext
 from ..training.distributed_checkpoint import ShardedCheckpointManager, load_sharded
@@ -252,6 +252,8 @@ class Pretrainer:
             self._load(resume_from)
             self._log({"event": "resumed", "step": self.step, "checkpoint": resume_from.name})
             self.hooks.on_event("info", f"resumed from {resume_from.name}", {"step": self.step})
+        if settings.compile:
+            self.hooks.on_event("info", COMPILING_MESSAGE)
         self.dist.barrier()  # every rank is set up before rank 0 writes the first checkpoint
 
     # ----- set-up -----

@@ -19,6 +19,8 @@ import time
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 STOP_REASONS = ("cancel", "pause")
+# The info event a run with compiled layers sends before its first step, which is silent while it compiles.
+COMPILING_MESSAGE = "compiled layers: the first steps compile them (tens of seconds on CPU)"
 
 # Trainer log keys, renamed to the names our job events use (as OpenAI's fine-tuning metrics do).
 _METRIC_NAMES = {
