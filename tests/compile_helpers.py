@@ -1,7 +1,8 @@
-"""What `enable_compiled_layers` did, for tests: calls of the compiled block parts and graphs dynamo holds for them.
+"""Compiled layers in tests: what `enable_compiled_layers` did (calls of the compiled block parts, graphs dynamo
+holds for them), and a host without a C++ compiler.
 
-Both are per process; under pytest-xdist another test in the same worker may have compiled the same graphs already,
-so tests compare counts before and after, or ask only that graphs exist.
+The counts are per process; under pytest-xdist another test in the same worker may have compiled the same graphs
+already, so tests compare counts before and after, or ask only that graphs exist.
 """
 
 import contextlib
