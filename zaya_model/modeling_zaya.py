@@ -562,20 +562,18 @@ class ZayaDecoderLayer(GradientCheckpointingLayer):
     ):
         continuing = past_key_values is not None and past_key_values.has_previous_state(self.layer_idx)
         compiled = self.compiled and not continuing and not kwargs
-        if continuing:
-            dtype = self.input_layernorm.weight.dtype
-            attn_out = self.self_attn(
-                self.input_layernorm(residual.to(dtype)), position_embeddings, attention_mask, lag_masks,
-                past_key_values, padding_mask, **kwargs,
-            )
-            routed = self.route(attn_out, residual, router_states)
-        else:
-            first_half = compiled_function(attention_and_routing) if compiled else attention_and_routing
-            routed, state = first_half(
-                self, residual, router_states, position_embeddings, attention_mask, lag_masks, padding_mask, **kwargs
+        if compiled:
+            routed, state = compiled_function(attention_and_routing)(
+                self, residual, router_states, position_embeddings, attention_mask, lag_masks, padding_mask
             )
             if past_key_values is not None:
                 self.self_attn.cache_state(past_key_values, *state)
+        else:
+            attn_out = self.self_attn(
+                self.input_layernorm(residual.to(self.input_layernorm.weight.dtype)), position_embeddings,
+                attention_mask, lag_masks, past_key_values, padding_mask, **kwargs,
+            )
+            routed = self.route(attn_out, residual, router_states)
         residual, moe_input, router_logits, choice, weight, router_states = routed
         expert_out = self.mlp.expert_outputs(moe_input, choice)
         merge = compiled_function(merge_experts) if compiled else merge_experts
@@ -598,13 +596,12 @@ def attention_and_routing(
     attention_mask: torch.Tensor | None,
     lag_masks: torch.Tensor | None,
     padding_mask: torch.Tensor | None,
-    **kwargs,
 ):
-    """A block's first part for a chunk that starts its sequences: `(residual, moe_input, router logits, choice,
-    weight, router_states)` and the attention's cache state."""
+    """A block's first part for a chunk that starts its sequences, as the compiled path runs it: `(residual,
+    moe_input, router logits, choice, weight, router_states)` and the attention's cache state."""
     hidden_states = layer.input_layernorm(residual.to(layer.input_layernorm.weight.dtype))
     attn_out, state = layer.self_attn.attend_chunk(
-        hidden_states, position_embeddings, attention_mask, lag_masks, padding_mask, **kwargs
+        hidden_states, position_embeddings, attention_mask, lag_masks, padding_mask
     )
     return layer.route(attn_out, residual, router_states), state
 
