@@ -10,8 +10,11 @@ Every measurement sends the same load: `c` concurrent streaming clients (1, 8, 3
 `--requests` completions of a fixed random prompt by token ids, greedy, `max_tokens` new tokens. Reported per load:
 output tokens/s (completion tokens over wall time) and time to first token p50/p99. `api` runs go through a real
 `uvicorn` server process (`ZAYA_ENGINE=vllm` or `local`, the official SSE stream); `engine` runs drive the same
-`Engine` in this process, so `1 - api/engine` is the API's overhead. On a machine this small the API's overhead is
-CPU taken from the engine, so every load also reports the CPU each process used per output token: `server` (the
+`Engine` in this process, so `1 - api/engine` is the API's overhead. vLLM engines (ours and Qwen3-MoE's) compute on
+the cores our vLLM engine's placement gives them (`ZAYA_VLLM_CPU_RESERVED_CORES`, `server/engines/cpu_placement.py`),
+and this process (an engine's front end, or the streaming clients standing in for remote ones) keeps to the reserved
+cores as the API server does; the JSON's `vllm_cpu_placement` says which. Where cores are shared, the API's overhead
+is CPU taken from the engine, so every load also reports the CPU each process used per output token: `server` (the
 process holding the engine's front end: the uvicorn server, or this process for `engine` runs), `client` (the
 streaming clients of `api` runs) and `core` (vLLM's engine-core process). Our vLLM engine runs twice: `vllm` with LoRA
 off (vllm-cpu then compiles the model, as it does Qwen3-MoE) and `vllm-lora` with adapter slots on (eager).
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import os
@@ -270,17 +274,22 @@ async def qwen_loads(checkpoint: Path, prompt: list[int], sizes: Sizes) -> list[
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from server.engines.cpu_placement import pin_process
     from server.engines.vllm import engine_core_executor
 
-    llm = AsyncLLM.from_engine_args(
-        AsyncEngineArgs(
-            model=str(checkpoint),
-            dtype="float32",
-            enable_prefix_caching=False,
-            **engine_core_executor(),  # the same executor as our vLLM engine
-            disable_log_stats=True,
+    placement = vllm_cpu_placement()
+    process_cores = os.sched_getaffinity(0)
+    # The same executor and the same cores as our vLLM engine.
+    with placement.starting_engine_core() if placement else contextlib.nullcontext():
+        llm = AsyncLLM.from_engine_args(
+            AsyncEngineArgs(
+                model=str(checkpoint),
+                dtype="float32",
+                enable_prefix_caching=False,
+                **engine_core_executor(),
+                disable_log_stats=True,
+            )
         )
-    )
     params = SamplingParams(temperature=0.0, max_tokens=sizes.max_tokens, output_kind=RequestOutputKind.DELTA)
 
     async def one_request() -> tuple[int, float]:
@@ -299,6 +308,15 @@ async def qwen_loads(checkpoint: Path, prompt: list[int], sizes: Sizes) -> list[
         return loads
     finally:
         llm.shutdown()
+        pin_process(process_cores)
+
+
+def vllm_cpu_placement():
+    """The cores our vLLM engine computes on and those it leaves to its front end (None: it shares them all)."""
+    from server.engines.cpu_placement import CpuPlacement
+    from server.engines.vllm import VLLMEngineSettings
+
+    return CpuPlacement.reserving(VLLMEngineSettings().cpu_reserved_cores)
 
 
 def api_loads(
@@ -337,6 +355,7 @@ def _serve_and_load(
 
     from server.db.migrations import upgrade
     from server.db.session import make_engine, make_sessionmaker, session_scope
+    from server.engines.cpu_placement import pin_process
     from server.services import registry
     from server.services.keys import create_key
 
@@ -399,6 +418,10 @@ def _serve_and_load(
                     pass
                 await asyncio.sleep(0.2)
             await one_request()  # loads the model in the server
+            if placement:
+                # The clients stand in for remote ones: like the server's own threads, they keep off the cores the
+                # engine computes on.
+                pin_process(placement.front_end)
             loads = []
             for concurrency in sizes.concurrency:
                 served = psutil.Process(server.pid)
@@ -406,9 +429,12 @@ def _serve_and_load(
                 loads.append(await drive(system, path, concurrency, sizes.requests_per_client, one_request, roles))
             return loads
 
+    placement = vllm_cpu_placement() if kind == "vllm" else None
+    process_cores = os.sched_getaffinity(0)
     try:
         return asyncio.run(run())
     finally:
+        pin_process(process_cores)
         server.terminate()
         try:
             server.wait(timeout=60)
@@ -506,6 +532,11 @@ def ratios(loads: list[Load], sizes: Sizes) -> dict:
         "zaya_over_qwen3_moe_min": 1 / 1.5,
     }
     return result
+
+
+def _placement_summary() -> dict | None:
+    placement = vllm_cpu_placement()
+    return {"front_end": sorted(placement.front_end), "compute": sorted(placement.compute)} if placement else None
 
 
 def _ratio(a, b):
@@ -627,6 +658,7 @@ def main(argv: list[str] | None = None) -> int:
             "load_average": os.getloadavg(),
             "python": platform.python_version(),
         },
+        "vllm_cpu_placement": _placement_summary(),
         "sizes": asdict(sizes),
         "loads": [load.summary() for load in loads],
         "ratios": ratios(loads, sizes),

@@ -14,6 +14,7 @@ choice that ends on a stop string is aborted in vLLM at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -28,6 +29,7 @@ from transformers import PreTrainedTokenizerBase
 from vllm import SamplingParams as VLLMSamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.lora.request import LoRARequest
+from vllm.platforms import current_platform
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -41,6 +43,7 @@ from server.engines.base import (
     SamplingParams,
     TokenLogprob,
 )
+from server.engines.cpu_placement import CpuPlacement, pin_process
 from server.engines.detokenizer import StopStringDetokenizer
 from server.engines.local import end_of_sequence_ids, load_model_config, load_model_tokenizer
 from zaya_model.vllm_plugin.adapters import AdapterError, check_adapter, merged_checkpoint, trains_experts
@@ -69,6 +72,9 @@ class VLLMEngineSettings(BaseSettings):
     max_loras: int = Field(default=4, ge=1)  # adapters in one batch
     max_lora_rank: int = Field(default=16, ge=1)
     seed: int = 0
+    # On a CPU host: cores kept for this process (API server) while the engine core computes on the others, as
+    # vLLM's own CPU executor reserves one for its front end (`server/engines/cpu_placement.py`); 0 shares all.
+    cpu_reserved_cores: int = Field(default=1, ge=0)
 
 
 @dataclass
@@ -96,6 +102,9 @@ class VLLMEngine(Engine):
         self._tokenizers: dict[str, PreTrainedTokenizerBase] = {}
         self._context: dict[str, int] = {}
         self._choice_tasks: set[asyncio.Task] = set()
+        reserved = self.settings.cpu_reserved_cores
+        self._placement = CpuPlacement.reserving(reserved) if current_platform.is_cpu() else None
+        self._process_cores = os.sched_getaffinity(0)  # restored on close
 
     # --- loading --------------------------------------------------------------------------------------------
     async def load_model(self, model: ModelRef) -> None:
@@ -164,7 +173,8 @@ class VLLMEngine(Engine):
         )
         try:
             # Built off the event loop (startup takes seconds): AsyncLLM starts its output handler on first use.
-            return AsyncLLM.from_engine_args(args)
+            with self._placement.starting_engine_core() if self._placement else contextlib.nullcontext():
+                return AsyncLLM.from_engine_args(args)
         except Exception as error:
             raise ModelLoadError(f"Model version {model.version_id} could not be started on vLLM: {error}") from error
 
@@ -330,6 +340,8 @@ class VLLMEngine(Engine):
     async def close(self) -> None:
         for version_id in list(self._served):
             await self.unload_model(version_id)
+        if self._placement:
+            pin_process(self._process_cores)
 
 
 def engine_core_executor() -> dict:

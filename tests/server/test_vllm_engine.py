@@ -31,6 +31,7 @@ from server.db.migrations import upgrade  # noqa: E402
 from server.db.models import InferenceRecord  # noqa: E402
 from server.db.session import make_engine, make_sessionmaker, session_scope  # noqa: E402
 from server.engines.local import end_of_sequence_ids  # noqa: E402
+from server.engines.vllm import VLLMEngineSettings  # noqa: E402
 from server.services import registry  # noqa: E402
 from server.services.keys import create_key  # noqa: E402
 from server.settings import Settings  # noqa: E402
@@ -62,6 +63,7 @@ class Stack:
     tokenizer: object
     models: dict  # served model name -> HF (or HF + PEFT) model
     app: object
+    process_cores: list[int]  # this process's cores before the engine started
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.key, max_retries=0, timeout=600)
@@ -102,6 +104,7 @@ def stack(tmp_path_factory):
     # The engine sets this for its engine process (see test_the_model_runs_in_the_engine_core_process); restored
     # afterwards so this module does not change how later vLLM tests in the process run.
     executor_variable = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    process_cores = os.sched_getaffinity(0)
     with pytest.MonkeyPatch.context() as patch:
         for variable, value in {**ENGINE_ENV, **ENGINE_SETTINGS}.items():
             patch.setenv(variable, value)
@@ -115,10 +118,13 @@ def stack(tmp_path_factory):
         while not server.started or app.state.inference.health()["status"] == "loading":
             assert thread.is_alive() and time.monotonic() < deadline, "uvicorn or the engine did not start"
             time.sleep(0.05)
-        yield Stack(f"http://127.0.0.1:{sock.getsockname()[1]}", key, AutoTokenizer.from_pretrained(base), models, app)
+        tokenizer = AutoTokenizer.from_pretrained(base)
+        yield Stack(f"http://127.0.0.1:{sock.getsockname()[1]}", key, tokenizer, models, app, sorted(process_cores))
         server.should_exit = True  # the lifespan closes the engine (vLLM's engine process stops)
         thread.join(timeout=60)
         sock.close()
+    # Closing the engine gives this process's threads their cores back.
+    assert os.sched_getaffinity(0) == process_cores
     if executor_variable is None:
         os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     else:
@@ -168,6 +174,27 @@ def test_the_model_runs_in_the_engine_core_process(stack):
     titles = [" ".join(child.cmdline()) for child in psutil.Process().children(recursive=True)]
     assert any("EngineCore" in title for title in titles), titles
     assert not any("Worker" in title for title in titles), titles
+
+
+def test_the_engine_core_computes_on_its_own_cores_and_the_server_keeps_to_the_reserved_one(stack):
+    """As vLLM's CPU executor reserves a core for its front end (`server/engines/cpu_placement.py`)."""
+    reserved = VLLMEngineSettings().cpu_reserved_cores
+    if len(stack.process_cores) <= reserved:
+        pytest.skip("needs more usable cores than the engine reserves, to split them")
+    front_end, compute = set(stack.process_cores[:reserved]), set(stack.process_cores[reserved:])
+    stack.client().completions.create(model="zaya-v", prompt=[7, 9, 11], max_tokens=2, temperature=0)
+    # (Its OpenMP thread count is checked in test_cpu_placement.py: the engine core's process title overwrites
+    # the environment /proc shows.)
+    cores = [
+        set(child.cpu_affinity())
+        for child in psutil.Process().children(recursive=True)
+        if "EngineCore" in " ".join(child.cmdline())
+    ]
+    assert cores and all(core == compute for core in cores), cores
+    # Every thread of this process (uvicorn's, the engine's front end, pytest's) keeps off the compute cores.
+    assert {frozenset(os.sched_getaffinity(int(thread))) for thread in os.listdir("/proc/self/task")} == {
+        frozenset(front_end)
+    }
 
 
 def test_a_mixed_batch_of_base_and_adapter_requests_gives_each_its_own_model(stack):
