@@ -5,6 +5,7 @@ ratios."""
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ def test_quick_serving_benchmark_reports_every_load(tmp_path):
     done = subprocess.run(
         [sys.executable, "benchmarks/serve_bench.py", "--quick", "--out", str(out)],
         cwd=REPO_ROOT,
+        env={**os.environ, "ZAYA_VLLM_CPU_RESERVED_CORES": "1"},  # the vLLM engines on their own core(s)
         capture_output=True,
         text=True,
         timeout=900,  # ~2.5 min here: three vLLM engines, two API servers, Qwen3-MoE
@@ -30,6 +32,9 @@ def test_quick_serving_benchmark_reports_every_load(tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["mode"] == "quick"
+    cores = sorted(os.sched_getaffinity(0))  # one core kept for the front end, the engines compute on the rest
+    placement = {"front_end": cores[:1], "compute": cores[1:]} if len(cores) > 1 else None
+    assert report["vllm_cpu_placement"] == placement
 
     loads = {(load["system"], load["path"], load["threads"], load["concurrency"]): load for load in report["loads"]}
     expected = {

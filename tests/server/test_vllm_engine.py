@@ -48,6 +48,7 @@ ENGINE_SETTINGS = {
     "ZAYA_VLLM_MAX_LORAS": "1",
     "ZAYA_VLLM_MAX_LORA_RANK": "8",
     "ZAYA_VLLM_MAX_LOADED_MODELS": "2",  # the base and the expert adapter's merged checkpoint
+    "ZAYA_VLLM_CPU_RESERVED_CORES": "1",  # the engine core on its own core(s), the server on the first
 }
 MESSAGES = [
     [{"role": "user", "content": "the quick brown fox"}],
