@@ -384,6 +384,8 @@ def _serve_and_load(
     url = f"http://127.0.0.1:{port}"
     body = {"model": "bench", "prompt": prompt, "max_tokens": sizes.max_tokens, "temperature": 0, "stream": True}
     body["stream_options"] = {"include_usage": True}
+    placement = vllm_cpu_placement() if kind == "vllm" else None
+    process_cores = os.sched_getaffinity(0)
 
     async def run() -> list[Load]:
         # aiohttp, as vLLM's own serving benchmark: the clients share this machine's cores with the server, and
@@ -429,8 +431,6 @@ def _serve_and_load(
                 loads.append(await drive(system, path, concurrency, sizes.requests_per_client, one_request, roles))
             return loads
 
-    placement = vllm_cpu_placement() if kind == "vllm" else None
-    process_cores = os.sched_getaffinity(0)
     try:
         return asyncio.run(run())
     finally:

@@ -5,8 +5,9 @@ while one of them is preempted. When the API server (HTTP, SSE, database rows) s
 millisecond it takes costs the engine more than that; and the scheduler tends to wake the server's threads on the
 core whose engine thread just woke them. vLLM's own CPU executor therefore reserves a core for its front end and
 binds the model's threads to the rest. Our engine runs the model in the engine-core process (`engine_core_executor`)
-where that binding does not happen, so it is done here: the engine core is started on the compute cores with one
-OpenMP thread each, and this process's threads keep to the reserved cores while an engine is up.
+where that binding does not happen, so it is done here when cores are reserved (`ZAYA_VLLM_CPU_RESERVED_CORES`):
+the engine core is started on the compute cores with one OpenMP thread each, and this process's threads keep to the
+reserved cores while an engine is up.
 """
 
 from __future__ import annotations
