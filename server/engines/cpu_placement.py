@@ -28,8 +28,10 @@ class CpuPlacement:
     def reserving(cls, reserved: int) -> CpuPlacement | None:
         """The lowest `reserved` of the cores this process may use for the front end, the rest for compute; None
         when nothing is reserved or too few cores are left to split (everything then shares every core)."""
-        cores = sorted(os.sched_getaffinity(0))
-        if reserved <= 0 or len(cores) <= reserved:
+        if reserved <= 0:
+            return None
+        cores = sorted(os.sched_getaffinity(0))  # Linux only, as is pinning
+        if len(cores) <= reserved:
             return None
         return cls(frozenset(cores[:reserved]), frozenset(cores[reserved:]))
 

@@ -105,7 +105,7 @@ class VLLMEngine(Engine):
         self._choice_tasks: set[asyncio.Task] = set()
         reserved = self.settings.cpu_reserved_cores
         self._placement = CpuPlacement.reserving(reserved) if current_platform.is_cpu() else None
-        self._process_cores = os.sched_getaffinity(0)  # restored on close
+        self._process_cores = os.sched_getaffinity(0) if self._placement else None  # restored on close
 
     # --- loading --------------------------------------------------------------------------------------------
     async def load_model(self, model: ModelRef) -> None:
