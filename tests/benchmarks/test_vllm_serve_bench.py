@@ -27,7 +27,7 @@ def test_quick_serving_benchmark_reports_every_load(tmp_path):
         env={**os.environ, "ZAYA_VLLM_CPU_RESERVED_CORES": "1"},  # the vLLM engines on their own core(s)
         capture_output=True,
         text=True,
-        timeout=900,  # ~2.5 min here: three vLLM engines, two API servers, Qwen3-MoE
+        timeout=900,  # ~5 min here: three vLLM engines, two API servers, Qwen3-MoE
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -16,7 +17,11 @@ needs_two_cores = pytest.mark.skipif(len(CORES) < 2, reason="needs two usable co
 
 
 def thread_cores() -> list[set[int]]:
-    return [os.sched_getaffinity(int(thread)) for thread in os.listdir("/proc/self/task")]
+    cores = []
+    for thread in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            cores.append(os.sched_getaffinity(int(thread)))
+    return cores
 
 
 def test_nothing_is_reserved_when_asked_for_none_or_when_no_core_would_be_left():
