@@ -274,11 +274,9 @@ async def qwen_engine(checkpoint: Path, prompt: list[int], sizes: Sizes):
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from server.engines.cpu_placement import pin_process
     from server.engines.vllm import engine_core_executor
 
     placement = vllm_cpu_placement()
-    process_cores = os.sched_getaffinity(0)
     with placement.starting_engine_core() if placement else contextlib.nullcontext():
         llm = AsyncLLM.from_engine_args(
             AsyncEngineArgs(
@@ -302,7 +300,8 @@ async def qwen_engine(checkpoint: Path, prompt: list[int], sizes: Sizes):
         yield one_request
     finally:
         llm.shutdown()
-        pin_process(process_cores)
+        if placement:
+            placement.release()
 
 
 async def engine_loads(engines: dict, sizes: Sizes) -> list[Load]:
@@ -411,7 +410,6 @@ def _serve_and_load(
     body = {"model": "bench", "prompt": prompt, "max_tokens": sizes.max_tokens, "temperature": 0, "stream": True}
     body["stream_options"] = {"include_usage": True}
     placement = vllm_cpu_placement() if kind == "vllm" else None
-    process_cores = os.sched_getaffinity(0)
 
     async def run() -> list[Load]:
         # aiohttp, as vLLM's own serving benchmark: the clients share this machine's cores with the server, and
@@ -460,7 +458,8 @@ def _serve_and_load(
     try:
         return asyncio.run(run())
     finally:
-        pin_process(process_cores)
+        if placement:
+            placement.release()
         server.terminate()
         try:
             server.wait(timeout=60)

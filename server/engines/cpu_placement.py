@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -56,16 +55,13 @@ class CpuPlacement:
             os.sched_setaffinity(0, previous_mask)
         pin_process(self.front_end)
 
+    def release(self) -> None:
+        """Every thread of this process back onto all the cores it was split from."""
+        pin_process(self.front_end | self.compute)
+
 
 def pin_process(cores: frozenset[int] | set[int]) -> None:
     """Every thread of this process onto `cores` (threads started later inherit their starter's cores)."""
-    for thread_id in _thread_ids():
+    for thread_id in os.listdir("/proc/self/task"):
         with contextlib.suppress(ProcessLookupError):  # the thread ended meanwhile
-            os.sched_setaffinity(thread_id, cores)
-
-
-def _thread_ids() -> list[int]:
-    try:
-        return [int(name) for name in os.listdir("/proc/self/task")]
-    except FileNotFoundError:  # no procfs: only the threads Python knows of
-        return [thread.native_id for thread in threading.enumerate() if thread.native_id is not None]
+            os.sched_setaffinity(int(thread_id), cores)

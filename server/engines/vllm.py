@@ -43,7 +43,7 @@ from server.engines.base import (
     SamplingParams,
     TokenLogprob,
 )
-from server.engines.cpu_placement import CpuPlacement, pin_process
+from server.engines.cpu_placement import CpuPlacement
 from server.engines.detokenizer import StopStringDetokenizer
 from server.engines.local import end_of_sequence_ids, load_model_config, load_model_tokenizer
 from zaya_model.vllm_plugin.adapters import AdapterError, check_adapter, merged_checkpoint, trains_experts
@@ -105,7 +105,6 @@ class VLLMEngine(Engine):
         self._choice_tasks: set[asyncio.Task] = set()
         reserved = self.settings.cpu_reserved_cores
         self._placement = CpuPlacement.reserving(reserved) if current_platform.is_cpu() else None
-        self._process_cores = os.sched_getaffinity(0) if self._placement else None  # restored on close
 
     # --- loading --------------------------------------------------------------------------------------------
     async def load_model(self, model: ModelRef) -> None:
@@ -342,7 +341,7 @@ class VLLMEngine(Engine):
         for version_id in list(self._served):
             await self.unload_model(version_id)
         if self._placement:
-            pin_process(self._process_cores)
+            self._placement.release()
 
 
 def engine_core_executor() -> dict:

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from server.engines.cpu_placement import CpuPlacement, pin_process
+from server.engines.cpu_placement import CpuPlacement
 
 CORES = sorted(os.sched_getaffinity(0))
 needs_two_cores = pytest.mark.skipif(len(CORES) < 2, reason="needs two usable cores to split")
@@ -50,5 +50,5 @@ def test_a_process_started_within_computes_on_the_compute_cores_and_this_process
         assert os.environ.get("OMP_NUM_THREADS") == threads_before
         assert all(cores == placement.front_end for cores in thread_cores())
     finally:
-        pin_process(set(CORES))
+        placement.release()
     assert all(cores == set(CORES) for cores in thread_cores())
