@@ -111,10 +111,16 @@ def convolve_receptive_fields(fields: torch.Tensor, depthwise: nn.Module, groupe
     """
     *leading, channels, _ = fields.shape
     depthwise_kernel, grouped_kernel = depthwise.weight.shape[-1], grouped.weight.shape[-1]
-    # Depthwise outputs at the grouped kernel's taps, oldest first: [..., channels, k1].
-    out = depthwise.bias[:, None]
-    for tap in range(depthwise_kernel):
-        out = torch.addcmul(out, fields[..., tap : tap + grouped_kernel], depthwise.weight[:, :, tap])
+    # Depthwise outputs at the grouped kernel's taps, oldest first, stacked to [..., channels, k1]. One column per
+    # tap, each reading one frame of every channel: computed as a whole, inductor folded the taps into the grouped
+    # matmul's reduction and recomputed them there in scalar loops (the compiled decode step's slowest part).
+    columns = []
+    for tap in range(grouped_kernel):
+        column = depthwise.bias
+        for lag in range(depthwise_kernel):
+            column = torch.addcmul(column, fields[..., tap + lag], depthwise.weight[:, 0, lag])
+        columns.append(column)
+    out = torch.stack(columns, dim=-1)
     group_width = grouped.weight.shape[1]
     groups = channels // group_width
     stacked = out.reshape(-1, groups, group_width * grouped_kernel)
