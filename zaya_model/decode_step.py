@@ -1,25 +1,39 @@
-"""A compiled decode step for `generate()`: one fixed-shape graph per batch size and cache capacity.
+"""A compiled decode step for `generate()`: one fixed-shape program per batch size and cache capacity.
 
 At batch 1 an eager decode step of a small MoE model is bound neither by arithmetic nor by reading the weights but
-by the fixed cost of a few hundred small kernels (norms, router, convolution taps, cache writes). `torch.compile`
-fuses a whole step into a few dozen loops, but only a graph with fixed shapes and no data-dependent branches. This
-module builds that graph from the model's own modules, changing two things:
+by the fixed cost of a few hundred small kernels (norms, router, convolution taps, cache writes). Inductor fuses a
+whole step into a few dozen loops, but only a graph with fixed shapes and no data-dependent branches. This module
+builds that graph from the model's own modules, changing two things:
 - keys and values are written in place into buffers reserved for the whole generation (`ZayaCache(reserved=...)`)
   and attention reads every slot, masked to the filled ones, so shapes stay the same from step to step;
 - each token's expert weights are gathered by its routing choice (top-1: one expert per token) instead of grouping
   tokens by expert, which needs the group sizes on the host.
 
+The step is traced once per shape with `make_fx` (the model's weights are inputs of the graph, so trained or
+reloaded weights are read, never baked in) and compiled by inductor, then called directly: torch.compile's dynamo
+layer (guards, collecting the weights from the module tree, its runtime wrappers) cost ~1 ms a step, as much as
+a fifth of a batch-1 step of model_bench's model.
+
 Opt in with `ZayaForCausalLM.enable_compiled_decode()`. The first step of each batch size and capacity compiles
-(tens of seconds); capacities are rounded up to `CAPACITY_STEP` so that generations of similar lengths share one.
-Models with adapters (PEFT layers or parametrized weights) keep the eager path, which applies them.
+(seconds; tens of seconds without inductor's cache); capacities are rounded up to `CAPACITY_STEP` so that
+generations of similar lengths share one. Models with adapters (PEFT layers or parametrized weights) keep the eager
+path, which applies them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
+from torch._guards import TracingContext, tracing
+from torch._inductor.compile_fx import compile_fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from .cache_zaya import ZayaCache
+from .small_batch_linear import traced_for_inductor
 
 CAPACITY_STEP = 256
 
@@ -92,7 +106,7 @@ def decode_logits(
         query_key, value, conv_state, shift_state = attention.qkv_proj.project(
             layer.input_layernorm(residual.to(dtype)), conv_state, shift_state, None
         )
-        # Contiguous copies: the next step's inputs then have the same strides as this step's (no recompile).
+        # Contiguous copies: the next step's inputs then have the strides the program was compiled for.
         new_conv_states.append(conv_state.clone(memory_format=torch.contiguous_format))
         new_shift_states.append(shift_state.clone(memory_format=torch.contiguous_format))
         query, key = attention.rotated_queries_and_keys(query_key, position_embeddings)
@@ -130,13 +144,86 @@ def _row_major(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.clone(memory_format=torch.contiguous_format)
 
 
+class _DecodeStep(nn.Module):
+    """`decode_logits` over flat tensors, as a module's forward: `torch.func.functional_call` then swaps the model's
+    weights for the graph's inputs while `make_fx` traces it."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, position_ids, attend, slot, *layer_tensors):
+        keys, values, conv_states, shift_states = (list(group) for group in _split(layer_tensors, 4))
+        logits, conv_states, shift_states = decode_logits(
+            self.model, input_ids, position_ids, attend, slot, keys, values, conv_states, shift_states
+        )
+        return logits, *conv_states, *shift_states
+
+
+def _split(tensors, parts: int) -> list[tuple]:
+    size = len(tensors) // parts
+    return [tuple(tensors[i * size : (i + 1) * size]) for i in range(parts)]
+
+
+def _sharing(tensors: list[torch.Tensor]) -> tuple[int, ...]:
+    """Which entries are one tensor object (each entry's first position): compiled code passes a tensor given twice
+    (tied weights) once, so a program holds only while this stays the same."""
+    first: dict[int, int] = {}
+    return tuple(first.setdefault(id(tensor), i) for i, tensor in enumerate(tensors))
+
+
+class _DecodeProgram:
+    """`decode_logits` compiled for the shapes of one set of step inputs; it reads the model's weights and buffers
+    from their modules on every call, so a tensor replaced after compiling (a reloaded state dict) is used."""
+
+    def __init__(self, model: nn.Module, step_inputs: list[torch.Tensor]):
+        # Every module's own entry, tied weights included: a reload may untie them.
+        named = [(name, True) for name, _ in model.named_parameters(remove_duplicate=False)]
+        named += [(name, False) for name, _ in model.named_buffers(remove_duplicate=False)]
+        self.sources = []
+        for name, is_parameter in named:
+            owner, _, attribute = name.rpartition(".")
+            module = model.get_submodule(owner)
+            self.sources.append((module._parameters if is_parameter else module._buffers, attribute))
+        names = ["model." + name for name, _ in named]
+        step = _DecodeStep(model)
+
+        def traced(*tensors):
+            weights = dict(zip(names, tensors[: len(names)], strict=True))
+            return torch.func.functional_call(step, weights, tensors[len(names) :], tie_weights=False)
+
+        weights = self.weights()
+        self.sharing = _sharing(weights)
+        example = [*weights, *step_inputs]
+        # One fake-tensor mode with a shape environment for tracing and compiling, as torch.compile sets up: inductor
+        # caches compiled graphs (across processes too) only where it finds one.
+        fake_mode = FakeTensorMode(allow_fallback_kernels=True, shape_env=ShapeEnv(), static_shapes=True)
+        with torch.no_grad(), traced_for_inductor(), tracing(TracingContext(fake_mode)):
+            graph = make_fx(traced, tracing_mode="fake")(*example)
+            self.run: Callable = compile_fx(graph, example)
+
+    def weights(self) -> list[torch.Tensor]:
+        return [store[attribute] for store, attribute in self.sources]
+
+    def __call__(self, step_inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...] | None:
+        """The step's outputs, or None when the model's weights are no longer shared as when compiled."""
+        weights = self.weights()
+        if _sharing(weights) != self.sharing:
+            return None
+        return self.run(*weights, *step_inputs)
+
+
 class CompiledDecode:
-    """The compiled `decode_logits` of one model, and the host-side bookkeeping of each step."""
+    """The compiled decode programs of one model, one per (batch, capacity, dtype, device), and the host-side
+    bookkeeping of each step."""
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self.step = torch.compile(decode_logits, fullgraph=True, dynamic=False)
-        self.compiled_for: set[tuple] = set()
+        self.programs: dict[tuple, _DecodeProgram] = {}
+
+    @property
+    def compiled_for(self) -> set[tuple]:
+        return set(self.programs)
 
     def new_cache(self, max_cache_length: int) -> ZayaCache | None:
         """A cache reserved for a generation of up to `max_cache_length` tokens, or None when the model carries
@@ -172,25 +259,23 @@ class CompiledDecode:
         else:
             attend[:, : length + 1] = attention_mask[:, -(length + 1) :].bool()
         layers = cache.layers
-        # Dynamo's guards cost ~1 ms per step, most of them re-checking the model's modules. Once this shape has
-        # been compiled, only the guards that tell the compiled graphs apart run; the shapes and dtype they are
-        # specialised on are the key, and a new key runs every guard (and compiles).
+        step_inputs = [
+            input_ids.reshape(batch, 1).contiguous(),
+            position_ids.reshape(batch, 1).contiguous(),
+            attend,
+            torch.tensor([length], device=device),
+            *(layer.keys for layer in layers),
+            *(layer.values for layer in layers),
+            *(_row_major(layer.conv_state) for layer in layers),
+            *(_row_major(layer.shift_state) for layer in layers),
+        ]
         key = (batch, capacity, self.model.dtype, device)
-        known = key in self.compiled_for
-        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=known):
-            logits, conv_states, shift_states = self.step(
-                self.model,
-                input_ids.reshape(batch, 1).clone(),
-                position_ids.reshape(batch, 1).clone(),
-                attend,
-                torch.tensor([length], device=device),
-                [layer.keys for layer in layers],
-                [layer.values for layer in layers],
-                [_row_major(layer.conv_state) for layer in layers],
-                [_row_major(layer.shift_state) for layer in layers],
-            )
-        if len(self.compiled_for) < torch._dynamo.config.recompile_limit // 2:
-            # Past dynamo's limit a new shape runs eagerly, so its key must keep running every guard.
-            self.compiled_for.add(key)
+        program = self.programs.get(key)
+        outputs = None if program is None else program(step_inputs)
+        if outputs is None:  # a new shape, or weights tied or untied since compiling
+            program = self.programs[key] = _DecodeProgram(self.model, step_inputs)
+            outputs = program(step_inputs)
+        logits, *states = outputs
+        conv_states, shift_states = _split(states, 2)
         cache.advance(conv_states, shift_states)
         return logits

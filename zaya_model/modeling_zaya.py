@@ -849,7 +849,10 @@ class ZayaForCausalLM(ZayaPreTrainedModel, GenerationMixin):
 
     def enable_compiled_decode(self) -> None:
         """Let `generate()` run decode steps as one compiled graph (`zaya_model.decode_step`): several times faster
-        per token on CPU once compiled; the first generation of each batch size and length bucket compiles."""
+        per token on CPU once compiled; the first generation of each batch size and length bucket compiles.
+
+        The compiled steps read each weight from the module that held it when they were compiled, so new or changed
+        tensors are used but a replaced module is not: call this again after swapping modules."""
         self.compiled_decode = CompiledDecode(self)
 
     def enable_compiled_layers(self, enabled: bool = True) -> None:

@@ -15,6 +15,8 @@ memory-mapped checkpoint (safetensors offsets are only element-aligned) aligned 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,6 +24,25 @@ from torch import nn
 # Up to this many rows the split batched matmul beat `F.linear` on every weight shape of ZAYA1 we measured.
 MAX_SMALL_BATCH_ROWS = 64
 ALIGNMENT_BYTES = 64
+
+
+_traced_for_inductor = False
+
+
+@contextlib.contextmanager
+def traced_for_inductor():
+    """`linear` as under `torch.compile`, for a graph traced without dynamo that inductor then compiles
+    (`zaya_model.decode_step`)."""
+    global _traced_for_inductor
+    previous, _traced_for_inductor = _traced_for_inductor, True
+    try:
+        yield
+    finally:
+        _traced_for_inductor = previous
+
+
+def _for_inductor() -> bool:
+    return _traced_for_inductor or torch.compiler.is_compiling()
 
 
 @torch.compiler.assume_constant_result
@@ -34,7 +55,8 @@ def linear(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     out_features, in_features = weight.shape
     rows = inputs.numel() // in_features if in_features else 0
     blocks = _num_threads()
-    if torch.compiler.is_compiling() and out_features % blocks:
+    compiled = _for_inductor()
+    if compiled and out_features % blocks:
         blocks = 1  # one block is as good to inductor's loops, and beats `F.linear`'s library call
     if (
         inputs.device.type != "cpu"
@@ -43,13 +65,13 @@ def linear(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         or torch.is_grad_enabled()
         or not weight.is_contiguous()
         # Compiled, inductor writes its own loops for the product (alignment does not matter there).
-        or (not torch.compiler.is_compiling() and weight.data_ptr() % ALIGNMENT_BYTES)
+        or (not compiled and weight.data_ptr() % ALIGNMENT_BYTES)
         or torch.is_autocast_enabled("cpu")
     ):
         return F.linear(inputs, weight, bias)
     block_weight = weight.view(blocks, out_features // blocks, in_features)
     columns = inputs.reshape(rows, in_features).t().expand(blocks, in_features, rows)
-    if bias is None or torch.compiler.is_compiling():
+    if bias is None or compiled:
         # Compiled, a plain `bmm` (not `baddbmm`) becomes a fused loop with the bias add instead of a library call.
         blocked = torch.bmm(block_weight, columns)
         if bias is not None:

@@ -5,8 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from tiny_models import TINY_ZAYA, randomize_zaya
+from torch._inductor.compile_fx import compile_fx
 
-from zaya_model import ZayaConfig, ZayaForCausalLM
+from zaya_model import ZayaConfig, ZayaForCausalLM, decode_step
 from zaya_model.decode_step import _attend_one_query, _routed_experts, reserved_capacity
 
 
@@ -89,7 +90,7 @@ def greedy(model, input_ids, attention_mask, new_tokens=12):
 
 
 @pytest.mark.slow
-def test_compiled_decode_generates_what_eager_decoding_does():
+def test_compiled_decode_generates_what_eager_decoding_does(monkeypatch):
     torch.manual_seed(1)
     model = skip_prone_model(torch.randint(3, TINY_ZAYA["vocab_size"], (2, 16)), skip_expert_mode="scaled_input")
     # A left-padded batch of three prompt lengths, then a single prompt: two batch sizes, two compiled graphs.
@@ -103,19 +104,44 @@ def test_compiled_decode_generates_what_eager_decoding_does():
     eager = [greedy(model, ids, m) for ids, m in cases]
 
     model.enable_compiled_decode()
-    torch._dynamo.reset()
-    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # other tests' graphs, if any
+    compiles = []
+    monkeypatch.setattr(decode_step, "compile_fx", lambda *args: compiles.append(args) or compile_fx(*args))
     compiled = [greedy(model, ids, m) for ids, m in cases]
     for (eager_tokens, eager_logits), (tokens, logits) in zip(eager, compiled, strict=True):
         assert torch.equal(tokens, eager_tokens)
         torch.testing.assert_close(logits, eager_logits, rtol=0, atol=1e-5)
-    # Every step after the first of a generation reused the graph of its batch size: one per batch size, and the
+    # Every step after the first of a generation reused the program of its batch size: one per batch size, and the
     # repeated batch compiled nothing new.
     assert model.compiled_decode.compiled_for == {
         (3, reserved_capacity(9 + 12), torch.float32, torch.device("cpu")),
         (1, reserved_capacity(5 + 12), torch.float32, torch.device("cpu")),
     }
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before == 2
+    assert len(compiles) == 2
+
+
+@pytest.mark.slow
+def test_weights_changed_after_compiling_are_the_ones_decoded():
+    torch.manual_seed(2)
+    model = randomize_zaya(ZayaForCausalLM(ZayaConfig(**TINY_ZAYA))).eval()
+    other = randomize_zaya(ZayaForCausalLM(ZayaConfig(**TINY_ZAYA))).eval()
+    prompt = torch.randint(3, TINY_ZAYA["vocab_size"], (1, 6))
+    mask = torch.ones_like(prompt)
+    model.enable_compiled_decode()
+    greedy(model, prompt, mask)  # compiles the program of this shape
+
+    # Replaced tensors (a loaded state dict, an LM head untied from the embeddings) and tensors changed in place
+    # (an optimizer step) are all read by the program compiled before.
+    model.load_state_dict(other.state_dict(), assign=True)
+    head = torch.randn_like(other.lm_head.weight)
+    for m in (model, other):
+        m.lm_head.weight = torch.nn.Parameter(head.clone())
+        with torch.no_grad():
+            m.model.layers[0].mlp.experts.down_proj.mul_(-1)
+    tokens, logits = greedy(model, prompt, mask)
+    expected_tokens, expected_logits = greedy(other, prompt, mask)
+    assert len(model.compiled_decode.programs) == 1
+    assert torch.equal(tokens, expected_tokens)
+    torch.testing.assert_close(logits, expected_logits, rtol=0, atol=1e-5)
 
 
 def test_models_with_adapters_decode_eagerly():
