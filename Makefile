@@ -8,6 +8,7 @@ export OMP_NUM_THREADS ?= 2
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 ZAYA_TEST_POSTGRES_URL ?= postgresql+psycopg://postgres@127.0.0.1:5432/test
+PYTEST_WORKERS ?= 2
 
 .PHONY: install install-vllm test test-vllm lint browser run bench demo clean
 
@@ -36,9 +37,11 @@ $(VLLM_STAMP): pyproject.toml
 
 install-vllm: $(VLLM_STAMP)
 
+# Two workers, each taking whole files: a module's engine fixture starts once, and the engines' start-up (mostly one
+# busy core each) overlaps.
 test-vllm: install-vllm
 	VLLM_CPU_KVCACHE_SPACE=1 VLLM_NO_USAGE_STATS=1 $(VLLM_VENV)/bin/pytest -p no:cacheprovider \
-		$$(find tests -name 'test_vllm_*.py' | sort)
+		-n $(PYTEST_WORKERS) --dist loadfile $$(find tests -name 'test_vllm_*.py' | sort)
 
 lint: install
 	$(BIN)/ruff check .
@@ -49,7 +52,6 @@ browser:
 
 # The whole suite (server tests on SQLite), then the database-backed server tests again on PostgreSQL; one pytest
 # worker per core (tests are single-threaded and isolated: own database schema, temp dirs and free ports).
-PYTEST_WORKERS ?= 2
 test: install lint browser
 	$(BIN)/pytest -n $(PYTEST_WORKERS)
 	ZAYA_TEST_DATABASE_URL=$(ZAYA_TEST_POSTGRES_URL) $(BIN)/pytest -n $(PYTEST_WORKERS) tests/server

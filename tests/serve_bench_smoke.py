@@ -1,0 +1,54 @@
+"""Shared by the two smoke tests of `benchmarks/serve_bench.py --quick`, each running part of the benchmark (so that
+CI's two pytest workers run them side by side): the run itself and the checks every load must pass."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CLIENTS = (1, 4)  # --quick
+SHORT_CLIENTS = 4
+
+
+def run_quick_serve_bench(out: Path, *args: str) -> tuple[dict, str]:
+    done = subprocess.run(
+        [sys.executable, "benchmarks/serve_bench.py", "--quick", "--out", str(out), *args],
+        cwd=REPO_ROOT,
+        env={**os.environ, "ZAYA_VLLM_CPU_RESERVED_CORES": "1"},  # the vLLM engines on their own core(s)
+        capture_output=True,
+        text=True,
+        timeout=900,  # ~3 min here for the larger part
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["mode"] == "quick"
+    cores = sorted(os.sched_getaffinity(0))  # one core kept for the front end, the engines compute on the rest
+    placement = {"front_end": cores[:1], "compute": cores[1:]} if len(cores) > 1 else None
+    assert report["vllm_cpu_placement"] == placement
+    return report, done.stdout
+
+
+def loads_by_key(report: dict) -> dict[tuple, dict]:
+    """Every load, checked: tokens and TTFTs, and CPU counted per process (the API's server, its clients and vLLM's
+    engine core, a child of whichever process holds the engine's front end). Counters tick every 10 ms, so a quick
+    load's server and clients may read 0; vLLM's engine core spins through every load."""
+    loads = {(load["system"], load["path"], load["threads"], load["concurrency"]): load for load in report["loads"]}
+    for key, load in loads.items():
+        system, path = key[0], key[1]
+        assert load["completion_tokens"] > 0 and math.isfinite(load["tokens_per_s"]) and load["tokens_per_s"] > 0, key
+        if path != "generate":
+            assert 0 < load["ttft_p50_s"] <= load["ttft_p99_s"], key
+        roles = {"api": {"server", "client", "core"}, "engine": {"server", "core"}, "generate": set()}
+        roles = roles["api" if path.startswith("requests-") else path]
+        assert set(load["cpu_us_per_token"]) == roles, key
+        assert all(value >= 0 for value in load["cpu_us_per_token"].values()), key
+        if system != "local" and path != "generate":
+            assert load["cpu_us_per_token"]["core"] > 0, key
+    return loads
+
+
+def engine_and_api_loads(*systems: str) -> set[tuple]:
+    return {(system, path, 0, clients) for system in systems for path in ("engine", "api") for clients in CLIENTS}
