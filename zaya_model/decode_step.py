@@ -22,6 +22,7 @@ path, which applies them.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 
 import torch
@@ -44,18 +45,10 @@ def reserved_capacity(max_cache_length: int) -> int:
 
 def _routed_experts(block: nn.Module, hidden_states: torch.Tensor, router_states: torch.Tensor | None):
     """`ZayaSparseMoeBlock` for a few tokens without host synchronisation: every token reads its own expert's
-    weights (the skip class reads expert E-1's and discards the result)."""
+    weights (`ZayaExperts.gathered`; too few tokens to be worth sorting)."""
     logits, choice, weight, router_states = block.gate(hidden_states, router_states)
-    experts = block.experts
-    flat = hidden_states.reshape(-1, hidden_states.shape[-1])
-    choice, weight = choice.reshape(-1, 1), weight.reshape(-1, 1).to(flat.dtype)
-    index = choice.squeeze(-1).clamp(max=experts.num_experts - 1)
-    gate_up = torch.bmm(experts.gate_up_proj[index], flat[:, :, None]).squeeze(-1)
-    gate, up = gate_up.split(experts.intermediate_size, dim=-1)
-    expert_out = torch.bmm(experts.down_proj[index], (experts.act_fn(gate) * up)[:, :, None]).squeeze(-1)
-    skipped = weight * flat if block.skip_scales_input else torch.zeros_like(flat)
-    output = torch.where(choice < experts.num_experts, expert_out * weight, skipped)
-    return output.view_as(hidden_states), router_states
+    expert_out = block.experts.gathered(hidden_states, choice, sort=False)
+    return block.combine(expert_out, hidden_states, choice, weight), router_states
 
 
 def _attend_one_query(
@@ -132,18 +125,6 @@ def has_adapters(model: nn.Module) -> bool:
     return False
 
 
-def _row_major(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` with the strides of a fresh tensor of its shape: the compiled graph is specialised on strides, and
-    the prefill leaves the CCA state as a view of a larger tensor."""
-    strides, stride = [], 1
-    for size in reversed(tensor.shape):
-        strides.append(stride)
-        stride *= size
-    if tensor.stride() == tuple(reversed(strides)):
-        return tensor
-    return tensor.clone(memory_format=torch.contiguous_format)
-
-
 class _DecodeStep(nn.Module):
     """`decode_logits` over flat tensors, as a module's forward: `torch.func.functional_call` then swaps the model's
     weights for the graph's inputs while `make_fx` traces it."""
@@ -172,6 +153,10 @@ def _sharing(tensors: list[torch.Tensor]) -> tuple[int, ...]:
     return tuple(first.setdefault(id(tensor), i) for i, tensor in enumerate(tensors))
 
 
+def _layout(tensors: list[torch.Tensor]) -> list[tuple]:
+    return [(tensor.shape, tensor.stride(), tensor.dtype, tensor.device) for tensor in tensors]
+
+
 class _DecodeProgram:
     """`decode_logits` compiled for the shapes of one set of step inputs; it reads the model's weights and buffers
     from their modules on every call, so a tensor replaced after compiling (a reloaded state dict) is used."""
@@ -193,23 +178,27 @@ class _DecodeProgram:
             return torch.func.functional_call(step, weights, tensors[len(names) :], tie_weights=False)
 
         weights = self.weights()
-        self.sharing = _sharing(weights)
+        self.checked_weights, self.sharing, self.layout = weights, _sharing(weights), _layout(weights)
         example = [*weights, *step_inputs]
         # One fake-tensor mode with a shape environment for tracing and compiling, as torch.compile sets up: inductor
         # caches compiled graphs (across processes too) only where it finds one.
         fake_mode = FakeTensorMode(allow_fallback_kernels=True, shape_env=ShapeEnv(), static_shapes=True)
         with torch.no_grad(), traced_for_inductor(), tracing(TracingContext(fake_mode)):
             graph = make_fx(traced, tracing_mode="fake")(*example)
-            self.run: Callable = compile_fx(graph, example)
+            # Inductor's own checks of every input's sizes and strides cost ~5% of a batch-1 step: the weights are
+            # checked in `__call__` when one changes, and `CompiledDecode` builds the step inputs with fixed layouts.
+            self.run: Callable = compile_fx(graph, example, config_patches={"size_asserts": False})
 
     def weights(self) -> list[torch.Tensor]:
         return [store[attribute] for store, attribute in self.sources]
 
     def __call__(self, step_inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...] | None:
-        """The step's outputs, or None when the model's weights are no longer shared as when compiled."""
+        """The step's outputs, or None when the model's weights are no longer shared or laid out as when compiled."""
         weights = self.weights()
-        if _sharing(weights) != self.sharing:
-            return None
+        if not all(map(operator.is_, weights, self.checked_weights)):
+            if _sharing(weights) != self.sharing or _layout(weights) != self.layout:
+                return None
+            self.checked_weights = weights
         return self.run(*weights, *step_inputs)
 
 
@@ -266,10 +255,12 @@ class CompiledDecode:
             torch.tensor([length], device=device),
             *(layer.keys for layer in layers),
             *(layer.values for layer in layers),
-            *(_row_major(layer.conv_state) for layer in layers),
-            *(_row_major(layer.shift_state) for layer in layers),
+            # The prefill leaves the CCA states as views of larger tensors. Contiguous is enough: with size checks
+            # off, a size-1 dimension's stride (all `is_contiguous` ignores) is never used.
+            *(layer.conv_state.contiguous() for layer in layers),
+            *(layer.shift_state.contiguous() for layer in layers),
         ]
-        key = (batch, capacity, self.model.dtype, device)
+        key = (batch, capacity, layers[0].keys.dtype, device)
         program = self.programs.get(key)
         outputs = None if program is None else program(step_inputs)
         if outputs is None:  # a new shape, or weights tied or untied since compiling

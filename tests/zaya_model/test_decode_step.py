@@ -4,33 +4,11 @@ import peft
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import TINY_ZAYA, randomize_zaya
+from tiny_models import TINY_ZAYA, randomize_zaya, skip_prone_model
 from torch._inductor.compile_fx import compile_fx
 
 from zaya_model import ZayaConfig, ZayaForCausalLM, decode_step
 from zaya_model.decode_step import _attend_one_query, _routed_experts, reserved_capacity
-
-
-def skip_prone_model(calibration_ids: torch.Tensor, **overrides) -> ZayaForCausalLM:
-    """A tiny model whose routers pick the skip class for about half of `calibration_ids`' tokens (so both branches
-    run): each skip bias is set to the median margin by which an expert wins."""
-    torch.manual_seed(0)
-    model = randomize_zaya(ZayaForCausalLM(ZayaConfig(**{**TINY_ZAYA, **overrides}))).eval()
-    margins = {}
-
-    def record(router, _inputs, outputs):
-        probs = torch.softmax(outputs[0].float(), dim=-1).reshape(-1, router.num_experts + 1)
-        best_expert = (probs[:, :-1] + router.balancing_biases[:-1]).max(dim=-1).values
-        margins[router] = (best_expert - probs[:, -1]).median()
-
-    hooks = [layer.mlp.gate.register_forward_hook(record) for layer in model.model.layers]
-    with torch.no_grad():
-        model(calibration_ids)
-    for hook in hooks:
-        hook.remove()
-    for router, margin in margins.items():
-        router.balancing_biases[-1] = margin
-    return model
 
 
 @pytest.mark.parametrize("skip_mode", ["zero", "scaled_input"])
@@ -105,7 +83,9 @@ def test_compiled_decode_generates_what_eager_decoding_does(monkeypatch):
 
     model.enable_compiled_decode()
     compiles = []
-    monkeypatch.setattr(decode_step, "compile_fx", lambda *args: compiles.append(args) or compile_fx(*args))
+    monkeypatch.setattr(
+        decode_step, "compile_fx", lambda *args, **kwargs: compiles.append(args) or compile_fx(*args, **kwargs)
+    )
     compiled = [greedy(model, ids, m) for ids, m in cases]
     for (eager_tokens, eager_logits), (tokens, logits) in zip(eager, compiled, strict=True):
         assert torch.equal(tokens, eager_tokens)
@@ -140,6 +120,28 @@ def test_weights_changed_after_compiling_are_the_ones_decoded():
     tokens, logits = greedy(model, prompt, mask)
     expected_tokens, expected_logits = greedy(other, prompt, mask)
     assert len(model.compiled_decode.programs) == 1
+    assert torch.equal(tokens, expected_tokens)
+    torch.testing.assert_close(logits, expected_logits, rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_weight_laid_out_anew_gets_a_program_of_its_own(monkeypatch):
+    torch.manual_seed(3)
+    model = randomize_zaya(ZayaForCausalLM(ZayaConfig(**TINY_ZAYA))).eval()
+    prompt = torch.randint(3, TINY_ZAYA["vocab_size"], (1, 6))
+    mask = torch.ones_like(prompt)
+    expected_tokens, expected_logits = greedy(model, prompt, mask)
+    model.enable_compiled_decode()
+    greedy(model, prompt, mask)
+    compiles = []
+    monkeypatch.setattr(
+        decode_step, "compile_fx", lambda *args, **kwargs: compiles.append(args) or compile_fx(*args, **kwargs)
+    )
+    # The same values, column-major: read with the row-major strides compiled before, they would be transposed.
+    o_proj = model.model.layers[1].self_attn.o_proj
+    o_proj.weight = torch.nn.Parameter(o_proj.weight.detach().t().contiguous().t())
+    tokens, logits = greedy(model, prompt, mask)
+    assert len(compiles) == 1
     assert torch.equal(tokens, expected_tokens)
     torch.testing.assert_close(logits, expected_logits, rtol=0, atol=1e-5)
 
