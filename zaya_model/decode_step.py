@@ -263,7 +263,7 @@ class CompiledDecode:
         key = (batch, capacity, layers[0].keys.dtype, device)
         program = self.programs.get(key)
         outputs = None if program is None else program(step_inputs)
-        if outputs is None:  # a new shape, or weights tied or untied since compiling
+        if outputs is None:  # a new shape, or weights tied, untied or laid out anew since compiling
             program = self.programs[key] = _DecodeProgram(self.model, step_inputs)
             outputs = program(step_inputs)
         logits, *states = outputs

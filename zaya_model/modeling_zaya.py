@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils import parametrize
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
@@ -33,7 +32,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from .cache_zaya import ZayaCache
 from .checkpoints import is_legacy_config, load_legacy_checkpoint
 from .configuration_zaya import ZayaConfig
-from .decode_step import CompiledDecode
+from .decode_step import CompiledDecode, has_adapters
 from .expert_lora import ExpertWeight, expert_weight, peft_expert_weights
 from .grouped_linear import group_layout, group_row_multiple
 from .small_batch_linear import SmallBatchLinear, align_parameters
@@ -543,8 +542,7 @@ class ZayaSparseMoeBlock(nn.Module):
             not torch.is_grad_enabled()
             and hidden_states.device.type == "cpu"
             and hidden_states.shape[:-1].numel() <= GATHERED_EXPERTS_MAX_TOKENS
-            and type(self.experts) is ZayaExperts  # PEFT's expert LoRA wraps the module
-            and not parametrize.is_parametrized(self.experts)
+            and not has_adapters(self.experts)  # PEFT's expert LoRA wraps the module or parametrizes its weights
         )
 
     def _run_experts(self, hidden_states: torch.Tensor, expert_index: torch.Tensor) -> torch.Tensor:
