@@ -56,33 +56,44 @@ def _spans(group_sizes: list[int]):
 
 class _GroupedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, inputs: torch.Tensor, weight: torch.Tensor, group_sizes: list[int]) -> torch.Tensor:
+    def forward(
+        ctx, inputs: torch.Tensor, weight: torch.Tensor, group_sizes: list[int], dtype: torch.dtype | None
+    ) -> torch.Tensor:
+        # Under autocast (`dtype`) only the experts that got tokens are cast, one at a time: casting the whole
+        # stack, and its gradient back, moved every expert's weights twice per step whatever the routing.
+        weights = {
+            group: weight[group] if dtype is None else weight[group].to(dtype) for group, _, _ in _spans(group_sizes)
+        }
         ctx.save_for_backward(inputs, weight)
-        ctx.group_sizes = group_sizes
+        ctx.group_sizes, ctx.weights = group_sizes, weights
         output = inputs.new_empty(inputs.shape[0], weight.shape[1])
         for group, start, end in _spans(group_sizes):
             if end - start <= FEW_ROWS:
-                output[start:end] = torch.mm(weight[group], inputs[start:end].t()).t()
+                output[start:end] = torch.mm(weights[group], inputs[start:end].t()).t()
             else:
-                torch.mm(inputs[start:end], weight[group].t(), out=output[start:end])
+                torch.mm(inputs[start:end], weights[group].t(), out=output[start:end])
         return output
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         inputs, weight = ctx.saved_tensors
+        weights = ctx.weights
         grad_inputs = grad_weight = None
         if ctx.needs_input_grad[0]:
             grad_inputs = torch.empty_like(inputs)  # every row belongs to exactly one group
             for group, start, end in _spans(ctx.group_sizes):
-                torch.mm(grad_output[start:end], weight[group], out=grad_inputs[start:end])
+                torch.mm(grad_output[start:end], weights[group], out=grad_inputs[start:end])
         if ctx.needs_input_grad[1]:
             grad_weight = torch.empty_like(weight)
             for group, size in enumerate(ctx.group_sizes):
                 if not size:
                     grad_weight[group].zero_()  # an expert that got no tokens gets no gradient
             for group, start, end in _spans(ctx.group_sizes):
-                torch.mm(grad_output[start:end].t(), inputs[start:end], out=grad_weight[group])
-        return grad_inputs, grad_weight, None
+                if grad_weight.dtype == grad_output.dtype:
+                    torch.mm(grad_output[start:end].t(), inputs[start:end], out=grad_weight[group])
+                else:  # autocast: the gradient in the weight's dtype, as casting the product back would give
+                    grad_weight[group].copy_(torch.mm(grad_output[start:end].t(), inputs[start:end]))
+        return grad_inputs, grad_weight, None, None
 
 
 def grouped_linear(inputs: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
@@ -94,5 +105,5 @@ def grouped_linear(inputs: torch.Tensor, weight: torch.Tensor, group_sizes: torc
         # Run in the autocast dtype, as a built-in matmul would; the Function itself sees plain tensors.
         dtype = torch.get_autocast_dtype("cpu")
         with torch.autocast("cpu", enabled=False):
-            return _GroupedLinear.apply(inputs.to(dtype), weight.to(dtype), group_sizes.tolist())
-    return _GroupedLinear.apply(inputs, weight, group_sizes.tolist())
+            return _GroupedLinear.apply(inputs.to(dtype), weight, group_sizes.tolist(), dtype)
+    return _GroupedLinear.apply(inputs, weight, group_sizes.tolist(), None)

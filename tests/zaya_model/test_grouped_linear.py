@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from zaya_model.configuration_zaya import ZayaConfig
-from zaya_model.grouped_linear import FEW_ROWS, group_layout, group_row_multiple
+from zaya_model.grouped_linear import FEW_ROWS, group_layout, group_row_multiple, grouped_linear
 from zaya_model.modeling_zaya import ZayaExperts
 
 
@@ -56,3 +56,23 @@ def test_experts_under_bf16_autocast_pad_groups_and_match_the_per_token_computat
     for got, leaf in zip(grads, leaves, strict=True):
         assert got.dtype == torch.float32  # master weights keep fp32 gradients
         torch.testing.assert_close(got, leaf.grad, rtol=0, atol=3e-2 * leaf.grad.abs().max().item())
+
+
+def test_grouped_linear_under_autocast_equals_the_same_product_on_a_bf16_copy_of_the_weights():
+    # Under autocast each routed expert's weights are cast on their own and the gradient is written back in fp32;
+    # the result must equal running the same grouped matmul on a bf16 copy of the whole stack, bit for bit.
+    torch.manual_seed(0)
+    weight = torch.randn(4, 24, 16, requires_grad=True)
+    inputs = torch.randn(40, 16)
+    group_sizes = torch.tensor([20, 0, 3, 17])  # expert 1 gets no tokens, expert 2 few (the transposed product)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        output = grouped_linear(inputs, weight, group_sizes)
+    grad_output = torch.randn_like(output)
+    output.backward(grad_output)
+
+    copy = weight.detach().to(torch.bfloat16).requires_grad_()
+    expected = grouped_linear(inputs.to(torch.bfloat16), copy, group_sizes)
+    expected.backward(grad_output)
+    assert output.dtype == torch.bfloat16 and torch.equal(output, expected)
+    assert weight.grad.dtype == torch.float32 and torch.equal(weight.grad, copy.grad.float())
+    assert not weight.grad[1].any()
