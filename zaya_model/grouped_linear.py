@@ -54,6 +54,11 @@ def _spans(group_sizes: list[int]):
         start += size
 
 
+def _routed_weights(weight: torch.Tensor, groups: list[int], cast: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Each routed group's weight: its cast copy where there are cast copies, else its slice of `weight`."""
+    return dict(zip(groups, cast, strict=True)) if cast else {group: weight[group] for group in groups}
+
+
 class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -61,11 +66,11 @@ class _GroupedLinear(torch.autograd.Function):
     ) -> torch.Tensor:
         # Under autocast (`dtype`) only the experts that got tokens are cast, one at a time: casting the whole
         # stack, and its gradient back, moved every expert's weights twice per step whatever the routing.
-        weights = {
-            group: weight[group] if dtype is None else weight[group].to(dtype) for group, _, _ in _spans(group_sizes)
-        }
-        ctx.save_for_backward(inputs, weight)
-        ctx.group_sizes, ctx.weights = group_sizes, weights
+        groups = [group for group, _, _ in _spans(group_sizes)]
+        cast = [weight[group].to(dtype) for group in groups] if dtype is not None else []
+        ctx.save_for_backward(inputs, weight, *cast)  # saved, not kept on ctx: checkpointing must see them
+        ctx.group_sizes = group_sizes
+        weights = _routed_weights(weight, groups, cast)
         output = inputs.new_empty(inputs.shape[0], weight.shape[1])
         for group, start, end in _spans(group_sizes):
             if end - start <= FEW_ROWS:
@@ -76,8 +81,8 @@ class _GroupedLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        inputs, weight = ctx.saved_tensors
-        weights = ctx.weights
+        inputs, weight, *cast = ctx.saved_tensors
+        weights = _routed_weights(weight, [group for group, _, _ in _spans(ctx.group_sizes)], cast)
         grad_inputs = grad_weight = None
         if ctx.needs_input_grad[0]:
             grad_inputs = torch.empty_like(inputs)  # every row belongs to exactly one group

@@ -65,8 +65,15 @@ def test_grouped_linear_under_autocast_equals_the_same_product_on_a_bf16_copy_of
     weight = torch.randn(4, 24, 16, requires_grad=True)
     inputs = torch.randn(40, 16)
     group_sizes = torch.tensor([20, 0, 3, 17])  # expert 1 gets no tokens, expert 2 few (the transposed product)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    packed = []  # what saved-tensor hooks (gradient checkpointing) see: they must see the cast weights too
+
+    def pack(tensor):
+        packed.append(tuple(tensor.shape))
+        return tensor
+
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         output = grouped_linear(inputs, weight, group_sizes)
+    assert packed.count((24, 16)) == 3  # one cast copy per routed expert, none for the expert without tokens
     grad_output = torch.randn_like(output)
     output.backward(grad_output)
 
