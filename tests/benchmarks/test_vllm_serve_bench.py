@@ -33,5 +33,9 @@ def test_quick_serving_benchmark_of_compiled_vllm_against_qwen3_moe(tmp_path):
         assert math.isclose(ratios["vllm_zaya_vs_qwen3_moe"][str(clients)], engine[clients] / qwen[clients])
         assert math.isclose(ratios["vllm_api_overhead"][str(clients)], 1 - api[clients] / engine[clients])
     assert math.isclose(ratios["vllm_api_scaling_4_vs_1"], api[4] / api[1])
+    scaling = ratios["engine_scaling_4_vs_1"]
+    assert math.isclose(scaling["vllm"], engine[4] / engine[1])
+    assert math.isclose(scaling["qwen3-moe"], qwen[4] / qwen[1])
+    assert scaling["vllm-lora"] is None and scaling["local"] is None  # not measured in this part
     assert ratios["targets"] == {"scaling_min": None, "api_overhead_max": 0.05, "zaya_over_qwen3_moe_min": 1 / 1.5}
     assert "server µs/tok" in stdout and "qwen3-moe" in stdout and "server ms/req" in stdout
