@@ -462,9 +462,9 @@ async def _served_api(kind: str, checkpoint: Path, prompt: list[int], sizes: Siz
     body = {"model": "bench", "prompt": prompt, "max_tokens": sizes.max_tokens, "temperature": 0, "stream": True}
     body["stream_options"] = {"include_usage": True}
     headers = {"Authorization": f"Bearer {key}"}
-    # aiohttp, as vLLM's own serving benchmark. The clients share this machine's cores with the server, so they read
-    # the stream as it arrives, in bytes, and parse only its last event (the usage chunk): httpx parsing every event
-    # took 2-4x the CPU per token, and aiohttp reading it line by line ~2x (measured).
+    # aiohttp, as vLLM's own serving benchmark. The clients share this machine's cores with the server, so they take
+    # the stream in whatever chunks arrive, as bytes, and parse only its last event (the usage chunk); httpx parsing
+    # every event took 2-4x the CPU per token (measured).
     connector = aiohttp.TCPConnector(limit=max(sizes.concurrency) + 4)
     client = aiohttp.ClientSession(
         f"http://127.0.0.1:{port}", connector=connector, timeout=aiohttp.ClientTimeout(total=600)
