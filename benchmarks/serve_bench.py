@@ -378,12 +378,14 @@ def suspended(processes: list):
     """The engine cores of the systems not being measured stopped (SIGSTOP) meanwhile: idle, each still took ~3% of
     a core (the polling of torch.distributed's gloo threads in vLLM's engine core), which a system served alone would
     not have beside it."""
-    for process in processes:
-        process.suspend()
+    stopped = []
     try:
+        for process in processes:
+            process.suspend()
+            stopped.append(process)
         yield
     finally:
-        for process in processes:
+        for process in stopped:
             process.resume()
 
 
