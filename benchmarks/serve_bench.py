@@ -8,23 +8,24 @@ Run (vLLM is needed: `make install-vllm`):
 
 Every measurement sends the same load: `c` concurrent streaming clients (1, 8, 32; `--quick`: 1 and 4), each sending
 `--requests` completions (more at low concurrency: a load sends at least 8, `--quick` 1) of a fixed random prompt by
-token ids, greedy, `max_tokens` new tokens. Reported per load:
-output tokens/s (completion tokens over wall time) and time to first token p50/p99. `api` runs go through a real
-`uvicorn` server process (`ZAYA_ENGINE=vllm` or `local`, the official SSE stream); `engine` runs drive the same `Engine`
-in this process, so `1 - api/engine` is the API's overhead. Both are up at once and measured in alternating rounds
-(engine, API, API, engine at each concurrency; with Qwen3-MoE beside our compiled vLLM engine: engine, API, Qwen, Qwen,
-API, engine), so that the machine's drift within the run falls on each alike; a system's rounds add up to one load,
-and the vLLM engine cores of those not being measured are stopped meanwhile. vLLM engines (ours and Qwen3-MoE's)
-compute on the cores our
-vLLM engine's placement gives them (`ZAYA_VLLM_CPU_RESERVED_CORES`, `server/engines/cpu_placement.py`), and this process
-(an engine's front end, or the streaming clients standing in for remote ones) keeps to the reserved cores as the API
-server does; the JSON's `vllm_cpu_placement` says which. Where cores are shared, the API's overhead is CPU taken from
-the engine, so every load also reports the CPU each process used per output token: `server` (the process holding the
-engine's front end: the uvicorn server, or this process for `engine` runs), `client` (the streaming clients of `api`
-runs) and `core` (vLLM's engine-core process). Our vLLM engine runs twice: `vllm` with LoRA off (vllm-cpu then compiles
-the model, as it does Qwen3-MoE) and `vllm-lora` with adapter slots on (eager). `generate` runs are static batches of
-`c` sequences (ours and upstream, with 1 and 2 threads), `qwen3-moe` is vLLM's own model behind `AsyncLLM` with the same
-load. vllm-cpu 0.32 has no ZAYA model of its own to compare with (only ours, registered by the plugin).
+token ids, greedy, `max_tokens` new tokens. Reported per load: output tokens/s (completion tokens over wall time) and
+time to first token p50/p99. `api` runs go through a real `uvicorn` server process (`ZAYA_ENGINE=vllm` or `local`, the
+official SSE stream); `engine` runs drive the same `Engine` in this process, so `1 - api/engine` is the API's overhead.
+Both are up at once and measured in alternating rounds (engine, API, API, engine at each concurrency; with Qwen3-MoE
+beside our compiled vLLM engine: engine, API, Qwen engine, Qwen API, and back), so that the machine's drift within the
+run falls on each alike; a system's rounds add up to one load, and the vLLM engine cores of those not being measured are
+stopped meanwhile. vLLM engines (ours and Qwen3-MoE's) compute on the cores our vLLM engine's placement gives them
+(`ZAYA_VLLM_CPU_RESERVED_CORES`, `server/engines/cpu_placement.py`), and this process (an engine's front end, or the
+streaming clients standing in for remote ones) keeps to the reserved cores as the API server does; the JSON's
+`vllm_cpu_placement` says which. Where cores are shared, the API's overhead is CPU taken from the engine, so every load
+also reports the CPU each process used per output token: `server` (the process holding the engine's front end: the
+uvicorn server, or this process for `engine` runs), `client` (the streaming clients of `api` runs) and `core` (vLLM's
+engine-core process). Our vLLM engine runs twice: `vllm` with LoRA off (vllm-cpu then compiles the model, as it does
+Qwen3-MoE) and `vllm-lora` with adapter slots on (eager). `generate` runs are static batches of `c` sequences (ours and
+upstream, with 1 and 2 threads), `qwen3-moe` is vLLM's own model behind `AsyncLLM` with the same load (`engine`) and
+behind vLLM's own OpenAI server, `vllm serve` (`api`): the overhead vLLM's own API server has on the same machine, the
+reference for ours (`qwen3-moe_api_overhead` in the report). vllm-cpu 0.32 has no ZAYA model of its own to compare with
+(only ours, registered by the plugin).
 
 The request-cost load (`requests-sqlite`, and `requests-postgresql` given `--postgres-url`) measures what a request,
 rather than a token, costs the API: 32 clients (`--quick`: 4) each send 20 (4) completions of 2 tokens through the
@@ -431,9 +432,6 @@ async def api_server(
 
 @contextlib.asynccontextmanager
 async def _served_api(kind: str, checkpoint: Path, prompt: list[int], sizes: Sizes, data_dir: Path, database_url: str):
-    import aiohttp
-    import psutil
-
     from server.db.migrations import upgrade
     from server.db.session import make_engine, make_sessionmaker, session_scope
     from server.services import registry
@@ -446,9 +444,7 @@ async def _served_api(kind: str, checkpoint: Path, prompt: list[int], sizes: Siz
         key = create_key(session, name="bench", role="analyst").secret
     db.dispose()
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     env = {
         **os.environ,
         "ZAYA_ENGINE": kind,
@@ -459,11 +455,58 @@ async def _served_api(kind: str, checkpoint: Path, prompt: list[int], sizes: Siz
         "ZAYA_RATE_LIMIT_REQUESTS_PER_MINUTE": str(10**6),
     }
     command = [sys.executable, "-m", "uvicorn", "server.app:app", "--port", str(port), "--log-level", "warning"]
-    log = open(data_dir / "server.log", "w")  # noqa: SIM115 (kept open for the server's lifetime)
+    headers = {"Authorization": f"Bearer {key}"}
+    async with _streamed_server(command, env, data_dir / "server.log", port, prompt, sizes, headers) as driver:
+        yield driver
+
+
+@contextlib.asynccontextmanager
+async def vllm_openai_server(checkpoint: Path, prompt: list[int], sizes: Sizes, workdir: Path):
+    """vLLM's own OpenAI server (`vllm serve`) on `checkpoint`, with the settings and cores of `qwen_engine`, for
+    the same streaming clients: the API overhead vLLM's own server has on this machine, the reference for ours."""
+    placement = vllm_cpu_placement()
+    port = free_port()
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the model in the engine core, as ours runs it
+    if placement:
+        env["OMP_NUM_THREADS"] = str(len(placement.compute))
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint)]
+    command += ["--served-model-name", "bench", "--dtype", "float32", "--no-enable-prefix-caching"]
+    command += ["--distributed-executor-backend", "uni", "--disable-log-stats", "--port", str(port)]
+    command += ["--uvicorn-log-level", "warning"]
+    async with _streamed_server(command, env, workdir / "vllm-serve.log", port, prompt, sizes, {}) as driver:
+        if placement:
+            # As `CpuPlacement` places our API server and its engine core (vLLM has no such option for its own).
+            _pin_threads(driver.roles["server"], placement.front_end)
+            _pin_threads(driver.engine_cores, placement.compute)
+        yield driver
+
+
+def _pin_threads(processes: list, cores: frozenset[int]) -> None:
+    for process in processes:
+        for thread in process.threads():
+            with contextlib.suppress(ProcessLookupError):  # the thread ended meanwhile
+                os.sched_setaffinity(thread.id, cores)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.asynccontextmanager
+async def _streamed_server(
+    command: list[str], env: dict, log_path: Path, port: int, prompt: list[int], sizes: Sizes, headers: dict
+):
+    """An OpenAI-compatible server process started by `command` on `port`, with streaming clients in this process
+    sending `/v1/completions` of `prompt` (model "bench")."""
+    import aiohttp
+    import psutil
+
+    log = open(log_path, "w")  # noqa: SIM115 (kept open for the server's lifetime)
     server = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     body = {"model": "bench", "prompt": prompt, "max_tokens": sizes.max_tokens, "temperature": 0, "stream": True}
     body["stream_options"] = {"include_usage": True}
-    headers = {"Authorization": f"Bearer {key}"}
     # aiohttp, as vLLM's own serving benchmark. The clients share this machine's cores with the server, so they take
     # the stream in whatever chunks arrive, as bytes, and parse only its last event (the usage chunk); httpx parsing
     # every event took 2-4x the CPU per token (measured).
@@ -487,7 +530,7 @@ async def _served_api(kind: str, checkpoint: Path, prompt: list[int], sizes: Siz
         deadline = time.monotonic() + SERVER_START_TIMEOUT_S
         while True:
             if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the API server did not start: {(data_dir / 'server.log').read_text()[-3000:]}")
+                raise RuntimeError(f"{command[2]} did not start: {log_path.read_text()[-3000:]}")
             try:
                 async with client.get("/health") as health:
                     if health.status == 200:
@@ -570,14 +613,15 @@ def ratios(loads: list[Load], sizes: Sizes) -> dict:
     server_cpu = {(load.system, load.path, load.concurrency): load.cpu_us_per_token("server") for load in loads}
     top, one = max(sizes.concurrency), min(sizes.concurrency)
     result: dict = {}
-    for system in SYSTEMS:
+    # Ours, and vLLM's own API server serving Qwen3-MoE (`qwen3-moe_api_*`): the reference for our API's figures.
+    for system in (*SYSTEMS, "qwen3-moe"):
         result[f"{system}_api_scaling_{top}_vs_{one}"] = _ratio(
             by.get((system, "api", top)), by.get((system, "api", one))
         )
         result[f"{system}_api_overhead"] = {
             c: _overhead(by.get((system, "api", c)), by.get((system, "engine", c))) for c in sizes.concurrency
         }
-        if SYSTEMS[system][0] == "vllm":
+        if system == "qwen3-moe" or SYSTEMS[system][0] == "vllm":
             # What HTTP, SSE and the request's database rows add to the server process's CPU per output token (the
             # local engine computes in the server process, so there the difference would be its compute's noise).
             result[f"{system}_api_server_cpu_added_us_per_token"] = {
@@ -659,6 +703,14 @@ def table(loads: list[Load]) -> str:
     return "\n".join(lines)
 
 
+def qwen_systems(checkpoint: Path, prompt: list[int], sizes: Sizes, workdir: Path, skip: list[str]) -> dict:
+    """vLLM's Qwen3-MoE driven directly and, unless the API is skipped, through vLLM's own OpenAI server."""
+    systems = {("qwen3-moe", "engine"): qwen_engine(checkpoint, prompt, sizes)}
+    if "api" not in skip:
+        systems["qwen3-moe", "api"] = vllm_openai_server(checkpoint, prompt, sizes, workdir)
+    return systems
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, 1 and 4 clients (a smoke run)")
@@ -701,7 +753,8 @@ def main(argv: list[str] | None = None) -> int:
         zaya_dir, qwen_dir = run_on_own_thread(build_checkpoints, workdir, sizes)
         prompt = prompt_ids(sizes)
         stages["build"] = time.perf_counter() - started
-        # vLLM's Qwen3-MoE, the speed reference for our compiled vLLM engine, runs in alternating rounds with it.
+        # vLLM's Qwen3-MoE, the speed reference for our compiled vLLM engine (and vLLM's own API server, the reference
+        # for ours), runs in alternating rounds with it.
         qwen = "qwen3-moe" not in args.skip
         for system in args.systems:
             kind, env = SYSTEMS[system]
@@ -714,7 +767,8 @@ def main(argv: list[str] | None = None) -> int:
             if "api" not in args.skip:
                 systems[system, "api"] = api_server(system, kind, zaya_dir, prompt, sizes, workdir)
             if system == "vllm" and qwen:
-                systems["qwen3-moe", "engine"], qwen = qwen_engine(qwen_dir, prompt, sizes), False
+                systems |= qwen_systems(qwen_dir, prompt, sizes, workdir, args.skip)
+                qwen = False
             if systems:
                 started = time.perf_counter()
                 loads += asyncio.run(alternating_loads(systems, sizes))
@@ -725,8 +779,7 @@ def main(argv: list[str] | None = None) -> int:
             stages["requests"] = time.perf_counter() - started
         if qwen:  # not measured beside our vLLM engine
             started = time.perf_counter()
-            reference = {("qwen3-moe", "engine"): qwen_engine(qwen_dir, prompt, sizes)}
-            loads += asyncio.run(alternating_loads(reference, sizes))
+            loads += asyncio.run(alternating_loads(qwen_systems(qwen_dir, prompt, sizes, workdir, args.skip), sizes))
             stages["qwen3-moe"] = time.perf_counter() - started
         if "generate" not in args.skip:
             for threads in (1, 2):
