@@ -475,17 +475,14 @@ async def vllm_openai_server(checkpoint: Path, prompt: list[int], sizes: Sizes, 
     command += ["--uvicorn-log-level", "warning"]
     async with _streamed_server(command, env, workdir / "vllm-serve.log", port, prompt, sizes, {}) as driver:
         if placement:
+            from server.engines.cpu_placement import pin_process
+
             # As `CpuPlacement` places our API server and its engine core (vLLM has no such option for its own).
-            _pin_threads(driver.roles["server"], placement.front_end)
-            _pin_threads(driver.engine_cores, placement.compute)
+            for process in driver.roles["server"]:
+                pin_process(placement.front_end, process.pid)
+            for process in driver.engine_cores:
+                pin_process(placement.compute, process.pid)
         yield driver
-
-
-def _pin_threads(processes: list, cores: frozenset[int]) -> None:
-    for process in processes:
-        for thread in process.threads():
-            with contextlib.suppress(ProcessLookupError):  # the thread ended meanwhile
-                os.sched_setaffinity(thread.id, cores)
 
 
 def free_port() -> int:

@@ -60,8 +60,9 @@ class CpuPlacement:
         pin_process(self.front_end | self.compute)
 
 
-def pin_process(cores: frozenset[int] | set[int]) -> None:
-    """Every thread of this process onto `cores` (threads started later inherit their starter's cores)."""
-    for thread_id in os.listdir("/proc/self/task"):
+def pin_process(cores: frozenset[int] | set[int], pid: int | str = "self") -> None:
+    """Every thread of process `pid` (this one by default) onto `cores` (threads started later inherit their
+    starter's cores)."""
+    for thread_id in os.listdir(f"/proc/{pid}/task"):
         with contextlib.suppress(ProcessLookupError):  # the thread ended meanwhile
             os.sched_setaffinity(int(thread_id), cores)
