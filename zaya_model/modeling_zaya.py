@@ -165,9 +165,11 @@ class ZayaCCAProjection(nn.Module):
         tokens whose receptive field crosses a document start (the first H of each document) are then recomputed
         from their own fields, cut at that start, which a sliding kernel cannot do. Short chunks (decode steps)
         gather each token's receptive field (a view): a few fused kernels replace the convolutions' fixed cost,
-        which dwarfs the arithmetic of one token.
+        which dwarfs the arithmetic of one token. Compiled, masked chunks of any length take that path too: finding
+        the tokens to recompute is data-dependent (`nonzero`), which would split the graph into a dozen.
         """
-        if window.shape[1] - self.history > 32:
+        cut_in_graph = lag_masks is not None and torch.compiler.is_compiling()
+        if window.shape[1] - self.history > 32 and not cut_in_graph:
             convolved = self.conv_qk_grouped(self.conv_qk_depthwise(window.transpose(1, 2)))
             # Back to [batch, seq, channels] memory order: attention kernels want head_dim contiguous.
             convolved = convolved.transpose(1, 2).contiguous()

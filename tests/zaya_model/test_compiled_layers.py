@@ -11,6 +11,7 @@ import pytest
 import torch
 from compile_helpers import compiled_calls, compiled_graphs, no_cpp_compiler
 from tiny_models import TINY_ZAYA, randomize_zaya, skip_prone_model
+from torch._dynamo.utils import counters
 
 from zaya_model import ZayaConfig, ZayaForCausalLM
 from zaya_model.modeling_zaya import ZayaSparseMoeBlock
@@ -52,8 +53,12 @@ def test_layers_are_compiled_and_train_like_eager():
     input_ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(1))
     # Packed: documents restart at position 0 (attention, convolutions and value shift cut at each start).
     position_ids = torch.cat([torch.arange(n) for n in (9, 1, 30)])[None].expand(2, -1)
+    graph_breaks = sum(counters["graph_break"].values())
     for kwargs in ({}, {"position_ids": position_ids}):
         assert_same_training(eager, compiled, input_ids, **kwargs)
+    # Each part is one graph: the convolutions are cut at document starts inside it (a data-dependent `nonzero`
+    # there would split it into a dozen graphs and slow a packed step by a third).
+    assert sum(counters["graph_break"].values()) == graph_breaks
     # torch.compile made graphs of our two functions, with room for every combination a run needs.
     assert compiled_graphs() > 0
     assert torch._dynamo.config.recompile_limit >= 32
