@@ -342,6 +342,7 @@ async def alternating_loads(systems: dict[tuple[str, str], contextlib.AbstractAs
     once and measured in alternating rounds (A B ... then ... B A), so that the machine's drift within the run falls
     on each alike; a system's rounds add up to one load."""
     from server.engines.cpu_placement import pin_process
+    from server.heap import freeze_heap
 
     placement = vllm_cpu_placement()
     async with contextlib.AsyncExitStack() as stack:
@@ -354,6 +355,9 @@ async def alternating_loads(systems: dict[tuple[str, str], contextlib.AbstractAs
                 # in-process vLLM engine splits the cores it finds.
                 placement.release()
             drivers[key] = await stack.enter_async_context(context)
+        # This process holds the front ends of the engines driven directly, as an API server holds its engine's:
+        # its heap is frozen as the server's is once started, so that neither pays full collections the other skips.
+        freeze_heap()
         if placement and all(system != "local" for system, _ in systems):
             # The clients stand in for remote ones: like an API server's own threads, this process keeps off the
             # cores the engines compute on.

@@ -31,6 +31,7 @@ from server.db.session import RequestReads
 from server.engines import create_engine
 from server.engines.base import ChoiceDelta, Engine, EngineError, EngineOverloaded, ModelLoadError, SamplingParams
 from server.errors import APIError, GenerationFailed, InvalidRequest, ServiceUnavailable, TooManyRequests
+from server.heap import freeze_startup_heap
 from server.services.model_resolution import ServableModel, resolve
 
 if TYPE_CHECKING:
@@ -264,6 +265,7 @@ class InferenceService:
             self._engine_error = reason.splitlines()[0][:200]
             self._engine_state = "failed"
             return
+        freeze_startup_heap()
         self._engine, self._engine_state = engine, "ready"
 
     @property

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 
@@ -35,6 +36,8 @@ def test_ready_when_the_database_is_migrated_and_the_engine_started(client):
     assert status == 200
     assert (body["status"], body["database"]) == ("ok", "ok")
     assert body["engine"]["status"] == "ready" and body["engine"]["kind"] == "local"
+    # Once the engine started, the startup heap is out of the garbage collector's way (`server.heap`).
+    assert gc.get_freeze_count() > 100_000
 
 
 def test_503_while_the_engine_is_loading_then_ready(settings, sessions, auth, tiny_model_dir):
