@@ -12,11 +12,10 @@ import functools
 import gc
 
 
-def freeze_heap() -> int:
-    """Collect what is garbage now, then freeze everything left. Returns the objects frozen so far."""
+def freeze_heap() -> None:
+    """Collect what is garbage now, then freeze everything left."""
     gc.collect()
     gc.freeze()
-    return gc.get_freeze_count()
 
 
 # The inference service's, once its engine started: once per process, since a collection costs ~0.5 s there and a
