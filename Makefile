@@ -58,7 +58,7 @@ test: install lint browser
 	$(MAKE) test-vllm
 
 run: install
-	$(BIN)/python -m server.cli run
+	$(BIN)/python -m zaya_cli run
 
 bench: install
 	$(BIN)/python benchmarks/model_bench.py

@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Any
 
-from server.cli import CommandError
+from zaya_cli import CommandError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -1,6 +1,6 @@
 """`python -m finetune.demo` (= `make demo`): LoRA fine-tuning on the bank disposition task, before and after.
 
-Starts from the tiny model that `zaya run` bootstraps (`server.run.build_tiny_model`: a tokenizer and a 2-layer
+Starts from the tiny model that `zaya run` bootstraps (`finetune.bootstrap.build_tiny_model`: a tokenizer and a 2-layer
 ZAYA pretrained for 100 steps on synthetic bank chats), writes a disposition training set and a held-out set of
 fresh synthetic cases (other seeds than the bootstrap corpus), scores the base model on the held-out set, fine-tunes
 a LoRA adapter with `run_finetune` and scores base + adapter with `evaluate_model`: held-out loss, token accuracy
@@ -35,7 +35,7 @@ class _Progress(TrainingHooks):
 def run_demo(
     workdir: Path, n_train: int, n_valid: int, steps: int, seed: int, bootstrap_steps: int, lr_multiplier: float
 ) -> dict:
-    from server.run import build_tiny_model  # the model `zaya run` registers: the demo starts where users start
+    from finetune.bootstrap import build_tiny_model  # the model `zaya run` registers: the demo starts where users start
 
     started = time.monotonic()
     print(f"building zaya run's tiny model ({bootstrap_steps} pretraining steps) ...", flush=True)
@@ -63,7 +63,7 @@ def run_demo(
     train_seconds = time.monotonic() - trained
     after = evaluate_model(str(base_dir), str(valid_file), adapter_dir=result.output_dir)
     return {
-        "base_model": "zaya run's tiny model (server.run.build_tiny_model)",
+        "base_model": "zaya run's tiny model (finetune.bootstrap.build_tiny_model)",
         "bootstrap_steps": bootstrap_steps,
         "n_train": n_train,
         "n_valid": n_valid,

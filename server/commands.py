@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from server.cli import CommandError
 from server.db.models import Role
 from server.settings import Settings
+from zaya_cli import CommandError
 
 
 def _db_upgrade(args: argparse.Namespace) -> int:

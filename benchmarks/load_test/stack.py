@@ -35,7 +35,7 @@ def free_port() -> int:
 
 def build_model(directory: Path) -> Path:
     """The tiny model `zaya run` bootstraps, untrained (random weights): fast, and all the engine needs."""
-    from server.run import build_tiny_model
+    from finetune.bootstrap import build_tiny_model
 
     if not (directory / "config.json").is_file():
         build_tiny_model(directory, train_steps=0)
@@ -119,7 +119,7 @@ class Stack:
     def _spawn(self, arguments: list[str], log_path: Path) -> subprocess.Popen:
         with open(log_path, "ab") as log:
             return subprocess.Popen(
-                [sys.executable, "-m", "server.cli", *arguments],
+                [sys.executable, "-m", "zaya_cli", *arguments],
                 cwd=REPO_ROOT,
                 env=self.process_env(),
                 stdout=log,

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from server.engines.base import (
     ChoiceDelta,
@@ -40,15 +40,13 @@ from server.engines.base import (
     TokenLogprob,
 )
 from server.engines.detokenizer import StopStringDetokenizer
+from server.engines.model_files import end_of_sequence_ids, load_model_config, load_model_tokenizer
 from server.engines.sampling import choice_generator, sample_token
 from server.engines.threads import on_own_thread
 from zaya_model import ZayaConfig, ZayaForCausalLM
 from zaya_model.cache_zaya import ZayaCache
 
 logger = logging.getLogger(__name__)
-
-END_OF_TURN_TOKEN = "<|im_end|>"
-
 
 class LocalEngineSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="ZAYA_LOCAL_ENGINE_", extra="ignore")
@@ -58,15 +56,6 @@ class LocalEngineSettings(BaseSettings):
     # Requests waiting for a batch slot, per model version; one more gets 429.
     max_queued_requests: int = Field(default=64, ge=0)
     max_loaded_models: int = Field(default=4, ge=1)
-
-
-def end_of_sequence_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
-    """End of turn (chat answers) and end of text (raw completions): a choice stops at either."""
-    ids = {tokenizer.eos_token_id}
-    end_of_turn = tokenizer.convert_tokens_to_ids(END_OF_TURN_TOKEN)
-    if isinstance(end_of_turn, int) and end_of_turn != tokenizer.unk_token_id:
-        ids.add(end_of_turn)
-    return frozenset(i for i in ids if i is not None)
 
 
 @dataclass
@@ -504,20 +493,6 @@ class LocalEngine(Engine):
         if self._compute is not None:
             compute, self._compute = self._compute, None
             await asyncio.to_thread(compute.stop)
-
-
-def load_model_tokenizer(model: ModelRef) -> PreTrainedTokenizerBase:
-    try:
-        return AutoTokenizer.from_pretrained(model.path)
-    except Exception as error:
-        raise ModelLoadError(f"Model version {model.version_id} has no loadable tokenizer: {error}") from error
-
-
-def load_model_config(model: ModelRef) -> ZayaConfig:
-    try:
-        return ZayaConfig.from_pretrained(model.path)
-    except Exception as error:
-        raise ModelLoadError(f"Model version {model.version_id} has no loadable config: {error}") from error
 
 
 # `from_pretrained` patches process-wide state while it builds a model (meta device, skipped inits): one at a time.

@@ -45,7 +45,7 @@ from server.engines.base import (
 )
 from server.engines.cpu_placement import CpuPlacement
 from server.engines.detokenizer import StopStringDetokenizer
-from server.engines.local import end_of_sequence_ids, load_model_config, load_model_tokenizer
+from server.engines.model_files import end_of_sequence_ids, load_model_config, load_model_tokenizer
 from zaya_model.vllm_plugin.adapters import AdapterError, check_adapter, merged_checkpoint, trains_experts
 
 logger = logging.getLogger(__name__)

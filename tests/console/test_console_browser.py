@@ -87,7 +87,7 @@ def stack(tmp_path_factory, tiny_model_dir, new_database) -> Iterator[Stack]:
 
         env = {**os.environ, "ZAYA_DATA_DIR": str(directory / "data"), "ZAYA_DATABASE_URL": database_url}
         port = free_port()
-        command = [sys.executable, "-m", "server.cli"]
+        command = [sys.executable, "-m", "zaya_cli"]
         server = subprocess.Popen([*command, "serve", "--port", str(port)], env=env)
         worker = subprocess.Popen(
             [*command, "worker", "--poll-seconds", "0.2", "--heartbeat-seconds", "0.5", "--lease-seconds", "30"],

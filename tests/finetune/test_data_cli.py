@@ -10,7 +10,7 @@ from pathlib import Path
 
 from finetune_helpers import chat
 
-from server.cli import main
+from zaya_cli.main import main
 
 
 def test_validate_exit_codes_and_problem_lines(tokenizer_dir, write_jsonl, capsys):

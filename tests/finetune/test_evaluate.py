@@ -11,7 +11,7 @@ from finetune_helpers import chat
 from tiny_models import TINY_ZAYA, randomize_zaya
 
 from finetune.evaluate import EvaluationError, evaluate_model
-from server.cli import main
+from zaya_cli.main import main
 from zaya_model import ZayaForCausalLM
 from zaya_model.configuration_zaya import ZayaConfig
 

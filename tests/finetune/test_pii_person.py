@@ -13,7 +13,7 @@ from finetune_helpers import chat
 
 from finetune.datasets.person_names import PersonModelError, load_person_finder
 from finetune.datasets.pii import find_pii, scan_file
-from server.cli import main
+from zaya_cli.main import main
 
 spacy = pytest.importorskip("spacy", reason="needs spaCy, the optional `pii` extra (make install installs it)")
 

@@ -11,8 +11,8 @@ import openai
 import pytest
 from sqlalchemy import event, select
 
+from finetune.bootstrap import build_tiny_model
 from server.db.models import AuditLog, File, FineTuningJob, InferenceRecord, JobStatus, ModelAlias, ModelVersion
-from server.run import build_tiny_model
 
 MESSAGES = [{"role": "user", "content": "Summarise case CASE-7 for the investigations queue."}]
 

@@ -6,8 +6,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from server.app import create_app
-from server.cli import main
 from server.settings import Settings
+from zaya_cli.main import main
 
 
 def test_db_upgrade_then_keys_create_gives_a_working_admin_key(tmp_path, monkeypatch, capsys, fresh_database):

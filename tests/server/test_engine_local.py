@@ -11,11 +11,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from finetune.bootstrap import build_tiny_model
 from server.engines import local
 from server.engines.base import EngineError, EngineOverloaded, ModelLoadError, ModelRef, SamplingParams
 from server.engines.local import LocalEngine, LocalEngineSettings
 from server.engines.threads import THREAD_NAME_PREFIX
-from server.run import build_tiny_model
 from zaya_model import ZayaForCausalLM
 
 PROMPTS = ["Case CASE-1 Customer: Maria", "Summarise", "Disposition: SAR\nReason: the customer wired funds to"]

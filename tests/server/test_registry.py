@@ -6,9 +6,9 @@ import shutil
 
 import pytest
 
-from server.cli import main
 from server.db.models import AuditLog
 from server.services.model_resolution import find_version
+from zaya_cli.main import main
 
 
 @pytest.fixture

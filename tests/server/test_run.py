@@ -49,7 +49,7 @@ def test_zaya_run_serves_chat_and_stops_cleanly_on_ctrl_c(settings, sessions, ma
     port = free_port()
     env = {**os.environ, "ZAYA_DATA_DIR": str(settings.data_dir), "ZAYA_DATABASE_URL": settings.database_url}
     process = subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "run", "--port", str(port), "--bootstrap-train-steps", "2"],
+        [sys.executable, "-m", "zaya_cli", "run", "--port", str(port), "--bootstrap-train-steps", "2"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

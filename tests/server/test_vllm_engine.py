@@ -30,7 +30,7 @@ from server.app import create_app  # noqa: E402
 from server.db.migrations import upgrade  # noqa: E402
 from server.db.models import InferenceRecord  # noqa: E402
 from server.db.session import make_engine, make_sessionmaker, session_scope  # noqa: E402
-from server.engines.local import end_of_sequence_ids  # noqa: E402
+from server.engines.model_files import end_of_sequence_ids  # noqa: E402
 from server.engines.vllm import VLLMEngineSettings  # noqa: E402
 from server.services import registry  # noqa: E402
 from server.services.keys import create_key  # noqa: E402

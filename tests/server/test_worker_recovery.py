@@ -147,7 +147,7 @@ def start_worker(settings, log_path: Path) -> subprocess.Popen:
         "ZAYA_DATA_DIR": str(settings.data_dir),
         "OMP_NUM_THREADS": "1",
     }
-    command = [sys.executable, "-m", "server.cli", "worker", "--lease-seconds", "5", "--heartbeat-seconds", "0.5"]
+    command = [sys.executable, "-m", "zaya_cli", "worker", "--lease-seconds", "5", "--heartbeat-seconds", "0.5"]
     command += ["--poll-seconds", "0.2"]
     with open(log_path, "ab") as log:
         return subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)

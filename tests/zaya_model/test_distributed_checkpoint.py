@@ -15,7 +15,7 @@ import torch
 from pretrain_helpers import MICRO as PRETRAIN_MICRO
 from pretrain_helpers import step_losses, train_rank
 
-from server.cli import main
+from zaya_cli.main import main
 from zaya_model import ZayaForCausalLM
 from zaya_model.pretrain.train import Pretrainer, PretrainError
 

@@ -15,7 +15,7 @@ from compile_helpers import no_cpp_compiler
 from pretrain_helpers import MICRO, metrics, step_losses, train_rank
 from safetensors.torch import load_file
 
-from server.cli import main
+from zaya_cli.main import main
 from zaya_model import ZayaForCausalLM
 from zaya_model.pretrain.plot import read_losses
 from zaya_model.pretrain.tokenizer import train_tokenizer

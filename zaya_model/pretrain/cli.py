@@ -51,7 +51,7 @@ _SETTING_FLAGS = (
 
 
 def run(args: argparse.Namespace) -> int:
-    from server.cli import CommandError
+    from zaya_cli import CommandError
 
     from ..training.checkpointing import CheckpointWriteError
     from ..training.runtime import prepare_training_process

@@ -1,7 +1,8 @@
-"""The `zaya` command line: a thin dispatcher.
+"""The `zaya` entry point: a thin dispatcher.
 
 Each command group lives in the package that owns the work; this module only wires argparse subcommands to
-`register(subparsers)` functions, imported lazily so `zaya --help` stays fast.
+`register(subparsers)` functions, imported lazily by name so `zaya --help` stays fast and this package imports
+nothing of the packages it dispatches to.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+
+from zaya_cli import CommandError
 
 # Modules exposing `register(subparsers)`, which adds their subcommands and sets `func` on each.
 COMMAND_MODULES: list[str] = ["server.commands", "finetune.cli", "zaya_model.pretrain.cli", "server.run"]
@@ -22,10 +25,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class CommandError(Exception):
-    """An error a command reports as one clear line and a non-zero exit."""
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -33,11 +32,3 @@ def main(argv: list[str] | None = None) -> int:
     except CommandError as error:
         print(f"zaya {args.command}: error: {error}", file=sys.stderr)
         return 1
-
-
-if __name__ == "__main__":
-    # Run the imported module's `main`, so `CommandError` raised by commands is the class we catch (under `-m` this
-    # file is `__main__`, a second copy of the module).
-    from server.cli import main as package_main
-
-    sys.exit(package_main())
