@@ -36,13 +36,14 @@ def group_layout(group_index: torch.Tensor, num_groups: int, multiple: int = 1) 
     rows, between groups, are for the caller to zero). Returns each token's row and each group's row count."""
     group_sizes = torch.bincount(group_index, minlength=num_groups)
     order = torch.argsort(group_index, stable=True)
+    positions = torch.arange(len(order), device=order.device)
     if multiple == 1:
-        return torch.empty_like(order).index_copy_(0, order, torch.arange(len(order))), group_sizes
+        return torch.empty_like(order).index_copy_(0, order, positions), group_sizes
     rounded = (group_sizes + multiple - 1) // multiple * multiple
     padded_sizes = torch.where(group_sizes <= FEW_ROWS, group_sizes, rounded)
     # How far each group's first row moves: the padding of the groups before it.
     offsets = torch.cumsum(padded_sizes - group_sizes, dim=0) - (padded_sizes - group_sizes)
-    sorted_rows = torch.arange(len(order)) + offsets.index_select(0, group_index.index_select(0, order))
+    sorted_rows = positions + offsets.index_select(0, group_index.index_select(0, order))
     return torch.empty_like(order).index_copy_(0, order, sorted_rows), padded_sizes
 
 

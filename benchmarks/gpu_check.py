@@ -1,0 +1,765 @@
+"""Our ZAYA1 on a GPU (CUDA or ROCm): checked against the CPU reference, timed beside upstream `transformers`' `zaya`.
+
+Run: `python benchmarks/gpu_check.py [--quick] [--device cuda|cpu] [--compile auto|on|off] [--budget-s S] [--out PATH]`
+(`--quick`: tiny shapes, a smoke test that also runs on CPU; CI runs it there. `--compile auto` compiles on a GPU
+only: on 2 CPU cores compiling both models takes many minutes, and the compiled rows are then not measured.)
+
+1. **Checks against the CPU reference** (our model, eager, fp32 on the CPU), on model_bench's shape:
+   - fp32 logits on the device, through the reference path and through the grouped-matmul experts
+     (`zaya_model.kernels.grouped_mm_experts`): relative error `|out - ref| / |ref|` at most `FP32_TOLERANCE`
+     (TF32 off);
+   - bf16 greedy generation on the device (bf16 weights, grouped-matmul experts): the device's bf16 logits over the
+     generated sequence within `BF16_TOLERANCE` of the reference's, and every generated token consistent with the
+     reference: its reference logit is the maximum or within twice the bf16 error at that position of it (only then
+     can rounding flip an argmax). Agreement with the reference's own fp32 greedy tokens is reported too.
+2. **Speed beside upstream on the same device, same weights, same batches** (upstream `ZayaForCausalLM` built from
+   the same config, loaded with our state dict, `grouped_mm` experts and sdpa as model_bench loads it; a shape's
+   upstream rows are dropped if its fp32 logits differ from ours). For model_bench's shape (hidden 512, 8 layers) and
+   a ZAYA1-base-wide layer stack (the widths of `ZayaConfig.zaya1_base()`: hidden 2048, 16 experts, 2048-wide
+   experts, 8 x 128 query heads, 2 KV heads; `WIDE_LAYERS` layers; model_bench's vocabulary, so that the layer stack
+   and not a 262k-word LM head is measured):
+   - **train step** (forward + backward + fused AdamW) in bf16 two ways: `autocast` (fp32 weights and optimizer,
+     bf16 autocast: `zaya pretrain --dtype bf16` and `Trainer(bf16=True)`) and `bf16 weights` (the model in bf16);
+     tokens/s and MFU against a bf16 matmul measured in the same run;
+   - **prefill** (`no_grad` forward with `use_cache=True`, bf16 weights): tokens/s, MFU;
+   - **greedy decode** at batch 1 and 32 (`generate`, bf16 weights, a 128-token prompt, exactly 64 new tokens):
+     generated tokens/s.
+   Implementations: `ours_eager` (the reference model as it is), `ours_best` (grouped-matmul experts, plus compiled
+   layers for train steps and prefill: `enable_compiled_layers`; decoding steps are not compiled on this path),
+   `upstream_eager` (as shipped) and
+   `upstream_compiled` (`torch.compile(model)`, for train steps and prefill; transformers does not compile ZAYA's
+   generation: `_can_compile_fullgraph = False`, its hybrid cache is not a compilable cache). Each row states
+   eager/eager and best/best (each side's faster path). Before timing, each implementation's first call (compiling
+   where it compiles) is a check: for train steps one forward + backward without an optimizer step, whose loss and
+   gradient norm must agree across the four (same weights, same batch: all of them train the same model); for
+   prefill, its logits against its own side's eager path.
+   Timing: one clock for every loop, outside it: `time.perf_counter()` around each call, the device synchronised
+   before and after; implementations interleaved (A B C D, then D C B A, ...). Rows are measured in priority order
+   (the wide stack's train step first); once `--budget-s` seconds have passed, the remaining rows are recorded as not
+   measured, with that reason.
+
+The JSON report (`--out`) is rewritten after every row, so a run cut short still leaves what it measured. Exit status
+1 if a check failed or a row raised (the row records the error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import gc
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+for _path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+import model_bench as mb  # noqa: E402  (sets OMP_NUM_THREADS before torch loads; --threads overrides it)
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+from zaya_model import ZayaConfig, ZayaForCausalLM  # noqa: E402
+from zaya_model.kernels.grouped_mm_experts import use_grouped_mm_experts  # noqa: E402
+
+DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "gpu_check.json"
+FP32_TOLERANCE = 1e-4  # relative error of fp32 logits, device against CPU
+BF16_TOLERANCE = 3e-2  # relative error of bf16 logits against the fp32 reference
+LOSS_TOLERANCE = 2e-2  # relative spread of the first bf16 loss across implementations
+GRAD_NORM_TOLERANCE = 5e-2  # relative spread of the first gradient norm
+PREFILL_TOLERANCE = 5e-2  # relative error of a faster path's bf16 prefill logits against its eager path's
+LOGITS_KEPT = 64  # last positions of each prefill's logits compared across implementations
+TARGET_WIDE_TRAIN = 1.3  # ours / upstream, bf16 train step of the wide stack, best against best
+WIDE_LAYERS = 4
+IMPLS = ("ours_eager", "ours_best", "upstream_eager", "upstream_compiled")
+NOT_COMPILING = "compiling is off in this run (--compile; off by default on a CPU)"
+NO_COMPILED_GENERATION = (
+    "transformers does not compile ZAYA's generation (ZayaPreTrainedModel._can_compile_fullgraph = False: its hybrid "
+    "cache is not a compilable cache)"
+)
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    model: dict
+    seq_len: int
+    train_batch: int
+    prefill_batch: int
+    prompt_len: int
+    new_tokens: int
+    decode_batches: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Everything that `--quick` shrinks."""
+
+    shapes: tuple[Shape, ...]
+    check_model: dict
+    check_seq: int
+    check_prompt: int
+    check_new_tokens: int
+    warmup: int
+    repeats: int
+    matmul_size: int
+
+
+def wide_model(layers: int, vocab_size: int) -> dict:
+    """A ZAYA1-base-wide layer stack: `ZayaConfig.zaya1_base()`'s widths, `layers` blocks, upstream's behaviour for
+    what upstream cannot express (skip class outputs zero, residual in fp32)."""
+    base = ZayaConfig.zaya1_base()
+    widths = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "moe_intermediate_size",
+              "num_experts", "router_hidden_size")
+    return {key: getattr(base, key) for key in widths} | {"num_hidden_layers": layers, "vocab_size": vocab_size}
+
+
+FULL = Sizes(
+    shapes=(
+        Shape("zaya1-base-wide", wide_model(WIDE_LAYERS, mb.FULL.model["vocab_size"]), 2048, 16, 16, 128, 64, (1, 32)),
+        Shape("model_bench", mb.FULL.model, 2048, 16, 16, 128, 64, (1, 32)),
+    ),
+    check_model=mb.FULL.model,
+    check_seq=128,
+    check_prompt=16,
+    check_new_tokens=32,
+    warmup=1,
+    repeats=5,
+    matmul_size=8192,
+)
+QUICK = Sizes(
+    shapes=(
+        Shape("wide-tiny", dict(mb.QUICK.model, hidden_size=128, moe_intermediate_size=128), 32, 2, 2, 8, 4, (1, 4)),
+        Shape("model_bench-tiny", mb.QUICK.model, 32, 2, 2, 8, 4, (1, 4)),
+    ),
+    check_model=mb.QUICK.model,
+    check_seq=16,
+    check_prompt=8,
+    check_new_tokens=8,
+    warmup=1,
+    repeats=2,
+    matmul_size=256,
+)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Models
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def config_kwargs(model: dict, seq_len: int) -> dict:
+    return dict(
+        model,
+        max_position_embeddings=max(4096, seq_len),
+        pad_token_id=mb.PAD,
+        bos_token_id=mb.BOS,
+        eos_token_id=mb.EOS,
+        tie_word_embeddings=True,
+        use_cache=True,
+    )
+
+
+def build_ours(model: dict, seq_len: int, device: torch.device) -> ZayaForCausalLM:
+    """Our model with seeded random weights, built on `device`."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        built = ZayaForCausalLM._from_config(
+            ZayaConfig(**config_kwargs(model, seq_len)), attn_implementation="sdpa", dtype=torch.float32
+        )
+    return built.eval()
+
+
+def upstream_copy(ours: ZayaForCausalLM, model: dict, seq_len: int) -> torch.nn.Module:
+    """Upstream `transformers.ZayaForCausalLM` with `ours`' weights, on its device, as model_bench loads it."""
+    with torch.device(ours.device):
+        upstream = transformers.ZayaForCausalLM._from_config(
+            transformers.ZayaConfig(**config_kwargs(model, seq_len)),
+            attn_implementation="sdpa",
+            experts_implementation="grouped_mm",
+            dtype=torch.float32,
+        )
+    upstream.load_state_dict(ours.state_dict())
+    return upstream.eval()
+
+
+def set_ours_path(model: ZayaForCausalLM, best: bool, compiled_layers: bool) -> None:
+    use_grouped_mm_experts(model, best)
+    model.enable_compiled_layers(best and compiled_layers)
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 1. Checks against the CPU reference
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def check_against_cpu(sizes: Sizes, device: torch.device) -> dict:
+    reference = build_ours(sizes.check_model, sizes.check_seq, torch.device("cpu"))
+    on_device = copy.deepcopy(reference).to(device)
+    ids = mb.random_ids(2, sizes.check_seq, reference.config.vocab_size, seed=1)
+    result: dict = {"model": sizes.check_model, "fp32_logits": {}}
+    with torch.no_grad():
+        ref_logits = reference(input_ids=ids).logits
+        for path in ("reference", "grouped_mm_experts"):
+            use_grouped_mm_experts(on_device, path == "grouped_mm_experts")
+            logits = on_device(input_ids=ids.to(device)).logits.cpu()
+            error = relative_error(logits, ref_logits)
+            result["fp32_logits"][path] = {
+                "relative_error": error,
+                "max_abs_diff": float((logits - ref_logits).abs().max()),
+                "tolerance": FP32_TOLERANCE,
+                "passed": error <= FP32_TOLERANCE,
+            }
+    del on_device
+    result["bf16_greedy"] = check_bf16_greedy(reference, sizes, device)
+    result["passed"] = all(r["passed"] for r in result["fp32_logits"].values()) and result["bf16_greedy"]["passed"]
+    return result
+
+
+def check_bf16_greedy(reference: ZayaForCausalLM, sizes: Sizes, device: torch.device) -> dict:
+    """Generation runs with the grouped-matmul experts; compiled layers are checked by the speed rows (same loss and
+    gradient norm for train steps, same logits for prefill)."""
+    model = copy.deepcopy(reference).to(device, torch.bfloat16)
+    use_grouped_mm_experts(model)
+    prompt = mb.random_ids(2, sizes.check_prompt, reference.config.vocab_size, seed=5)
+    generated = mb.greedy_generate(model, prompt.to(device), sizes.check_new_tokens).cpu()
+    sequence = torch.cat((prompt, generated), dim=1)
+    with torch.no_grad():
+        ref_logits = reference(input_ids=sequence).logits
+        logits = model(input_ids=sequence.to(device)).logits.float().cpu()
+    # Logits at position p predict token p + 1: the generated tokens' predictions.
+    predicting = slice(sizes.check_prompt - 1, sequence.shape[1] - 1)
+    ref_at, dev_at = ref_logits[:, predicting], logits[:, predicting]
+    error = (dev_at - ref_at).abs().amax(dim=-1)
+    gap = ref_at.amax(dim=-1) - ref_at.gather(-1, generated[..., None]).squeeze(-1)
+    consistent = gap <= 2 * error + 1e-6
+    reference_tokens = mb.greedy_generate(reference, prompt, sizes.check_new_tokens)
+    logits_error = relative_error(dev_at, ref_at)
+    return {
+        "tokens": generated.numel(),
+        "consistent_tokens": int(consistent.sum()),
+        "largest_gap_over_error": float((gap / (2 * error + 1e-6)).max()),
+        "agree_with_reference_greedy": float((generated == reference_tokens).float().mean()),
+        "logits_relative_error": logits_error,
+        "tolerance": BF16_TOLERANCE,
+        "passed": bool(consistent.all()) and logits_error <= BF16_TOLERANCE,
+    }
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 2. Speed
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_tflops(device: torch.device, size: int) -> float:
+    """Median TFLOP/s of a `size`^3 bf16 matmul on `device` (random data; 3 warm-ups, 5 timed batches of 5)."""
+    a, b = (torch.randn(size, size, device=device, dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    samples = []
+    for _ in range(5):
+        synchronize(device)
+        start = time.perf_counter()
+        for _ in range(5):
+            a @ b
+        synchronize(device)
+        samples.append(5 * 2 * size**3 / (time.perf_counter() - start) / 1e12)
+    return statistics.median(samples)
+
+
+def flops_per_token(model: torch.nn.Module, seq_len: int, passes: int) -> float:
+    """model_bench's analytic count (`train_step_flops`) per token: `passes` * (active parameters + layers *
+    query width * seq), with passes 6 for a train step (forward + backward) and 2 for a forward; active parameters are
+    all but the E - 1 experts a top-1 token does not use (the tied LM head counted once)."""
+    config = model.config
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    active = total - experts * (config.num_experts - 1) / config.num_experts
+    attention = config.num_hidden_layers * config.num_attention_heads * config.head_dim * seq_len
+    return passes * (active + attention)
+
+
+class ShapeModels:
+    """Ours and upstream with the same weights on the device, converted to bf16 once the fp32 rows are done."""
+
+    def __init__(self, shape: Shape, device: torch.device, compile_models: bool):
+        self.shape, self.device, self.compile = shape, device, compile_models
+        self.ours = build_ours(shape.model, shape.seq_len, device)
+        self.upstream = upstream_copy(self.ours, shape.model, shape.seq_len)
+        self.upstream_compiled = torch.compile(self.upstream) if compile_models else None
+        self.dtype = torch.float32
+        ids = mb.random_ids(2, min(shape.seq_len, 64), self.ours.config.vocab_size, seed=1).to(device)
+        with torch.no_grad():
+            self.same_logits_error = relative_error(
+                self.upstream(input_ids=ids).logits, self.ours(input_ids=ids).logits
+            )
+        self.upstream_agrees = self.same_logits_error <= FP32_TOLERANCE
+
+    def to(self, dtype: torch.dtype) -> None:
+        if dtype != self.dtype:
+            self.ours.to(dtype)
+            self.upstream.to(dtype)
+            self.dtype = dtype
+
+
+def peak_gib(device: torch.device, before: int) -> float | None:
+    if device.type != "cuda":
+        return None
+    return (torch.cuda.max_memory_allocated(device) - before) / 2**30
+
+
+def first_call(run: Callable[[], dict], device: torch.device) -> dict:
+    """One call, timed (compiling where the implementation compiles), with the device memory it took at peak."""
+    before = 0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+    synchronize(device)
+    start = time.perf_counter()
+    result = run()
+    synchronize(device)
+    return {"first_call_s": time.perf_counter() - start, "peak_gib": peak_gib(device, before), **result}
+
+
+def time_interleaved(runners: dict[str, Callable[[], int]], repeats: int, device: torch.device) -> dict:
+    samples: dict[str, list[float]] = {name: [] for name in runners}
+    names = list(runners)
+    for repeat in range(repeats):
+        for name in names if repeat % 2 == 0 else reversed(names):
+            synchronize(device)
+            start = time.perf_counter()
+            tokens = runners[name]()
+            synchronize(device)
+            samples[name].append(tokens / (time.perf_counter() - start))
+    return samples
+
+
+def train_runners(models: ShapeModels, precision: str) -> tuple[dict, dict]:
+    """(first calls, timed steps) per implementation: forward + backward (+ fused AdamW for timed steps)."""
+    shape, device = models.shape, models.device
+    models.to(torch.float32 if precision == "autocast" else torch.bfloat16)
+    ids = mb.random_ids(shape.train_batch, shape.seq_len, models.ours.config.vocab_size, seed=3).to(device)
+    autocast = precision == "autocast"
+    optimizers = {
+        name: torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+        for name, model in (("ours", models.ours), ("upstream", models.upstream))
+    }
+
+    def runner(impl: str) -> tuple[Callable[[], dict], Callable[[], int]]:
+        side = impl.split("_")[0]
+        params_model = models.ours if side == "ours" else models.upstream
+        call = models.upstream_compiled if impl == "upstream_compiled" else params_model
+
+        def backward() -> torch.Tensor:
+            if side == "ours":
+                set_ours_path(models.ours, impl == "ours_best", compiled_layers=models.compile)
+            params_model.train()
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                loss = call(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            return loss
+
+        def probe() -> dict:
+            loss = backward()
+            grads = [p.grad.float().norm() for p in params_model.parameters() if p.grad is not None]
+            params_model.zero_grad(set_to_none=True)
+            return {"loss": float(loss), "grad_norm": float(torch.stack(grads).norm())}
+
+        def step() -> int:
+            backward()
+            optimizers[side].step()
+            optimizers[side].zero_grad(set_to_none=True)
+            return ids.numel()
+
+        return probe, step
+
+    runners = {impl: runner(impl) for impl in IMPLS}
+    return {impl: r[0] for impl, r in runners.items()}, {impl: r[1] for impl, r in runners.items()}
+
+
+def prefill_runners(models: ShapeModels) -> tuple[dict, dict]:
+    """(first calls, timed calls): each first call also keeps its last positions' logits, to compare the four."""
+    shape, device = models.shape, models.device
+    models.to(torch.bfloat16)
+    ids = mb.random_ids(shape.prefill_batch, shape.seq_len, models.ours.config.vocab_size, seed=4).to(device)
+
+    def runner(impl: str) -> Callable[[], torch.Tensor]:
+        call = models.upstream_compiled if impl == "upstream_compiled" else models.upstream
+
+        def prefill() -> torch.Tensor:
+            if impl.startswith("ours"):
+                set_ours_path(models.ours, impl == "ours_best", compiled_layers=models.compile)
+                models.ours.eval()
+                with torch.no_grad():
+                    return models.ours(input_ids=ids, use_cache=True).logits
+            models.upstream.eval()
+            with torch.no_grad():
+                return call(input_ids=ids, use_cache=True).logits
+
+        return prefill
+
+    def probe(prefill: Callable[[], torch.Tensor]) -> Callable[[], dict]:
+        return lambda: {"logits": prefill()[:, -LOGITS_KEPT:].float()}
+
+    def step(prefill: Callable[[], torch.Tensor]) -> Callable[[], int]:
+        def timed() -> int:
+            prefill()
+            return ids.numel()
+
+        return timed
+
+    calls = {impl: runner(impl) for impl in IMPLS}
+    return {impl: probe(call) for impl, call in calls.items()}, {impl: step(call) for impl, call in calls.items()}
+
+
+def decode_runners(models: ShapeModels, batch: int) -> tuple[dict, dict]:
+    shape, device = models.shape, models.device
+    models.to(torch.bfloat16)
+    prompt = mb.random_ids(batch, shape.prompt_len, models.ours.config.vocab_size, seed=5).to(device)
+
+    def runner(impl: str) -> Callable[[], int]:
+        def decode() -> int:
+            if impl.startswith("ours"):
+                # Best path: the experts without host syncs; decoding steps are not compiled on this path.
+                set_ours_path(models.ours, impl == "ours_best", compiled_layers=False)
+                models.ours.eval()
+                return mb.greedy_generate(models.ours, prompt, shape.new_tokens).numel()
+            models.upstream.eval()
+            return mb.greedy_generate(models.upstream, prompt, shape.new_tokens).numel()
+
+        return decode
+
+    steps = {impl: runner(impl) for impl in IMPLS if impl != "upstream_compiled"}
+    return {impl: _no_details(step) for impl, step in steps.items()}, steps
+
+
+def _no_details(step: Callable[[], int]) -> Callable[[], dict]:
+    def run() -> dict:
+        step()
+        return {}
+
+    return run
+
+
+def measure_row(models: ShapeModels, phase: str, precision: str, sizes: Sizes, peak_tflops: float) -> dict:
+    shape, device = models.shape, models.device
+    if phase == "train":
+        probes, steps = train_runners(models, precision)
+        tokens, passes = shape.train_batch * shape.seq_len, 6
+    elif phase == "prefill":
+        probes, steps = prefill_runners(models)
+        tokens, passes = shape.prefill_batch * shape.seq_len, 2
+    else:
+        batch = int(phase.removeprefix("decode_b"))
+        probes, steps = decode_runners(models, batch)
+        tokens, passes = batch * shape.new_tokens, None
+    row: dict = {"shape": shape.name, "phase": phase, "precision": precision, "tokens_per_call": tokens, "impls": {}}
+    if not models.upstream_agrees:
+        reason = f"upstream's fp32 logits differ from ours (relative error {models.same_logits_error:.2g})"
+        for impl in ("upstream_eager", "upstream_compiled"):
+            probes.pop(impl, None)
+            steps.pop(impl, None)
+            row["impls"][impl] = {"not_measured": reason}
+    if not models.compile:
+        probes.pop("upstream_compiled", None)
+        steps.pop("upstream_compiled", None)
+        row["impls"].setdefault("upstream_compiled", {"not_measured": NOT_COMPILING})
+    if "upstream_compiled" not in steps and "upstream_compiled" not in row["impls"]:
+        row["impls"]["upstream_compiled"] = {"not_measured": NO_COMPILED_GENERATION}
+    logits = {}
+    for impl, probe in probes.items():
+        print(f"  {shape.name} {phase} {precision}: first call of {impl}", flush=True)
+        try:
+            row["impls"][impl] = first_call(probe, device)
+        except Exception as error:  # this implementation is left out of the row; the others still run
+            traceback.print_exc()
+            row["impls"][impl] = {"error": f"{type(error).__name__}: {str(error)[:500]}"}
+            steps.pop(impl)
+            continue
+        if "logits" in row["impls"][impl]:
+            logits[impl] = row["impls"][impl].pop("logits")
+    if logits:
+        row["same_outputs"] = same_outputs(logits)
+    del logits
+    for _ in range(sizes.warmup):
+        for step in steps.values():
+            step()
+    for impl, samples in time_interleaved(steps, sizes.repeats, device).items():
+        row["impls"][impl] |= {"tokens_per_s": samples, "median_tokens_per_s": statistics.median(samples)}
+    if passes is not None:
+        flops = flops_per_token(models.ours, shape.seq_len, passes)
+        row["flops_per_token"] = flops
+        for result in row["impls"].values():
+            if "median_tokens_per_s" in result:
+                result["mfu"] = result["median_tokens_per_s"] * flops / (peak_tflops * 1e12)
+    row |= summarise(row)
+    return row
+
+
+def same_outputs(logits: dict[str, torch.Tensor]) -> dict:
+    """Relative error of each faster path's prefill logits against its own side's eager path. (Ours against upstream
+    is checked in fp32 when the models are built: in bf16 their routers round differently, and a random model's
+    near-tie routing choices flip.)"""
+    errors = {}
+    for impl, eager in (("ours_best", "ours_eager"), ("upstream_compiled", "upstream_eager")):
+        if impl in logits and eager in logits:
+            errors[impl] = relative_error(logits[impl], logits[eager])
+    return {"relative_errors": errors, "passed": all(error <= PREFILL_TOLERANCE for error in errors.values())}
+
+
+def summarise(row: dict) -> dict:
+    """eager/eager and best/best ratios of a row, and (train) whether every implementation trained the same thing."""
+    speed = {impl: r["median_tokens_per_s"] for impl, r in row["impls"].items() if "median_tokens_per_s" in r}
+    out: dict = {}
+    if "ours_eager" in speed and "upstream_eager" in speed:
+        out["eager_over_eager"] = speed["ours_eager"] / speed["upstream_eager"]
+    ours = {impl: value for impl, value in speed.items() if impl.startswith("ours")}
+    upstream = {impl: value for impl, value in speed.items() if impl.startswith("upstream")}
+    if ours and upstream:
+        ours_best, upstream_best = max(ours, key=ours.get), max(upstream, key=upstream.get)
+        out["best"] = {"ours": ours_best, "upstream": upstream_best}
+        out["best_over_best"] = ours[ours_best] / upstream[upstream_best]
+    losses = {impl: r["loss"] for impl, r in row["impls"].items() if "loss" in r}
+    if losses:
+        norms = {impl: row["impls"][impl]["grad_norm"] for impl in losses}
+        loss_spread = (max(losses.values()) - min(losses.values())) / abs(statistics.median(losses.values()))
+        norm_spread = (max(norms.values()) - min(norms.values())) / statistics.median(norms.values())
+        out["same_training"] = {
+            "loss_spread": loss_spread,
+            "grad_norm_spread": norm_spread,
+            "passed": loss_spread <= LOSS_TOLERANCE and norm_spread <= GRAD_NORM_TOLERANCE,
+        }
+    return out
+
+
+def planned_rows(shapes: tuple[Shape, ...]) -> list[tuple[Shape, str, str]]:
+    """(shape, phase, precision) in priority order: the wide stack's train step and prefill, model_bench's shape's,
+    decoding, then the train step with bf16 weights."""
+    wide, narrow = shapes
+    rows = [(shape, phase, "autocast" if phase == "train" else "bf16 weights")
+            for shape in (wide, narrow) for phase in ("train", "prefill")]
+    rows += [(shape, f"decode_b{batch}", "bf16 weights") for shape in (narrow, wide) for batch in shape.decode_batches]
+    return rows + [(wide, "train", "bf16 weights")]
+
+
+def measure_speed(
+    sizes: Sizes, device: torch.device, compile_models: bool, peak_tflops: float, report: dict, save, deadline: float
+):
+    models: dict[str, ShapeModels] = {}
+    for shape, phase, precision in planned_rows(sizes.shapes):
+        key = {"shape": shape.name, "phase": phase, "precision": precision}
+        if time.monotonic() > deadline:
+            report["rows"].append(key | {"not_measured": "the run's time budget (--budget-s) was spent"})
+            continue
+        print(f"{shape.name} {phase} ({precision}) ...", flush=True)
+        try:
+            if shape.name not in models:
+                models[shape.name] = ShapeModels(shape, device, compile_models)
+                report["upstream_logits_error"][shape.name] = models[shape.name].same_logits_error
+            row = measure_row(models[shape.name], phase, precision, sizes, peak_tflops)
+        except Exception as error:  # a row that breaks records why; the others still run
+            traceback.print_exc()
+            row = key | {"error": f"{type(error).__name__}: {str(error)[:500]}"}
+        finally:
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        report["rows"].append(row)
+        save()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def device_info(device: torch.device) -> dict:
+    info = {
+        "device": device.type,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cpu_count": os.cpu_count(),
+    }
+    if device.type == "cuda":
+        properties = torch.cuda.get_device_properties(device)
+        info |= {
+            "name": properties.name,
+            "memory_gib": properties.total_memory / 2**30,
+            "multiprocessors": properties.multi_processor_count,
+            "backend": f"ROCm {torch.version.hip}" if torch.version.hip else f"CUDA {torch.version.cuda}",
+        }
+    else:
+        info["name"] = platform.processor() or platform.machine()
+    return info
+
+
+def targets(report: dict) -> dict:
+    for row in report["rows"]:
+        if row["phase"] == "train" and row["precision"] == "autocast" and row["shape"] == report["wide_shape"]:
+            value = row.get("best_over_best")
+            return {"wide_train_best_over_best": {"value": value, "min": TARGET_WIDE_TRAIN,
+                                                  "met": value is not None and value >= TARGET_WIDE_TRAIN}}
+    return {}
+
+
+def _fmt(value, spec: str = ",.0f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table(report: dict) -> str:
+    checks = report["checks"]
+    lines = [
+        f"{report['machine']['name']} ({report['machine']['device']}), torch {report['machine']['torch']}, "
+        f"transformers {report['machine']['transformers']}; bf16 matmul {report['matmul_tflops']:.0f} TFLOP/s "
+        f"({report['sizes']['matmul_size']}^3)",
+    ]
+    if "error" in checks:
+        lines.append(f"checks against the CPU reference: ERROR {checks['error']}")
+    else:
+        greedy = checks["bf16_greedy"]
+        lines.append(
+            "checks against the CPU reference: fp32 logits relative error "
+            + ", ".join(f"{path} {r['relative_error']:.1e}" for path, r in checks["fp32_logits"].items())
+            + f" (<= {FP32_TOLERANCE}); bf16 greedy: {greedy['consistent_tokens']}/{greedy['tokens']} tokens "
+            f"consistent, {greedy['agree_with_reference_greedy']:.0%} equal to the fp32 reference's, logits relative "
+            f"error {greedy['logits_relative_error']:.1e} (<= {BF16_TOLERANCE}): "
+            + ("passed" if checks["passed"] else "FAILED")
+        )
+    lines += [
+        "",
+        "| shape | phase | precision | ours eager | ours best | upstream eager | upstream compiled | eager/eager "
+        "| best/best | ours best MFU | upstream best MFU |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in report["rows"]:
+        head = f"| {row['shape']} | {row['phase']} | {row['precision']} |"
+        if "impls" not in row:
+            lines.append(f"{head} {row.get('not_measured') or row.get('error')} |||||||")
+            continue
+        cells = []
+        for impl in IMPLS:
+            result = row["impls"].get(impl, {})
+            if "median_tokens_per_s" in result:
+                cells.append(_fmt(result["median_tokens_per_s"]))
+            else:
+                cells.append("error" if "error" in result else "n/a: " + str(result.get("not_measured", "-")))
+        best = row.get("best", {})
+        mfu = [row["impls"].get(best.get(side), {}).get("mfu") for side in ("ours", "upstream")]
+        lines.append(
+            f"{head} {' | '.join(cells)} | {_fmt(row.get('eager_over_eager'), '.2f')} | "
+            f"{_fmt(row.get('best_over_best'), '.2f')} | {_fmt(mfu[0], '.1%')} | {_fmt(mfu[1], '.1%')} |"
+        )
+    lines.append("\n(tokens/s; decode rows: generated tokens/s; best = each side's faster path)")
+    for row in report["rows"]:
+        if "same_training" in row:
+            same = row["same_training"]
+            lines.append(
+                f"- {row['shape']} train ({row['precision']}): first loss spread {same['loss_spread']:.1e}, gradient "
+                f"norm spread {same['grad_norm_spread']:.1e} across implementations: "
+                + ("same training" if same["passed"] else "DIFFERENT")
+            )
+        if "same_outputs" in row:
+            errors = row["same_outputs"]["relative_errors"]
+            lines.append(
+                f"- {row['shape']} prefill: logits relative error against the same side's eager path: "
+                + ", ".join(f"{impl} {error:.1e}" for impl, error in errors.items())
+                + (" (same outputs)" if row["same_outputs"]["passed"] else " DIFFERENT")
+            )
+        for impl, result in row.get("impls", {}).items():
+            if "error" in result:
+                lines.append(f"- {row['shape']} {row['phase']} {impl}: {result['error']}")
+    for name, target in report["targets"].items():
+        lines.append(f"- target {name}: {_fmt(target['value'], '.2f')} (>= {target['min']}) "
+                     + ("met" if target["met"] else "NOT met"))
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, 2 repeats: a smoke test (runs on CPU)")
+    parser.add_argument("--device", default=None, help="cuda (ROCm too) or cpu (default: cuda if available)")
+    parser.add_argument("--budget-s", type=float, default=None, help="stop starting new rows after this many seconds")
+    parser.add_argument(
+        "--compile",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="torch.compile ours' layers and upstream (auto: on a GPU only; compiling on 2 CPU cores takes minutes)",
+    )
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: every core)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON report path (default {DEFAULT_OUT})")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.monotonic()
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 stays fp32 (the fp32 check; upstream's fp32 experts)
+    torch.backends.cudnn.allow_tf32 = False
+    mb.init_amx()
+    mb.quiet_transformers()
+    sizes = QUICK if args.quick else FULL
+    compile_models = args.compile == "on" or (args.compile == "auto" and device.type != "cpu")
+    report: dict = {
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+        "mode": "quick" if args.quick else "full",
+        "machine": device_info(device),
+        "sizes": asdict(sizes),
+        "wide_shape": sizes.shapes[0].name,
+        "compiled": compile_models,
+        "upstream_logits_error": {},
+        "rows": [],
+    }
+
+    def save() -> None:
+        mb.write_json_atomic(args.out, report)
+
+    report["matmul_tflops"] = matmul_tflops(device, sizes.matmul_size)
+    print("checks against the CPU reference ...", flush=True)
+    try:
+        report["checks"] = check_against_cpu(sizes, device)
+    except Exception as error:
+        traceback.print_exc()
+        report["checks"] = {"error": f"{type(error).__name__}: {str(error)[:500]}", "passed": False}
+    save()
+    deadline = started + args.budget_s if args.budget_s else float("inf")
+    measure_speed(sizes, device, compile_models, report["matmul_tflops"], report, save, deadline)
+    report["targets"] = targets(report)
+    report["seconds"] = time.monotonic() - started
+    save()
+    print(table(report))
+    print(f"wrote {args.out}")
+    return 0 if passed(report) else 1
+
+
+def passed(report: dict) -> bool:
+    """Every check passed and nothing raised (rows not measured, with their reason, do not fail a run)."""
+    for row in report["rows"]:
+        if "error" in row or any("error" in result for result in row.get("impls", {}).values()):
+            return False
+        if not all(row[check]["passed"] for check in ("same_training", "same_outputs") if check in row):
+            return False
+    return report["checks"]["passed"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
