@@ -275,8 +275,9 @@ async def our_engine(kind: str, checkpoint: Path, prompt: list[int], sizes: Size
     """Our `Engine` of `kind` serving `checkpoint` in this process."""
     from server.engines import create_engine
     from server.engines.base import ModelRef, SamplingParams
+    from server.settings import Settings
 
-    engine = create_engine(kind)
+    engine = create_engine(Settings(engine=kind))
     model = ModelRef("bench", checkpoint)
     params = SamplingParams(max_tokens=sizes.max_tokens, temperature=0.0)
 
@@ -406,9 +407,9 @@ def _summed(rounds: list[Load]) -> Load:
 def vllm_cpu_placement():
     """The cores our vLLM engine computes on and those it leaves to its front end (None: it shares them all)."""
     from server.engines.cpu_placement import CpuPlacement
-    from server.engines.vllm import VLLMEngineSettings
+    from server.settings import Settings
 
-    return CpuPlacement.reserving(VLLMEngineSettings().cpu_reserved_cores)
+    return CpuPlacement.reserving(Settings().vllm.cpu_reserved_cores)
 
 
 @contextlib.asynccontextmanager

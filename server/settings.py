@@ -1,16 +1,59 @@
-"""Server settings: one pydantic-settings object, read from `ZAYA_*` environment variables."""
+"""Server settings: one pydantic-settings object, read from `ZAYA_*` environment variables.
+
+Each engine has a section of its own, read from `ZAYA_<SECTION>_<FIELD>`: `ZAYA_LOCAL_ENGINE_MAX_BATCH_SIZE` is
+`settings.local_engine.max_batch_size`, `ZAYA_VLLM_DTYPE` is `settings.vllm.dtype`. `create_engine(settings)`
+(`server.engines`) hands the chosen engine its section.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
+class LocalEngineSettings(BaseModel):
+    """`ZAYA_LOCAL_ENGINE_*`: the embedded engine (`server.engines.local`)."""
+
+    # Sequences decoded together in one step (a request with n choices takes n).
+    max_batch_size: int = Field(default=16, ge=1)
+    # Requests waiting for a batch slot, per model version; one more gets 429.
+    max_queued_requests: int = Field(default=64, ge=0)
+    max_loaded_models: int = Field(default=4, ge=1)
+
+
+class VLLMEngineSettings(BaseModel):
+    """`ZAYA_VLLM_*`: the vLLM engine (`server.engines.vllm`); see docs/deployment.md for the MI300X values."""
+
+    # fp32 is what is tested on CPU (vLLM's "auto" would run an fp32 checkpoint in bf16); "bfloat16" on MI300X.
+    dtype: str = "float32"
+    mamba_cache_dtype: str = "auto"  # CCA conv and value-shift state; "float32" on MI300X
+    max_model_len: int | None = Field(default=None, ge=1)  # default: the model's max_position_embeddings
+    max_num_seqs: int = Field(default=64, ge=1)
+    max_num_batched_tokens: int | None = Field(default=None, ge=1)
+    # Requests beyond the running batch that may wait, per model; one more gets 429.
+    max_queued_requests: int = Field(default=256, ge=0)
+    # Full models (bases and merged adapters) kept up at once; they share the memory budget below.
+    max_loaded_models: int = Field(default=1, ge=1)
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    enforce_eager: bool = False
+    enable_lora: bool = True
+    max_loras: int = Field(default=4, ge=1)  # adapters in one batch
+    max_lora_rank: int = Field(default=16, ge=1)
+    seed: int = 0
+    # On a CPU host: cores kept for this process (the API server) while the engine core computes on the others,
+    # as vLLM's own CPU executor reserves one for its front end (`server/engines/cpu_placement.py`). 0 shares every
+    # core: on 2 cores that serves 10-15% more tokens/s through the API at 8-32 clients (docs/deployment.md).
+    cpu_reserved_cores: int = Field(default=0, ge=0)
+
+
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="ZAYA_", extra="ignore")
+    # A section's variables are its prefix and then the field's name, split once (`ZAYA_VLLM_MAX_NUM_SEQS`).
+    model_config = SettingsConfigDict(
+        env_prefix="ZAYA_", extra="ignore", env_nested_delimiter="_", env_nested_max_split=1
+    )
 
     data_dir: Path = Path("./var")
     # Empty means the embedded default: an SQLite file under `data_dir`.
@@ -19,6 +62,8 @@ class Settings(BaseSettings):
     # under load. Fewer than the requests authenticating at once makes the pool open and close connections.
     database_pool_size: int = Field(default=20, ge=1)
     engine: Literal["vllm", "local"] = "local"
+    local_engine: LocalEngineSettings = Field(default_factory=LocalEngineSettings)
+    vllm: VLLMEngineSettings = Field(default_factory=VLLMEngineSettings)
 
     host: str = "127.0.0.1"
     port: int = 8000

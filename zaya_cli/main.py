@@ -11,6 +11,8 @@ import argparse
 import importlib
 import sys
 
+from pydantic import ValidationError
+
 from zaya_cli import CommandError
 
 # Modules exposing `register(subparsers)`, which adds their subcommands and sets `func` on each.
@@ -31,4 +33,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except CommandError as error:
         print(f"zaya {args.command}: error: {error}", file=sys.stderr)
+        return 1
+    except ValidationError as error:  # settings read from the environment, for one
+        problems = "; ".join(f"{'.'.join(map(str, item['loc']))}: {item['msg']}" for item in error.errors())
+        print(f"zaya {args.command}: error: invalid {error.title}: {problems}", file=sys.stderr)
         return 1

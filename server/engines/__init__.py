@@ -1,7 +1,7 @@
 """Inference engines behind `/v1/chat/completions` and `/v1/completions` (`ZAYA_ENGINE` picks one).
 
-`local` (`server.engines.local`) runs `zaya_model` in process on CPU. `vllm` plugs in here: a module
-`server.engines.vllm` exposing `VLLMEngine`, an `Engine` (see `server.engines.base`) driving vLLM's async engine.
+`local` (`server.engines.local`) runs `zaya_model` in process on CPU; `vllm` (`server.engines.vllm`) drives vLLM's
+async engine. Both implement `server.engines.base.Engine`.
 """
 
 from __future__ import annotations
@@ -9,14 +9,21 @@ from __future__ import annotations
 import importlib
 
 from server.engines.base import Engine, EngineError
+from server.settings import Settings
 
-ENGINE_CLASSES = {"local": "server.engines.local:LocalEngine", "vllm": "server.engines.vllm:VLLMEngine"}
+# engine kind -> its class and the section of `Settings` it is built from
+ENGINES = {
+    "local": ("server.engines.local:LocalEngine", "local_engine"),
+    "vllm": ("server.engines.vllm:VLLMEngine", "vllm"),
+}
 
 
-def create_engine(kind: str) -> Engine:
-    module_name, _, class_name = ENGINE_CLASSES[kind].partition(":")
+def create_engine(settings: Settings) -> Engine:
+    """The engine `settings.engine` names, configured by its section of `settings`."""
+    path, section = ENGINES[settings.engine]
+    module_name, _, class_name = path.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as error:
-        raise EngineError(f"The '{kind}' engine is not available in this installation ({error}).") from error
-    return getattr(module, class_name)()
+        raise EngineError(f"The '{settings.engine}' engine is not available in this installation ({error}).") from error
+    return getattr(module, class_name)(getattr(settings, section))

@@ -25,8 +25,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import torch
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
 from transformers import PreTrainedTokenizerBase
 
 from server.engines.base import (
@@ -43,20 +41,11 @@ from server.engines.detokenizer import StopStringDetokenizer
 from server.engines.model_files import end_of_sequence_ids, load_model_config, load_model_tokenizer
 from server.engines.sampling import choice_generator, sample_token
 from server.engines.threads import on_own_thread
+from server.settings import LocalEngineSettings
 from zaya_model import ZayaConfig, ZayaForCausalLM
 from zaya_model.cache_zaya import ZayaCache
 
 logger = logging.getLogger(__name__)
-
-class LocalEngineSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="ZAYA_LOCAL_ENGINE_", extra="ignore")
-
-    # Sequences decoded together in one step (a request with n choices takes n).
-    max_batch_size: int = Field(default=16, ge=1)
-    # Requests waiting for a batch slot, per model version; one more gets 429.
-    max_queued_requests: int = Field(default=64, ge=0)
-    max_loaded_models: int = Field(default=4, ge=1)
-
 
 @dataclass
 class _Request:

@@ -23,8 +23,6 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
 from transformers import PreTrainedTokenizerBase
 from vllm import SamplingParams as VLLMSamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
@@ -46,36 +44,10 @@ from server.engines.base import (
 from server.engines.cpu_placement import CpuPlacement
 from server.engines.detokenizer import StopStringDetokenizer
 from server.engines.model_files import end_of_sequence_ids, load_model_config, load_model_tokenizer
+from server.settings import VLLMEngineSettings
 from zaya_model.vllm_plugin.adapters import AdapterError, check_adapter, merged_checkpoint, trains_experts
 
 logger = logging.getLogger(__name__)
-
-
-class VLLMEngineSettings(BaseSettings):
-    """`ZAYA_VLLM_*` variables; see docs/deployment.md for the MI300X values."""
-
-    model_config = SettingsConfigDict(env_prefix="ZAYA_VLLM_", extra="ignore")
-
-    # fp32 is what is tested on CPU (vLLM's "auto" would run an fp32 checkpoint in bf16); "bfloat16" on MI300X.
-    dtype: str = "float32"
-    mamba_cache_dtype: str = "auto"  # CCA conv and value-shift state; "float32" on MI300X
-    max_model_len: int | None = Field(default=None, ge=1)  # default: the model's max_position_embeddings
-    max_num_seqs: int = Field(default=64, ge=1)
-    max_num_batched_tokens: int | None = Field(default=None, ge=1)
-    # Requests beyond the running batch that may wait, per model; one more gets 429.
-    max_queued_requests: int = Field(default=256, ge=0)
-    # Full models (bases and merged adapters) kept up at once; they share the memory budget below.
-    max_loaded_models: int = Field(default=1, ge=1)
-    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
-    enforce_eager: bool = False
-    enable_lora: bool = True
-    max_loras: int = Field(default=4, ge=1)  # adapters in one batch
-    max_lora_rank: int = Field(default=16, ge=1)
-    seed: int = 0
-    # On a CPU host: cores kept for this process (the API server) while the engine core computes on the others,
-    # as vLLM's own CPU executor reserves one for its front end (`server/engines/cpu_placement.py`). 0 shares every
-    # core: on 2 cores that serves 10-15% more tokens/s through the API at 8-32 clients (docs/deployment.md).
-    cpu_reserved_cores: int = Field(default=0, ge=0)
 
 
 @dataclass

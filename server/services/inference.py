@@ -33,6 +33,7 @@ from server.engines.base import ChoiceDelta, Engine, EngineError, EngineOverload
 from server.errors import APIError, GenerationFailed, InvalidRequest, ServiceUnavailable, TooManyRequests
 from server.heap import freeze_startup_heap
 from server.services.model_resolution import ServableModel, resolve
+from server.settings import Settings
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -234,11 +235,11 @@ class InferenceService:
 
     def __init__(
         self,
-        settings,
+        settings: Settings,
         reads: RequestReads,
         rows: RowWriter,
         engine: Engine | None = None,
-        engine_factory: Callable[[str], Engine] = create_engine,
+        engine_factory: Callable[[Settings], Engine] = create_engine,
     ) -> None:
         """`reads` resolve models, `rows` writes the inference records."""
         self.settings, self.reads, self.rows = settings, reads, rows
@@ -257,7 +258,7 @@ class InferenceService:
 
     async def _create_engine(self) -> None:
         try:
-            engine = await asyncio.to_thread(self._engine_factory, self.settings.engine)
+            engine = await asyncio.to_thread(self._engine_factory, self.settings)
         except Exception as error:
             logger.exception("the %s inference engine failed to start", self.settings.engine)
             # Shown by the unauthenticated /health: the first line only, the details are in the log.
@@ -283,7 +284,7 @@ class InferenceService:
                 f"The inference engine failed to start: {self._engine_error}", code="engine_unavailable"
             )
         try:
-            self._engine = self._engine_factory(self.settings.engine)
+            self._engine = self._engine_factory(self.settings)
         except EngineError as error:
             raise ServiceUnavailable(error.message, code="engine_unavailable") from error
         self._engine_state = "ready"

@@ -14,8 +14,9 @@ from transformers import AutoTokenizer
 from finetune.bootstrap import build_tiny_model
 from server.engines import local
 from server.engines.base import EngineError, EngineOverloaded, ModelLoadError, ModelRef, SamplingParams
-from server.engines.local import LocalEngine, LocalEngineSettings
+from server.engines.local import LocalEngine
 from server.engines.threads import THREAD_NAME_PREFIX
+from server.settings import LocalEngineSettings
 from zaya_model import ZayaForCausalLM
 
 PROMPTS = ["Case CASE-1 Customer: Maria", "Summarise", "Disposition: SAR\nReason: the customer wired funds to"]

@@ -14,6 +14,7 @@ from server.app import create_app
 from server.db.migrations import upgrade
 from server.db.models import ModelVersion
 from server.engines import create_engine
+from server.engines.base import EngineError
 from server.services.inference import InferenceService
 from server.settings import Settings
 
@@ -46,9 +47,9 @@ def test_503_while_the_engine_is_loading_then_ready(settings, sessions, auth, ti
         session.commit()
     release = threading.Event()
 
-    def slow_engine(kind: str):
+    def slow_engine(settings: Settings):
         release.wait(timeout=60)  # a real engine, held back the way a vLLM start takes minutes
-        return create_engine(kind)
+        return create_engine(settings)
 
     app = create_app(settings)
     state = app.state
@@ -69,12 +70,18 @@ def test_503_while_the_engine_is_loading_then_ready(settings, sessions, auth, ti
         assert client.post("/v1/chat/completions", json=CHAT, headers=auth("analyst")).status_code == 200
 
 
-def test_503_when_the_engine_failed_to_start(settings, sessions, auth, monkeypatch, tiny_model_dir):
+def test_503_when_the_engine_failed_to_start(settings, sessions, auth, tiny_model_dir):
     with sessions() as session:
         session.add(ModelVersion(name="tiny", version=1, kind="full", path=str(tiny_model_dir)))
         session.commit()
-    monkeypatch.setenv("ZAYA_LOCAL_ENGINE_MAX_BATCH_SIZE", "0")  # the local engine refuses this setting
-    with TestClient(create_app(settings)) as client:
+
+    def engine_out_of_memory(_settings: Settings):
+        raise EngineError("Not enough memory to allocate the KV cache.\nDetails follow on later lines.")
+
+    app = create_app(settings)
+    state = app.state
+    state.inference = InferenceService(settings, state.reads, state.rows, engine_factory=engine_out_of_memory)
+    with TestClient(app) as client:
         deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
         status, body = health(client)
         while body["engine"]["status"] == "loading" and time.monotonic() < deadline:
@@ -82,7 +89,7 @@ def test_503_when_the_engine_failed_to_start(settings, sessions, auth, monkeypat
             status, body = health(client)
         assert status == 503
         assert (body["status"], body["database"], body["engine"]["status"]) == ("unavailable", "ok", "failed")
-        assert "LocalEngineSettings" in body["engine"]["error"]
+        assert body["engine"]["error"] == "Not enough memory to allocate the KV cache."  # the first line only
         chat = client.post("/v1/chat/completions", json=CHAT, headers=auth("analyst"))
         assert chat.status_code == 503 and chat.json()["error"]["code"] == "engine_unavailable"
 

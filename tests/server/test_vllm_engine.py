@@ -31,7 +31,6 @@ from server.db.migrations import upgrade  # noqa: E402
 from server.db.models import InferenceRecord  # noqa: E402
 from server.db.session import make_engine, make_sessionmaker, session_scope  # noqa: E402
 from server.engines.model_files import end_of_sequence_ids  # noqa: E402
-from server.engines.vllm import VLLMEngineSettings  # noqa: E402
 from server.services import registry  # noqa: E402
 from server.services.keys import create_key  # noqa: E402
 from server.settings import Settings  # noqa: E402
@@ -179,7 +178,7 @@ def test_the_model_runs_in_the_engine_core_process(stack):
 
 def test_the_engine_core_computes_on_its_own_cores_and_the_server_keeps_to_the_reserved_one(stack):
     """As vLLM's CPU executor reserves a core for its front end (`server/engines/cpu_placement.py`)."""
-    reserved = VLLMEngineSettings().cpu_reserved_cores
+    reserved = stack.app.state.settings.vllm.cpu_reserved_cores
     if len(stack.process_cores) <= reserved:
         pytest.skip("needs more usable cores than the engine reserves, to split them")
     front_end, compute = set(stack.process_cores[:reserved]), set(stack.process_cores[reserved:])
