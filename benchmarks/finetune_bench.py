@@ -36,7 +36,8 @@ if str(REPO_ROOT) not in sys.path:
 from finetune.data import TokenizedDataset  # noqa: E402
 from finetune.datasets.formats import parse_record  # noqa: E402
 from finetune.datasets.synthetic import generate_chat_examples  # noqa: E402
-from finetune.train import DEFAULT_LORA_TARGET_MODULES, LORA_EXPERT_PARAMETERS  # noqa: E402
+from finetune.settings import DEFAULT_LORA_TARGET_MODULES  # noqa: E402
+from finetune.train import LORA_EXPERT_PARAMETERS  # noqa: E402
 from zaya_model.pretrain import train_tokenizer  # noqa: E402
 from zaya_model.training import BalancingBiasUpdater  # noqa: E402
 from zaya_model.training.runtime import prepare_training_process  # noqa: E402

@@ -334,7 +334,7 @@ def run(args: argparse.Namespace) -> dict:
                             speeds[impl] += measure_trainer(
                                 corpus, tokenizer, directory, settings, upstream=impl == "upstream"
                             )
-                model = ZayaForCausalLM(settings.model_config(PreTrainedTokenizerFast.from_pretrained(tokenizer)))
+                model = ZayaForCausalLM(settings.zaya_config(PreTrainedTokenizerFast.from_pretrained(tokenizer)))
                 flops = train_flops_per_token(model, settings.seq_len)
                 entry = {
                     "shape": shape["name"],

@@ -69,59 +69,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _register_finetune(subparsers: argparse._SubParsersAction) -> None:
+    from finetune.settings import add_settings_flags
+
     finetune = subparsers.add_parser(
         "finetune",
-        help="fine-tune a checkpoint on a JSONL dataset (LoRA or full)",
+        help="fine-tune a checkpoint on a JSONL dataset (LoRA or full, supervised or DPO)",
         description="Fine-tune a ZAYA checkpoint. Writes OUTPUT/final (adapter or full checkpoint), "
-        "OUTPUT/checkpoints/ and, with --merge, OUTPUT/merged. Numbers accept 'auto'.",
+        "OUTPUT/checkpoints/ and, with --merge-adapter, OUTPUT/merged. The settings are the API's `method` "
+        "object, flag for flag; numbers accept 'auto'.",
     )
     finetune.add_argument("--model", required=True, metavar="DIR", help="base checkpoint (with its tokenizer)")
     finetune.add_argument("--train", required=True, metavar="FILE", help="training JSONL")
     finetune.add_argument("--validation", metavar="FILE", help="validation JSONL (loss, token accuracy, best model)")
     finetune.add_argument("--output", required=True, metavar="DIR", help="output directory")
-    finetune.add_argument("--method", choices=("lora", "full"), default="lora")
-    finetune.add_argument("--epochs", type=_int_or_auto, default="auto", metavar="N", help="epochs or auto")
-    finetune.add_argument("--batch-size", type=_int_or_auto, default="auto", metavar="N", help="examples per step")
-    finetune.add_argument(
-        "--learning-rate-multiplier", type=_float_or_auto, default="auto", metavar="X", help="x the base rate"
-    )
-    finetune.add_argument("--lora-r", type=int, default=8, metavar="R")
-    finetune.add_argument("--lora-alpha", type=int, default=16, metavar="A")
-    finetune.add_argument("--lora-dropout", type=float, default=0.0, metavar="P")
-    finetune.add_argument("--no-lora-experts", action="store_true", help="LoRA on attention only, not the experts")
-    finetune.add_argument("--max-steps", type=int, metavar="N", help="stop after N optimizer steps")
-    finetune.add_argument("--max-seconds", type=float, metavar="S", help="stop after S seconds of training")
-    finetune.add_argument("--eval-every", type=int, metavar="N", help="evaluate and checkpoint every N steps")
-    finetune.add_argument("--early-stopping-patience", type=int, metavar="N", help="evaluations without progress")
-    finetune.add_argument("--max-seq-len", type=int, metavar="N", help="longest example in tokens")
-    finetune.add_argument(
-        "--keep-checkpoints",
-        type=int,
-        metavar="K",
-        help="keep only the newest K checkpoints and the best (default all)",
-    )
-    finetune.add_argument(
-        "--balancing-bias-lr",
-        type=float,
-        default=1e-3,
-        metavar="LR",
-        help="full fine-tuning's router balancing (0: off)",
-    )
-    finetune.add_argument("--no-packing", action="store_true", help="pad examples instead of packing them")
-    finetune.add_argument(
-        "--gradient-checkpointing",
-        action="store_true",
-        help="recompute each layer in the backward pass: far less activation memory, about one more forward",
-    )
-    finetune.add_argument(
-        "--compile",
-        action="store_true",
-        help="run each block's attention, routing and merge as compiled graphs (torch.compile): faster steps after "
-        "the first, which compiles",
-    )
-    finetune.add_argument("--merge", action="store_true", help="also merge the adapter into a full checkpoint")
     finetune.add_argument("--resume", metavar="CHECKPOINT", help="continue a paused run from its checkpoint dir")
     finetune.add_argument("--seed", type=int, default=0)
+    add_settings_flags(finetune)
     finetune.set_defaults(func=run_finetune_command)
 
 
@@ -142,49 +105,61 @@ def _register_evaluate(subparsers: argparse._SubParsersAction) -> None:
 def run_finetune_command(args: argparse.Namespace) -> int:
     from transformers.utils import logging as transformers_logging
 
-    from finetune.train import CheckpointWriteError, FinetuneError, FinetuneSpec, run_finetune
+    from finetune.settings import settings_from_flags
+    from finetune.train import CheckpointWriteError, FinetuneError, FineTuneRun, run_finetune
+    from zaya_cli.flags import FlagError
     from zaya_model.training.callbacks import NonFiniteLossError
     from zaya_model.training.runtime import prepare_training_process
 
+    try:
+        settings = settings_from_flags(args)
+    except FlagError as error:
+        raise CommandError(str(error)) from None
     transformers_logging.disable_progress_bar()  # one bar, ours, instead of one per weight load and save
     prepare_training_process()  # this process only trains
 
-    spec = FinetuneSpec(
+    run = FineTuneRun(
         model_dir=args.model,
         train_file=args.train,
         validation_file=args.validation,
         output_dir=args.output,
-        method=args.method,
-        n_epochs=args.epochs,
-        batch_size=args.batch_size,
-        learning_rate_multiplier=args.learning_rate_multiplier,
-        lora_r=args.lora_r,
-        lora_alpha=args.lora_alpha,
-        lora_dropout=args.lora_dropout,
-        lora_target_experts=not args.no_lora_experts,
-        max_steps=args.max_steps,
-        max_seconds=args.max_seconds,
-        eval_every=args.eval_every,
-        early_stopping_patience=args.early_stopping_patience,
         seed=args.seed,
-        max_seq_len=args.max_seq_len,
-        packing=not args.no_packing,
-        merge_adapter=args.merge,
-        keep_checkpoints=args.keep_checkpoints,
-        balancing_bias_lr=args.balancing_bias_lr,
-        gradient_checkpointing=args.gradient_checkpointing,
-        compile=args.compile,
+        settings=settings,
     )
     hooks = _ProgressBarHooks()
     try:
-        result = run_finetune(spec, hooks, resume_from=args.resume)
-    except (FinetuneError, CheckpointWriteError, NonFiniteLossError) as error:
+        result = run_finetune(run, hooks, resume_from=args.resume)
+    except FinetuneError as error:
+        raise CommandError(_named_by_flag(error)) from None
+    except (CheckpointWriteError, NonFiniteLossError) as error:
         raise CommandError(str(error)) from None
     finally:
         hooks.close()
     metrics = ", ".join(f"{key} {value:.4g}" for key, value in result.metrics.items() if isinstance(value, float))
     print(f"{result.status}: {result.kind} in {result.output_dir} ({metrics})")
     return 0
+
+
+# The run's own fields, as `zaya finetune` names them.
+_RUN_FLAGS = {
+    "model_dir": "--model",
+    "train_file": "--train",
+    "validation_file": "--validation",
+    "output_dir": "--output",
+    "resume_from": "--resume",
+    "seed": "--seed",
+}
+
+
+def _named_by_flag(error: Any) -> str:
+    """A FinetuneError's message under the flag that sets its field."""
+    from finetune.settings import cli_flags
+
+    flag = _RUN_FLAGS.get(error.field)
+    for candidate in cli_flags():
+        if error.field == ".".join(("method", *candidate.path)):
+            flag = candidate.option
+    return f"{flag}: {error.reason}" if flag else str(error)
 
 
 def run_evaluate_command(args: argparse.Namespace) -> int:
@@ -338,21 +313,6 @@ def _existing(path: str) -> str:
     if not os.path.isfile(path):
         raise CommandError(f"file not found: {path}")
     return path
-
-
-def _int_or_auto(text: str) -> int | str:
-    return text if text == "auto" else _number(int, text)
-
-
-def _float_or_auto(text: str) -> float | str:
-    return text if text == "auto" else _number(float, text)
-
-
-def _number(kind: type, text: str) -> Any:
-    try:
-        return kind(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {text!r}") from None
 
 
 def _positive_int(text: str) -> int:

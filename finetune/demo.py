@@ -18,7 +18,8 @@ from pathlib import Path
 
 from finetune.datasets.synthetic import generate_chat_examples
 from finetune.evaluate import evaluate_model
-from finetune.train import FinetuneSpec, TrainingHooks, run_finetune
+from finetune.settings import FineTuneSettings
+from finetune.train import FineTuneRun, TrainingHooks, run_finetune
 
 TRAIN_SEED, VALID_SEED = 1, 2  # the bootstrap corpus uses seed 0
 
@@ -46,20 +47,18 @@ def run_demo(
     print(f"scoring the base model on {n_valid} held-out cases ...", flush=True)
     before = evaluate_model(str(base_dir), str(valid_file))
     print(f"LoRA fine-tuning for {steps} steps on {n_train} disposition chats ...", flush=True)
-    spec = FinetuneSpec(
-        model_dir=str(base_dir),
-        train_file=str(train_file),
-        output_dir=str(workdir / "lora"),
+    settings = FineTuneSettings.from_options(
         method="lora",
         batch_size=4,
         n_epochs=100,  # max_steps ends the run
         max_steps=steps,
         learning_rate_multiplier=lr_multiplier,
         keep_checkpoints=1,
-        seed=seed,
     )
+    output_dir = str(workdir / "lora")
+    run = FineTuneRun(str(base_dir), str(train_file), output_dir, seed=seed, settings=settings)
     trained = time.monotonic()
-    result = run_finetune(spec, _Progress(max(1, steps // 10)))
+    result = run_finetune(run, _Progress(max(1, steps // 10)))
     train_seconds = time.monotonic() - trained
     after = evaluate_model(str(base_dir), str(valid_file), adapter_dir=result.output_dir)
     return {
@@ -69,7 +68,7 @@ def run_demo(
         "n_valid": n_valid,
         "steps": steps,
         "seed": seed,
-        "lora": {"r": spec.lora_r, "alpha": spec.lora_alpha, "batch_size": spec.batch_size},
+        "lora": {"r": settings.lora.r, "alpha": settings.lora.alpha, "batch_size": settings.hyperparameters.batch_size},
         "learning_rate_multiplier": lr_multiplier,
         "train_seconds": round(train_seconds, 1),
         "total_seconds": round(time.monotonic() - started, 1),

@@ -6,8 +6,9 @@ worker dies, its lease runs out and any worker re-queues the job (`requeue_expir
 last checkpoint; after `max_attempts` lost leases the job fails with a clear error. Every write a worker makes is
 checked against its lease token (see `server.services.jobs`), so a worker presumed dead can no longer touch the job.
 
-Each attempt trains into its own directory (`<data dir>/jobs/<job-id>/attempt-<n>/`), so a presumed-dead worker
-that is in fact still running never writes into the directory of the attempt that replaced it.
+What a job does (its files' validation, its run) is `server.services.training`'s. Each attempt trains into its own
+directory (`<data dir>/jobs/<job-id>/attempt-<n>/`), so a presumed-dead worker that is in fact still running never
+writes into the directory of the attempt that replaced it.
 """
 
 from __future__ import annotations
@@ -23,10 +24,9 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from server.db.models import File, FineTuningJob, JobStatus, ModelVersion
+from server.db.models import FineTuningJob, JobStatus
 from server.errors import APIError
 from server.services import jobs, training
-from server.services.files import content_path
 from server.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -175,41 +175,10 @@ class Worker:
             job_ids = jobs.jobs_to_validate(session)
         for job_id in job_ids:
             with self.sessions() as session:
-                error = self._file_error(session, session.get(FineTuningJob, job_id))
+                error = training.file_error(session, self.settings, session.get(FineTuningJob, job_id))
                 if jobs.finish_validation(session, job_id, error) and error is not None:
                     logger.warning("job %s failed file validation: %s", job_id, error["message"])
         return job_ids
-
-    def _file_error(self, session: Session, job: FineTuningJob) -> dict | None:
-        """The job's error if one of its files fails the fine-tuning validator for its base model, else None."""
-        base = session.get(ModelVersion, job.base_version_id) if job.base_version_id else None
-        if base is None:
-            message = f"The job's base model version {job.base_version_id} does not exist."
-            return {"code": "model_not_found", "message": message, "param": "model"}
-        max_seq_len = ((job.method.get("supervised") or {}).get("hyperparameters") or {}).get("max_seq_len")
-        checks = [("training_file", job.training_file_id, job.validation_file_id)]
-        if job.validation_file_id is not None:
-            checks.append(("validation_file", job.validation_file_id, None))
-        for param, file_id, other_id in checks:
-            try:
-                file = jobs.usable_file(session, file_id, param)
-                other = content_path(self.settings, session.get(File, other_id)) if other_id else None
-                problems = training.dataset_problems(
-                    content_path(self.settings, file),
-                    model_dir=Path(base.path),
-                    max_seq_len=max_seq_len,
-                    other_path=other,
-                )
-            except APIError as error:
-                problems, file = [error.message], None
-            except Exception as error:  # an unreadable file or base model: the job cannot run as it is
-                logger.exception("validating %s of job %s failed", param, job.id)
-                problems, file = [f"{type(error).__name__}: {error}"], None
-            if problems:
-                name = f"{file_id} ({file.filename})" if file is not None else file_id
-                message = f"{param} {name} is invalid for {base.name} v{base.version}: " + "; ".join(problems)
-                return {"code": f"invalid_{param}", "message": message[:MAX_ERROR_MESSAGE], "param": param}
-        return None
 
     def run_once(self) -> bool:
         """Re-queue abandoned jobs, validate new jobs' files, then claim and run one job; False when there was
@@ -243,34 +212,14 @@ class Worker:
                     return
                 self.shutdown.wait(self.config.poll_seconds)
 
-    def _spec_for(self, session: Session, lease: jobs.Lease):
-        job = session.get(FineTuningJob, lease.job_id)
-        base = session.get(ModelVersion, job.base_version_id)
-        files = {
-            file_id: content_path(self.settings, jobs.usable_file(session, file_id, "file"))
-            for file_id in (job.training_file_id, job.validation_file_id)
-            if file_id is not None
-        }
-        spec = training.build_spec(
-            method=job.method,
-            seed=job.seed or 0,
-            model_dir=Path(base.path),
-            train_file=files[job.training_file_id],
-            validation_file=files.get(job.validation_file_id) if job.validation_file_id else None,
-            output_dir=self.settings.data_dir / "jobs" / job.id / f"attempt-{lease.attempt}",
-        )
-        checkpoint = jobs.latest_checkpoint(session, job.id)
-        resume_from = checkpoint.path if checkpoint is not None and Path(checkpoint.path).is_dir() else None
-        return spec, resume_from
-
     def run_job(self, lease: jobs.Lease) -> None:
         with JobRun(self.sessions, lease, self.config, self.shutdown) as run:
             try:
                 with self.sessions() as session:
-                    spec, resume_from = self._spec_for(session, lease)
+                    fine_tune_run, resume_from = training.job_run(session, self.settings, lease.job_id, lease.attempt)
                 if resume_from is not None:
                     run.write(jobs.record_event, f"Resuming from checkpoint {Path(resume_from).name}.")
-                result = training.run(spec, make_hooks(run), resume_from)
+                result = training.run(fine_tune_run, make_hooks(run), resume_from)
             except jobs.LeaseLost:
                 raise
             except Exception as error:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from tiny_models import TINY_ZAYA, randomize_zaya
 
-from finetune.train import FinetuneSpec, TrainingHooks
+from finetune.settings import FineTuneSettings
+from finetune.train import FineTuneRun, TrainingHooks
 from zaya_model import ZayaConfig, ZayaForCausalLM
 
 
@@ -72,6 +73,14 @@ class Recorder(TrainingHooks):
         return self.request if self.stop_at is not None and self.polls >= self.stop_at else None
 
 
-def spec(model_dir, train, tmp_path, **overrides):
-    values = dict(model_dir=model_dir, train_file=train, output_dir=str(tmp_path / "out"), batch_size=2, n_epochs=3)
-    return FinetuneSpec(**{**values, **overrides})
+def spec(model_dir, train, tmp_path, *, validation_file=None, seed=0, **options):
+    """A run into tmp_path/out; `options` are `zaya finetune`'s flag names (`method="full"`, `lora_r=4`, ...)."""
+    settings = FineTuneSettings.from_options(**{"batch_size": 2, "n_epochs": 3, **options})
+    return FineTuneRun(
+        model_dir=model_dir,
+        train_file=train,
+        output_dir=str(tmp_path / "out"),
+        validation_file=validation_file,
+        seed=seed,
+        settings=settings,
+    )

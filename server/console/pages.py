@@ -52,7 +52,8 @@ def render(request: Request, template: str, principal: Principal, status_code: i
 
 
 def max_steps(job: FineTuningJob) -> int | None:
-    return ((job.method.get("supervised") or {}).get("hyperparameters") or {}).get("max_steps")
+    block = job.method.get(job.method.get("type", "supervised")) or {}
+    return (block.get("hyperparameters") or {}).get("max_steps")
 
 
 def latest_step(events: list[JobEvent]) -> int | None:

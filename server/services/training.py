@@ -1,17 +1,32 @@
-"""The server's narrow door to the fine-tuning core (`finetune.train`): a job's settings become a `FinetuneSpec`.
+"""What a fine-tuning job does, without the worker's queue and leases: its settings, its files' validation, its run.
 
-`finetune.train` imports torch and transformers, so it is imported inside the functions: the API server pays for
-it on the first job it validates, `zaya --help` never.
+A job stores OpenAI's `method` object; `finetune.settings.FineTuneSettings` reads it back (the same model the API
+validated the request with). `finetune.train` imports torch and transformers, so it is imported inside the
+functions: the API server pays for it on the first job it validates, `zaya --help` never.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from server.errors import InvalidRequest
+from sqlalchemy.orm import Session
+
+from server.db.models import File, FineTuningJob, ModelVersion
+from server.errors import APIError, InvalidRequest
+from server.services import jobs
+from server.services.files import content_path
+from server.settings import Settings
+
+if TYPE_CHECKING:
+    from finetune.settings import FineTuneSettings
+    from finetune.train import FineTuneRun
+
+logger = logging.getLogger(__name__)
 
 LEVELS = {"info": "info", "warning": "warn", "warn": "warn", "error": "error"}
+MAX_ERROR_MESSAGE = 2000
 
 
 def preload() -> None:
@@ -19,56 +34,56 @@ def preload() -> None:
     import finetune.train  # noqa: F401
 
 
-def build_spec(
-    *,
-    method: dict[str, Any],
-    seed: int,
-    model_dir: Path,
-    train_file: Path,
-    validation_file: Path | None,
-    output_dir: Path,
-):
-    """A `FinetuneSpec` from a job's stored `method` object (see `server.api.routes.fine_tuning.Method`)."""
-    from finetune.train import FinetuneSpec
+def settings_of(job: FineTuningJob) -> FineTuneSettings:
+    """The job's settings, read back from its stored `method`."""
+    from finetune.settings import FineTuneSettings
 
-    supervised = method.get("supervised") or {}
-    hyper = supervised.get("hyperparameters") or {}
-    lora = supervised.get("lora") or {}
-    optional = {}
-    if hyper.get("balancing_bias_lr") is not None:  # else FinetuneSpec's default
-        optional["balancing_bias_lr"] = hyper["balancing_bias_lr"]
-    return FinetuneSpec(
-        model_dir=str(model_dir),
-        train_file=str(train_file),
-        validation_file=str(validation_file) if validation_file is not None else None,
-        output_dir=str(output_dir),
-        method=supervised.get("adapter", "lora"),
-        n_epochs=hyper.get("n_epochs", "auto"),
-        batch_size=hyper.get("batch_size", "auto"),
-        learning_rate_multiplier=hyper.get("learning_rate_multiplier", "auto"),
-        lora_r=lora.get("r", 8),
-        lora_alpha=lora.get("alpha", 16),
-        lora_dropout=lora.get("dropout", 0.0),
-        lora_target_modules=lora.get("target_modules"),
-        lora_target_experts=lora.get("target_experts", True),
-        max_steps=hyper.get("max_steps"),
-        max_seconds=hyper.get("max_seconds"),
-        eval_every=hyper.get("eval_every"),
-        early_stopping_patience=hyper.get("early_stopping_patience"),
-        seed=seed,
-        max_seq_len=hyper.get("max_seq_len"),
-        packing=hyper.get("packing", True),
-        merge_adapter=supervised.get("merge_adapter", False),
-        keep_checkpoints=hyper.get("keep_checkpoints"),
-        gradient_checkpointing=hyper.get("gradient_checkpointing", False),
-        compile=hyper.get("compile", False),
-        **optional,
-    )
+    return FineTuneSettings.model_validate(job.method)
+
+
+def check_inputs(settings: FineTuneSettings, *, has_validation_file: bool) -> None:
+    """What the settings ask of the job's files, as a 400 naming the setting."""
+    from finetune.settings import FinetuneError
+
+    try:
+        settings.check_inputs(has_validation_file=has_validation_file)
+    except FinetuneError as error:
+        message = f"Invalid fine-tuning settings: {error}"
+        raise InvalidRequest(message, param=error.field, code="invalid_value") from None
+
+
+def file_error(session: Session, app_settings: Settings, job: FineTuningJob) -> dict | None:
+    """The job's error if one of its files fails the fine-tuning validator for its base model, else None: checked as
+    the trainer will check them, with the base model's tokenizer (chat template, special tokens) and length limit."""
+    base = session.get(ModelVersion, job.base_version_id) if job.base_version_id else None
+    if base is None:
+        message = f"The job's base model version {job.base_version_id} does not exist."
+        return {"code": "model_not_found", "message": message, "param": "model"}
+    max_seq_len = settings_of(job).hyperparameters.max_seq_len
+    checks = [("training_file", job.training_file_id, job.validation_file_id)]
+    if job.validation_file_id is not None:
+        checks.append(("validation_file", job.validation_file_id, None))
+    for param, file_id, other_id in checks:
+        try:
+            file = jobs.usable_file(session, file_id, param)
+            other = content_path(app_settings, session.get(File, other_id)) if other_id else None
+            problems = dataset_problems(
+                content_path(app_settings, file), model_dir=Path(base.path), max_seq_len=max_seq_len, other_path=other
+            )
+        except APIError as error:
+            problems, file = [error.message], None
+        except Exception as error:  # an unreadable file or base model: the job cannot run as it is
+            logger.exception("validating %s of job %s failed", param, job.id)
+            problems, file = [f"{type(error).__name__}: {error}"], None
+        if problems:
+            name = f"{file_id} ({file.filename})" if file is not None else file_id
+            message = f"{param} {name} is invalid for {base.name} v{base.version}: " + "; ".join(problems)
+            return {"code": f"invalid_{param}", "message": message[:MAX_ERROR_MESSAGE], "param": param}
+    return None
 
 
 def dataset_problems(path: Path, *, model_dir: Path, max_seq_len: int | None, other_path: Path | None) -> list[str]:
-    """The fine-tuning validator's line-numbered problems in a job's file, checked as the trainer will check it:
-    with the base model's tokenizer (chat template, special tokens) and sequence limit. Empty when valid."""
+    """The fine-tuning validator's line-numbered problems in a job's file. Empty when valid."""
     from transformers import AutoTokenizer
 
     from finetune.datasets.validation import validate_dataset
@@ -80,15 +95,29 @@ def dataset_problems(path: Path, *, model_dir: Path, max_seq_len: int | None, ot
     return report.problem_lines()
 
 
-def check_spec(spec) -> None:
-    """The trainer's own checks (ranges, paths), as a 400 naming the field."""
-    from finetune.train import FinetuneError, validate_spec
+def job_run(session: Session, app_settings: Settings, job_id: str, attempt: int) -> tuple[FineTuneRun, str | None]:
+    """The run an attempt of a job makes, and the checkpoint it resumes from (None: from the start). Each attempt
+    trains into its own directory (`<data dir>/jobs/<job-id>/attempt-<n>/`)."""
+    from finetune.train import FineTuneRun
 
-    try:
-        validate_spec(spec)
-    except FinetuneError as error:
-        field = str(error).split(":", 1)[0]
-        raise InvalidRequest(f"Invalid fine-tuning settings: {error}", param=field, code="invalid_value") from error
+    job = session.get(FineTuningJob, job_id)
+    base = session.get(ModelVersion, job.base_version_id)
+    files = {
+        file_id: content_path(app_settings, jobs.usable_file(session, file_id, "file"))
+        for file_id in (job.training_file_id, job.validation_file_id)
+        if file_id is not None
+    }
+    run = FineTuneRun(
+        model_dir=str(base.path),
+        train_file=str(files[job.training_file_id]),
+        validation_file=str(files[job.validation_file_id]) if job.validation_file_id else None,
+        output_dir=str(app_settings.data_dir / "jobs" / job.id / f"attempt-{attempt}"),
+        seed=job.seed or 0,
+        settings=settings_of(job),
+    )
+    checkpoint = jobs.latest_checkpoint(session, job.id)
+    resume_from = checkpoint.path if checkpoint is not None and Path(checkpoint.path).is_dir() else None
+    return run, resume_from
 
 
 def training_hooks_base() -> type:
@@ -99,13 +128,13 @@ def training_hooks_base() -> type:
 
 
 def is_training_error(error: Exception) -> bool:
-    """True for a bad spec or dataset (the job's fault: fail it, do not retry)."""
+    """True for a bad setting or dataset (the job's fault: fail it, do not retry)."""
     from finetune.train import FinetuneError
 
     return isinstance(error, FinetuneError)
 
 
-def run(spec, hooks, resume_from: str | None):
+def run(fine_tune_run: FineTuneRun, hooks: Any, resume_from: str | None):
     from finetune.train import run_finetune
 
-    return run_finetune(spec, hooks=hooks, resume_from=resume_from)
+    return run_finetune(fine_tune_run, hooks=hooks, resume_from=resume_from)

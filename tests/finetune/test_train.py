@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -10,17 +11,14 @@ import pytest
 import torch
 from compile_helpers import compiled_calls, compiled_graphs, no_cpp_compiler
 from finetune_helpers import Recorder, chat, save_tiny_model, spec, write_data
+from pydantic import ValidationError
 
+from finetune.auto import resolve_hyperparameters
 from finetune.data import IGNORE_INDEX, TokenizedDataset, make_collator, read_examples
 from finetune.datasets.rendering import tokenize_example
 from finetune.evaluate import evaluate_model
-from finetune.train import (
-    BASE_LEARNING_RATE,
-    FinetuneError,
-    resolve_hyperparameters,
-    run_finetune,
-    validate_spec,
-)
+from finetune.settings import BASE_LEARNING_RATE, FineTuneSettings
+from finetune.train import FinetuneError, check_run, run_finetune
 from zaya_model import ZayaForCausalLM
 from zaya_model.pretrain import END_OF_TURN_TOKEN
 from zaya_model.training.callbacks import COMPILING_MESSAGE
@@ -154,26 +152,44 @@ def test_full_fine_tuning_trains_and_stops_generation_at_end_of_turn(model_dir, 
 
 
 @pytest.mark.parametrize(
-    ("overrides", "field"),
+    ("options", "field"),
     [
-        ({"n_epochs": 0}, "n_epochs"),
-        ({"batch_size": "big"}, "batch_size"),
-        ({"batch_size": True}, "batch_size"),
-        ({"learning_rate_multiplier": -1.0}, "learning_rate_multiplier"),
-        ({"learning_rate_multiplier": float("nan")}, "learning_rate_multiplier"),
-        ({"method": "qlora"}, "method"),
-        ({"lora_r": 0}, "lora_r"),
-        ({"lora_dropout": 1.0}, "lora_dropout"),
-        ({"max_steps": 0}, "max_steps"),
-        ({"early_stopping_patience": 2}, "early_stopping_patience"),
-        ({"method": "full", "merge_adapter": True}, "merge_adapter"),
-        ({"model_dir": "/nonexistent"}, "model_dir"),
+        ({"n_epochs": 0}, "supervised.hyperparameters.n_epochs"),
+        ({"batch_size": "big"}, "supervised.hyperparameters.batch_size"),
+        ({"batch_size": True}, "supervised.hyperparameters.batch_size"),
+        ({"learning_rate_multiplier": -1.0}, "supervised.hyperparameters.learning_rate_multiplier"),
+        ({"learning_rate_multiplier": float("nan")}, "supervised.hyperparameters.learning_rate_multiplier"),
+        ({"method": "qlora"}, "supervised.adapter"),
+        ({"lora_r": 0}, "supervised.lora.r"),
+        ({"lora_dropout": 1.0}, "supervised.lora.dropout"),
+        ({"max_steps": 0}, "supervised.hyperparameters.max_steps"),
+        ({"method": "full", "merge_adapter": True}, "supervised.merge_adapter"),
+        ({"keep_checkpoints": 0}, "supervised.hyperparameters.keep_checkpoints"),
+        ({"balancing_bias_lr": -1.0}, "supervised.hyperparameters.balancing_bias_lr"),
     ],
 )
-def test_bad_spec_names_the_field(model_dir, data, tmp_path, overrides, field):
-    with pytest.raises(FinetuneError, match=f"^{field}: "):
-        overrides = dict(overrides)
-        validate_spec(spec(overrides.pop("model_dir", model_dir), data[0], tmp_path, **overrides))
+def test_bad_setting_is_named_by_the_settings_model(options, field):
+    with pytest.raises(ValidationError) as error:
+        FineTuneSettings.from_options(**options)
+    assert ".".join(map(str, error.value.errors()[0]["loc"])) == field
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"model_dir": "/nonexistent"}, "model_dir"),
+        ({"train_file": "/nonexistent.jsonl"}, "train_file"),
+        ({"seed": -1}, "seed"),
+        (
+            {"settings": FineTuneSettings.from_options(early_stopping_patience=2)},
+            "method.supervised.hyperparameters.early_stopping_patience",
+        ),
+    ],
+)
+def test_bad_run_input_names_the_field(model_dir, data, tmp_path, change, field):
+    with pytest.raises(FinetuneError, match=f"^{field}: ") as error:
+        check_run(dataclasses.replace(spec(model_dir, data[0], tmp_path), **change))
+    assert error.value.field == field
 
 
 def test_bad_dataset_lists_the_lines(model_dir, write_jsonl, tmp_path):
@@ -189,8 +205,8 @@ def test_bad_dataset_lists_the_lines(model_dir, write_jsonl, tmp_path):
         run_finetune(spec(model_dir, str(write_jsonl([only_context], "zero.jsonl")), tmp_path))
 
 
-def test_auto_hyperparameters_follow_the_dataset_size(model_dir, data, tmp_path):
-    auto = spec(model_dir, data[0], tmp_path, n_epochs="auto", batch_size="auto")
+def test_auto_hyperparameters_follow_the_dataset_size():
+    auto = FineTuneSettings()
     small, large = resolve_hyperparameters(auto, 100), resolve_hyperparameters(auto, 100_000)
     assert (small.n_epochs, small.batch_size) == (25, 1)
     assert (large.n_epochs, large.batch_size) == (1, 32)
@@ -199,7 +215,7 @@ def test_auto_hyperparameters_follow_the_dataset_size(model_dir, data, tmp_path)
 
 
 def test_unknown_lora_target_module_names_the_field(model_dir, data, tmp_path):
-    with pytest.raises(FinetuneError, match="^lora_target_modules: .*nope"):
+    with pytest.raises(FinetuneError, match="^method.supervised.lora.target_modules: .*nope"):
         run_finetune(spec(model_dir, data[0], tmp_path, lora_target_modules=["nope"]))
 
 
@@ -220,7 +236,7 @@ def test_compiled_layers_train_the_same(model_dir, data, tmp_path):
 
 
 def test_compile_without_a_cpp_compiler_is_a_clear_error(model_dir, data, tmp_path, monkeypatch):
-    with no_cpp_compiler(monkeypatch), pytest.raises(FinetuneError, match="^compile: .* need a C\\+\\+ compiler"):
+    with no_cpp_compiler(monkeypatch), pytest.raises(FinetuneError, match="compile: .* need a C\\+\\+ compiler"):
         run_finetune(spec(model_dir, data[0], tmp_path / "out", max_steps=2, compile=True))
     assert not (tmp_path / "out").exists()
 

@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import argparse
 
+from pydantic import ValidationError
+
+from zaya_cli.flags import FlagError, add_flags, flag_error, flag_values, model_flags
+
+from .settings import PretrainSettings
+
 # Exit status after a SIGTERM checkpoint: 128 + SIGTERM, the shell convention, so a supervisor sees "not finished".
 EXIT_INTERRUPTED = 143
 
@@ -19,35 +25,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--output", required=True, help="run directory: checkpoints, metrics, final model")
     # Checked when the command runs: importing the presets here would load torch for every `zaya` command.
     parser.add_argument("--preset", default="tiny", help="model shape and settings: tiny or zaya1-base")
-    parser.add_argument("--max-steps", type=int, help="optimizer steps in total")
-    parser.add_argument("--seq-len", type=int, help="tokens per packed row")
-    parser.add_argument("--seed", type=int, help="seed for initialisation, data order and the validation split")
-    parser.add_argument("--batch-size", type=int, help="rows per micro-batch")
-    parser.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step")
-    parser.add_argument("--optimizer", choices=["adamw", "muon"], help="muon: Muon for 2-D weights, AdamW for the rest")
-    parser.add_argument("--lr", type=float, help="peak learning rate")
-    parser.add_argument("--warmup-steps", type=int)
-    parser.add_argument("--dtype", choices=["auto", "fp32", "bf16"], help="auto: bf16 autocast on capable GPUs")
-    parser.add_argument("--sharding", choices=["none", "fsdp"],
-                        help="fsdp: FSDP2-shard model and optimizer under torchrun, one checkpoint shard per rank")
-    parser.add_argument("--vocab-size", type=int, dest="tokenizer_vocab_size", metavar="N",
-                        help="vocabulary size of a trained tokenizer")
     parser.add_argument("--tokenizer", help="use this tokenizer directory instead of training one")
-    parser.add_argument("--validation-fraction", type=float, help="share of documents held out")
-    parser.add_argument("--eval-every", type=int)
-    parser.add_argument("--save-every", type=int)
-    parser.add_argument("--keep-last", type=int, help="checkpoints kept besides the best")
-    parser.add_argument("--compile", action="store_true", default=None,
-                        help="run each block's attention, routing and merge as compiled graphs (torch.compile): "
-                        "faster steps after the first, which compiles")
+    flags = model_flags(PretrainSettings)
+    group = parser.add_argument_group("pretraining settings (each overrides the preset's value)")
+    add_flags(group, flags, **{flag.dest: "the preset's" for flag in flags})
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=run)
-
-
-_SETTING_FLAGS = (
-    "max_steps", "seq_len", "seed", "batch_size", "grad_accum", "optimizer", "lr", "warmup_steps", "dtype",
-    "sharding", "tokenizer_vocab_size", "validation_fraction", "eval_every", "save_every", "keep_last", "compile",
-)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,12 +42,21 @@ def run(args: argparse.Namespace) -> int:
     from .presets import get_preset
     from .train import Pretrainer, PretrainError
 
-    prepare_training_process()  # this process only trains
-    overrides = {name: getattr(args, name) for name in _SETTING_FLAGS if getattr(args, name) is not None}
+    flags = model_flags(PretrainSettings)
     try:
-        settings = get_preset(args.preset).replace(**overrides)
-        trainer = Pretrainer(args.data, args.output, settings, tokenizer_path=args.tokenizer,
-                             progress=not args.no_progress)
+        preset = get_preset(args.preset)
+        settings = PretrainSettings.model_validate({**preset.model_dump(), **flag_values(flags, args)})
+    except FlagError as error:
+        raise CommandError(str(error)) from None
+    except ValidationError as error:
+        raise CommandError(str(flag_error(flags, error))) from None
+    except ValueError as error:
+        raise CommandError(str(error)) from None
+    prepare_training_process()  # this process only trains
+    try:
+        trainer = Pretrainer(
+            args.data, args.output, settings, tokenizer_path=args.tokenizer, progress=not args.no_progress
+        )
         result = trainer.train()
     except (CorpusError, PretrainError, CheckpointWriteError, ValueError, OSError) as error:
         raise CommandError(str(error)) from None

@@ -222,7 +222,7 @@ class Pretrainer:
         if resume_from is None and self.dist.is_main:
             scan_corpus(self.files, settings.seed, settings.validation_fraction)
         self.tokenizer = self._load_or_train_tokenizer(tokenizer_path)
-        self.config = settings.model_config(self.tokenizer)
+        self.config = settings.zaya_config(self.tokenizer)
         torch.manual_seed(settings.seed)
         self.model = ZayaForCausalLM(self.config).to(self.device).train()
         self.model.enable_compiled_layers(settings.compile)
@@ -270,7 +270,7 @@ class Pretrainer:
     def _check_run_file(self, resumed: bool) -> None:
         run_path = self.output / RUN_FILE
         current = {
-            "settings": self.settings.to_dict(),
+            "settings": self.settings.model_dump(),
             "global_batch_size": self.settings.batch_size * self.dist.world_size,
             "corpus": corpus_fingerprint(self.files),
         }
@@ -331,7 +331,7 @@ class Pretrainer:
             "data": self.stream.state_dict(),
             "rng": rng,
             "skipped_batches": sorted(self.skipped_batches),
-            "settings": self.settings.to_dict(),
+            "settings": self.settings.model_dump(),
         }
         if not self.sharded_checkpoints:  # sharded runs keep the optimizer state in the per-rank shards
             state["optimizers"] = [o.state_dict() for o in self.optimizers]

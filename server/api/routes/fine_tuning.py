@@ -1,34 +1,31 @@
 """OpenAI fine-tuning jobs: create, list, retrieve, cancel, pause, resume, events, checkpoints.
 
-Request and response bodies mirror OpenAI's field for field (the official client parses them); our additions live
-inside `method.supervised`: `adapter` ("lora" | "full"), `lora` settings, `merge_adapter`, and extra
-hyperparameters (`max_steps`, `max_seconds`, `eval_every`, `early_stopping_patience`, `max_seq_len`, `packing`,
-`keep_checkpoints`, `balancing_bias_lr`, `gradient_checkpointing`, `compile`).
+Request and response bodies mirror OpenAI's field for field (the official client parses them). `method` is
+`finetune.settings.FineTuneSettings`, the model `zaya finetune` and the worker read too; our additions live inside
+the method's block (`method.supervised` or `method.dpo`): `adapter` ("lora" | "full"), `lora` settings,
+`merge_adapter`, and extra hyperparameters.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.concurrency import run_in_threadpool
 
-from server.api.deps import DataDep, SessionDep, SettingsDep, set_audit_target
+from finetune.settings import FineTuneSettings, Hyperparameters, SupervisedSettings
+from server.api.deps import DataDep, SessionDep, set_audit_target
 from server.api.schemas import unix
 from server.db.models import Checkpoint, FineTuningJob, JobEvent, ModelVersion
 from server.errors import InvalidRequest
 from server.services import jobs as job_service
 from server.services import training
-from server.services.files import content_path
-from server.services.model_resolution import find_version
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
 
 EVENT_ID_PREFIX = "ftevent-"
 OPENAI_HYPERPARAMETERS = ("batch_size", "learning_rate_multiplier", "n_epochs")
-Auto = Literal["auto"]
 
 
 # --- requests -----------------------------------------------------------------------------------------------------
@@ -38,48 +35,6 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class Hyperparameters(Strict):
-    n_epochs: Auto | StrictInt = "auto"
-    batch_size: Auto | StrictInt = "auto"
-    learning_rate_multiplier: Auto | StrictFloat | StrictInt = "auto"
-    # Ours: bounds on the run and evaluation cadence (checkpoints are saved at every evaluation).
-    max_steps: StrictInt | None = None
-    max_seconds: StrictFloat | StrictInt | None = None
-    eval_every: StrictInt | None = None
-    early_stopping_patience: StrictInt | None = None
-    max_seq_len: StrictInt | None = None
-    packing: StrictBool = True
-    # Ours: keep only the newest N checkpoints on disk (and the best); None keeps every one.
-    keep_checkpoints: StrictInt | None = None
-    # Ours: full fine-tuning's balancing-bias update rate (0: off); None: the trainer's default.
-    balancing_bias_lr: StrictFloat | StrictInt | None = None
-    # Ours: recompute each layer in the backward pass (far less activation memory, about one more forward).
-    gradient_checkpointing: StrictBool = False
-    # Ours: run each block's attention, routing and expert merge as compiled graphs (`torch.compile`): faster
-    # steps once the first one has compiled (tens of seconds).
-    compile: StrictBool = False
-
-
-class LoraSettings(Strict):
-    r: StrictInt = 8
-    alpha: StrictInt | StrictFloat = 16
-    dropout: StrictFloat | StrictInt = 0.0
-    target_modules: list[str] | None = None
-    target_experts: StrictBool = True
-
-
-class Supervised(Strict):
-    hyperparameters: Hyperparameters = Field(default_factory=Hyperparameters)
-    adapter: Literal["lora", "full"] = "lora"
-    lora: LoraSettings = Field(default_factory=LoraSettings)
-    merge_adapter: StrictBool = False
-
-
-class Method(Strict):
-    type: Literal["supervised"] = "supervised"
-    supervised: Supervised = Field(default_factory=Supervised)
-
-
 class JobCreate(Strict):
     model: str = Field(min_length=1, max_length=256)
     training_file: str = Field(min_length=1)
@@ -87,17 +42,18 @@ class JobCreate(Strict):
     suffix: str | None = Field(default=None, max_length=64, pattern=r"^[A-Za-z0-9_-]*$")
     seed: StrictInt | None = Field(default=None, ge=0, le=2**31 - 1)
     metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(default=None, max_length=16)
-    method: Method | None = None
+    method: FineTuneSettings | None = None
     # OpenAI's older top-level form; used when `method` is absent.
     hyperparameters: Hyperparameters | None = None
     integrations: list[dict[str, Any]] | None = None
 
-    def effective_method(self) -> Method:
+    def effective_method(self) -> FineTuneSettings:
         if self.method is not None:
             if self.hyperparameters is not None:
                 raise InvalidRequest("Give hyperparameters inside 'method', not both.", param="hyperparameters")
             return self.method
-        return Method(supervised=Supervised(hyperparameters=self.hyperparameters or Hyperparameters()))
+        hyperparameters = self.hyperparameters or Hyperparameters()
+        return FineTuneSettings(supervised=SupervisedSettings(hyperparameters=hyperparameters))
 
 
 # --- responses (OpenAI's objects) ----------------------------------------------------------------------------------
@@ -133,7 +89,8 @@ class JobObject(BaseModel):
 
     @classmethod
     def of(cls, job: FineTuningJob) -> JobObject:
-        hyper = (job.method.get("supervised") or {}).get("hyperparameters") or {}
+        method = job.method.get(job.method.get("type", "supervised")) or {}
+        hyper = method.get("hyperparameters") or {}
         return cls(
             id=job.id,
             created_at=unix(job.created_at),
@@ -206,24 +163,9 @@ class Page(BaseModel):
 # --- routes -------------------------------------------------------------------------------------------------------
 
 
-def _create(session, settings, body: JobCreate, created_by: str) -> FineTuningJob:
+def _create(session, body: JobCreate, created_by: str) -> FineTuningJob:
     method = body.effective_method()
-    base = find_version(session, body.model)
-    # The trainer's own checks (ranges, combinations), on the paths the worker will use.
-    training.check_spec(
-        training.build_spec(
-            method=method.model_dump(),
-            seed=body.seed or 0,
-            model_dir=Path(base.path),
-            train_file=content_path(settings, job_service.usable_file(session, body.training_file, "training_file")),
-            validation_file=(
-                content_path(settings, job_service.usable_file(session, body.validation_file, "validation_file"))
-                if body.validation_file
-                else None
-            ),
-            output_dir=settings.data_dir / "jobs" / "validation-only",
-        )
-    )
+    training.check_inputs(method, has_validation_file=body.validation_file is not None)
     return job_service.create_job(
         session,
         model=body.model,
@@ -238,10 +180,8 @@ def _create(session, settings, body: JobCreate, created_by: str) -> FineTuningJo
 
 
 @router.post("", name="fine_tuning.jobs.create")
-async def create_job(
-    body: JobCreate, request: Request, session: SessionDep, settings: SettingsDep, principal: DataDep
-) -> JobObject:
-    job = await run_in_threadpool(_create, session, settings, body, principal.key_id)
+async def create_job(body: JobCreate, request: Request, session: SessionDep, principal: DataDep) -> JobObject:
+    job = await run_in_threadpool(_create, session, body, principal.key_id)
     set_audit_target(request, job.id)
     return JobObject.of(job)
 

@@ -1,0 +1,116 @@
+"""`PretrainSettings`: everything a pretraining run needs besides its corpus and output directory.
+
+One pydantic model: the presets (`presets.py`) are instances of it, `zaya pretrain`'s flags are generated from it
+(`zaya_cli.flags`), every checkpoint saves it, and a bad value is reported under its field's name. Importing it
+costs no torch or transformers, so `zaya --help` can list the flags.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
+
+if TYPE_CHECKING:
+    from ..configuration_zaya import ZayaConfig
+
+from zaya_cli.flags import Cli
+
+Positive = Annotated[int, Field(ge=1)]
+
+
+class PretrainSettings(BaseModel):
+    """Everything a run needs besides the corpus and the output directory; saved with every checkpoint. `zaya
+    pretrain`'s flags are generated from it (`zaya_cli.flags`); a preset gives the values a flag does not."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: Annotated[dict[str, Any], Cli(skip=True)] = Field(
+        default_factory=dict, description="the ZayaConfig fields of the model shape (all but vocabulary and token ids)"
+    )
+    tokenizer_vocab_size: Annotated[Positive, Cli(name="vocab-size")] = Field(
+        1024, description="vocabulary size of a trained tokenizer"
+    )
+    seq_len: Positive = Field(128, description="tokens per packed row")
+    batch_size: Positive = Field(8, description="rows per micro-batch")
+    grad_accum: Positive = Field(1, description="micro-batches per optimizer step")
+    max_steps: Positive = Field(200, description="optimizer steps in total")
+    optimizer: Literal["adamw", "muon"] = Field(
+        "adamw", description="muon: Muon for 2-D hidden weights, AdamW for the rest"
+    )
+    lr: Annotated[float, Field(gt=0)] = Field(3e-3, description="peak learning rate")
+    min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = Field(0.1, description="final learning rate / peak")
+    warmup_steps: Annotated[int, Field(ge=0)] = Field(20, description="linear warmup steps")
+    weight_decay: Annotated[float, Field(ge=0)] = Field(0.01, description="AdamW weight decay")
+    max_grad_norm: Annotated[float, Field(gt=0)] = Field(1.0, description="gradient clipping norm")
+    balancing_lr: Annotated[float, Field(ge=0)] = Field(1e-3, description="router balancing-bias update rate")
+    dtype: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto: bf16 autocast on capable accelerators")
+    # "none": every rank holds the whole model and optimizer, rank 0 writes `save_pretrained` checkpoints.
+    # "fsdp": FSDP2 shards parameters, gradients and optimizer state; every rank writes its shard of each checkpoint
+    # (torch.distributed.checkpoint), which any number of processes can resume.
+    sharding: Literal["none", "fsdp"] = Field(
+        "none", description="fsdp: FSDP2-shard model and optimizer under torchrun, one checkpoint shard per rank"
+    )
+    seed: int = Field(0, description="seed for initialisation, data order and the validation split")
+    validation_fraction: Annotated[float, Field(ge=0, lt=1)] = Field(0.05, description="share of documents held out")
+    eval_every: Positive = Field(50, description="steps between validation losses")
+    eval_rows: Positive = Field(32, description="validation rows per evaluation")
+    save_every: Positive = Field(50, description="steps between checkpoints")
+    keep_last: Positive = Field(2, description="checkpoints kept besides the best")
+    shuffle_buffer: Positive = Field(256, description="documents in the shuffle buffer")
+    max_rollbacks: Annotated[int, Field(ge=0)] = Field(
+        3, description="rollbacks to the last checkpoint after a non-finite loss before giving up"
+    )
+    step_timeout_s: Annotated[float, Field(ge=0)] = Field(1800.0, description="a step slower than this fails (0: off)")
+    # Not part of a run's identity: a resume may turn it on or off.
+    compile: bool = Field(
+        False,
+        description="run each block's attention, routing and merge as compiled graphs (torch.compile): faster steps "
+        "after the first, which compiles",
+    )
+
+    @field_validator("seq_len")
+    @classmethod
+    def _fits_the_model(cls, seq_len: int, info: ValidationInfo) -> int:
+        limit = _max_positions(info.data.get("model") or {})
+        if seq_len > limit:
+            raise PydanticCustomError(
+                "too_long", "exceeds the model's max_position_embeddings ({limit})", {"limit": limit}
+            )
+        return seq_len
+
+    @field_validator("sharding")
+    @classmethod
+    def _muon_needs_whole_matrices(cls, sharding: str, info: ValidationInfo) -> str:
+        if sharding == "fsdp" and info.data.get("optimizer") == "muon":
+            # Muon orthogonalises each whole matrix; FSDP hands the optimizer only a row shard of it.
+            raise PydanticCustomError("invalid_combination", "fsdp needs optimizer adamw (Muon needs whole matrices)")
+        return sharding
+
+    @property
+    def max_positions(self) -> int:
+        return _max_positions(self.model)
+
+    def replace(self, **changes: Any) -> PretrainSettings:
+        """A copy with `changes`, validated like any settings (a pydantic ValidationError names the field)."""
+        return PretrainSettings.model_validate({**self.model_dump(), **changes})
+
+    def zaya_config(self, tokenizer) -> ZayaConfig:
+        """The model config for a tokenizer: vocabulary rounded up to a multiple of 64 (faster matmuls)."""
+        from ..configuration_zaya import ZayaConfig
+
+        vocab_size = -(-len(tokenizer) // 64) * 64
+        return ZayaConfig(
+            **self.model,
+            vocab_size=vocab_size,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+
+
+def _max_positions(model: dict[str, Any]) -> int:
+    from ..configuration_zaya import ZayaConfig
+
+    return model.get("max_position_embeddings", ZayaConfig.max_position_embeddings)
