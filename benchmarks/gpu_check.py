@@ -1,6 +1,6 @@
 """Our ZAYA1 on a GPU (CUDA or ROCm): checked against the CPU reference, timed beside upstream `transformers`' `zaya`.
 
-Run: `python benchmarks/gpu_check.py [--quick] [--device cuda|cpu] [--compile auto|on|off] [--budget-s S] [--out PATH]`
+Run: `python benchmarks/gpu_check.py [--quick] [--device D] [--compile auto|on|off] [--budget-s S] [--only PART..]`
 (`--quick`: tiny shapes, a smoke test that also runs on CPU; CI runs it there. `--compile auto` compiles on a GPU
 only: on 2 CPU cores compiling both models takes many minutes, and the compiled rows are then not measured.)
 
@@ -66,12 +66,14 @@ for _path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
 import model_bench as mb  # noqa: E402  (sets OMP_NUM_THREADS before torch loads; --threads overrides it)
 import torch  # noqa: E402
 import transformers  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from zaya_model import ZayaConfig, ZayaForCausalLM  # noqa: E402
 from zaya_model.kernels.grouped_mm_experts import use_grouped_mm_experts  # noqa: E402
 
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "gpu_check.json"
 FP32_TOLERANCE = 1e-4  # relative error of fp32 logits, device against CPU
+NEAR_TIE = 1e-3  # largest routing margin (biased probability) that fp32 rounding may flip
 BF16_TOLERANCE = 3e-2  # relative error of bf16 logits against the fp32 reference
 LOSS_TOLERANCE = 2e-2  # relative spread of the first bf16 loss across implementations
 GRAD_NORM_TOLERANCE = 5e-2  # relative spread of the first gradient norm
@@ -209,22 +211,62 @@ def check_against_cpu(sizes: Sizes, device: torch.device) -> dict:
     on_device = copy.deepcopy(reference).to(device)
     ids = mb.random_ids(2, sizes.check_seq, reference.config.vocab_size, seed=1)
     result: dict = {"model": sizes.check_model, "fp32_logits": {}}
-    with torch.no_grad():
-        ref_logits = reference(input_ids=ids).logits
+    # The plain fp32 attention kernel: fused ones may round through TF32.
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
+        expected = routed_forward(reference, ids)
         for path in ("reference", "grouped_mm_experts"):
             use_grouped_mm_experts(on_device, path == "grouped_mm_experts")
-            logits = on_device(input_ids=ids.to(device)).logits.cpu()
-            error = relative_error(logits, ref_logits)
-            result["fp32_logits"][path] = {
-                "relative_error": error,
-                "max_abs_diff": float((logits - ref_logits).abs().max()),
-                "tolerance": FP32_TOLERANCE,
-                "passed": error <= FP32_TOLERANCE,
-            }
+            result["fp32_logits"][path] = compare_fp32(routed_forward(on_device, ids.to(device)), expected)
     del on_device
     result["bf16_greedy"] = check_bf16_greedy(reference, sizes, device)
     result["passed"] = all(r["passed"] for r in result["fp32_logits"].values()) and result["bf16_greedy"]["passed"]
     return result
+
+
+def routed_forward(model: ZayaForCausalLM, ids: torch.Tensor) -> dict:
+    """Logits of a forward, with every layer's expert choice [layers, batch, seq] and the margin of that choice over
+    the runner-up (biased probabilities, as the router compares them)."""
+    routed = []
+    hooks = [
+        layer.mlp.gate.register_forward_hook(lambda router, _inputs, out: routed.append((router, out[0], out[1])))
+        for layer in model.model.layers
+    ]
+    try:
+        logits = model(input_ids=ids).logits.float().cpu()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    margins = []
+    for router, router_logits, _ in routed:
+        top2 = (torch.softmax(router_logits.float(), dim=-1) + router.balancing_biases).topk(2, dim=-1).values
+        margins.append((top2[..., 0] - top2[..., 1]).cpu())
+    choices = torch.stack([choice.cpu() for _, _, choice in routed])
+    return {"logits": logits, "choices": choices, "margins": torch.stack(margins)}
+
+
+def compare_fp32(out: dict, expected: dict) -> dict:
+    """fp32 logits on the device against the CPU's. A random model has near-tie routing choices that rounding can
+    flip; a flipped token changes itself and every later token of its sequence, so logits are compared up to each
+    sequence's first flip, and each flip must be a near tie on the CPU (margin at most `NEAR_TIE`)."""
+    flipped = out["choices"] != expected["choices"]  # [layers, batch, seq]
+    flipped_tokens = flipped.any(dim=0)
+    seq = flipped_tokens.shape[1]
+    first_flip = torch.where(flipped_tokens, torch.arange(seq), seq).amin(dim=1)
+    compared = torch.arange(seq)[None, :] < first_flip[:, None]
+    logits, expected_logits = out["logits"][compared], expected["logits"][compared]
+    enough = int(compared.sum()) * 4 >= compared.numel()  # at least a quarter of the positions
+    error = relative_error(logits, expected_logits) if enough else None
+    flip_margin = float(expected["margins"][flipped].max()) if flipped.any() else 0.0
+    return {
+        "relative_error": error,
+        "max_abs_diff": float((logits - expected_logits).abs().max()) if enough else None,
+        "compared_positions": int(compared.sum()),
+        "positions": compared.numel(),
+        "routing_flips": int(flipped.sum()),
+        "largest_flipped_margin": flip_margin,
+        "tolerance": FP32_TOLERANCE,
+        "passed": error is not None and error <= FP32_TOLERANCE and flip_margin <= NEAR_TIE,
+    }
 
 
 def check_bf16_greedy(reference: ZayaForCausalLM, sizes: Sizes, device: torch.device) -> dict:
@@ -520,7 +562,8 @@ def same_outputs(logits: dict[str, torch.Tensor]) -> dict:
     for impl, eager in (("ours_best", "ours_eager"), ("upstream_compiled", "upstream_eager")):
         if impl in logits and eager in logits:
             errors[impl] = relative_error(logits[impl], logits[eager])
-    return {"relative_errors": errors, "passed": all(error <= PREFILL_TOLERANCE for error in errors.values())}
+    # Gated on ours only: upstream's bf16 router (softmax in bf16) flips more near ties between its two paths.
+    return {"relative_errors": errors, "passed": errors.get("ours_best", 0.0) <= PREFILL_TOLERANCE}
 
 
 def summarise(row: dict) -> dict:
@@ -549,21 +592,32 @@ def summarise(row: dict) -> dict:
 
 
 def planned_rows(shapes: tuple[Shape, ...]) -> list[tuple[Shape, str, str]]:
-    """(shape, phase, precision) in priority order: the wide stack's train step and prefill, model_bench's shape's,
-    decoding, then the train step with bf16 weights."""
+    """(shape, phase, precision) in priority order: the wide stack's train steps and prefill, model_bench's shape's,
+    then decoding."""
     wide, narrow = shapes
-    rows = [(shape, phase, "autocast" if phase == "train" else "bf16 weights")
-            for shape in (wide, narrow) for phase in ("train", "prefill")]
-    rows += [(shape, f"decode_b{batch}", "bf16 weights") for shape in (narrow, wide) for batch in shape.decode_batches]
-    return rows + [(wide, "train", "bf16 weights")]
+    rows = [(wide, "train", "autocast"), (wide, "train", "bf16 weights"), (wide, "prefill", "bf16 weights")]
+    rows += [(narrow, "train", "autocast"), (narrow, "prefill", "bf16 weights")]
+    return rows + [
+        (shape, f"decode_b{batch}", "bf16 weights") for shape in (narrow, wide) for batch in shape.decode_batches
+    ]
 
 
 def measure_speed(
-    sizes: Sizes, device: torch.device, compile_models: bool, peak_tflops: float, report: dict, save, deadline: float
+    sizes: Sizes,
+    device: torch.device,
+    compile_models: bool,
+    peak_tflops: float,
+    report: dict,
+    save: Callable[[], None],
+    deadline: float,
+    only: list[str] | None,
 ):
     models: dict[str, ShapeModels] = {}
     for shape, phase, precision in planned_rows(sizes.shapes):
         key = {"shape": shape.name, "phase": phase, "precision": precision}
+        if only and not any(part in f"{shape.name}/{phase}/{precision}" for part in only):
+            report["rows"].append(key | {"not_measured": "not selected in this run (--only)"})
+            continue
         if time.monotonic() > deadline:
             report["rows"].append(key | {"not_measured": "the run's time budget (--budget-s) was spent"})
             continue
@@ -636,7 +690,11 @@ def table(report: dict) -> str:
         greedy = checks["bf16_greedy"]
         lines.append(
             "checks against the CPU reference: fp32 logits relative error "
-            + ", ".join(f"{path} {r['relative_error']:.1e}" for path, r in checks["fp32_logits"].items())
+            + ", ".join(
+                f"{path} {_fmt(r['relative_error'], '.1e')} ({r['compared_positions']}/{r['positions']} positions, "
+                f"{r['routing_flips']} near-tie routing flips)"
+                for path, r in checks["fp32_logits"].items()
+            )
             + f" (<= {FP32_TOLERANCE}); bf16 greedy: {greedy['consistent_tokens']}/{greedy['tokens']} tokens "
             f"consistent, {greedy['agree_with_reference_greedy']:.0%} equal to the fp32 reference's, logits relative "
             f"error {greedy['logits_relative_error']:.1e} (<= {BF16_TOLERANCE}): "
@@ -686,8 +744,8 @@ def table(report: dict) -> str:
             if "error" in result:
                 lines.append(f"- {row['shape']} {row['phase']} {impl}: {result['error']}")
     for name, target in report["targets"].items():
-        lines.append(f"- target {name}: {_fmt(target['value'], '.2f')} (>= {target['min']}) "
-                     + ("met" if target["met"] else "NOT met"))
+        verdict = "not measured" if target["value"] is None else "met" if target["met"] else "NOT met"
+        lines.append(f"- target {name}: {_fmt(target['value'], '.2f')} (>= {target['min']}) {verdict}")
     return "\n".join(lines)
 
 
@@ -701,6 +759,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=("auto", "on", "off"),
         default="auto",
         help="torch.compile ours' layers and upstream (auto: on a GPU only; compiling on 2 CPU cores takes minutes)",
+    )
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        metavar="PART",
+        help="measure only the rows whose 'shape/phase/precision' contains one of these (e.g. decode, wide/train)",
     )
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: every core)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON report path (default {DEFAULT_OUT})")
@@ -742,7 +806,7 @@ def main(argv: list[str] | None = None) -> int:
         report["checks"] = {"error": f"{type(error).__name__}: {str(error)[:500]}", "passed": False}
     save()
     deadline = started + args.budget_s if args.budget_s else float("inf")
-    measure_speed(sizes, device, compile_models, report["matmul_tflops"], report, save, deadline)
+    measure_speed(sizes, device, compile_models, report["matmul_tflops"], report, save, deadline, args.only)
     report["targets"] = targets(report)
     report["seconds"] = time.monotonic() - started
     save()
