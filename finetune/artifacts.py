@@ -22,6 +22,7 @@ from zaya_model.atomic_io import fsync_path, fsync_tree
 
 BASE_MODEL_FILE = "base_model.json"  # in an adapter dir: which base model the adapter was trained on
 METRICS_FILE = "metrics.json"  # in a checkpoint dir: step, train/valid loss, valid token accuracy
+EVALUATION_FILE = "evaluation.json"  # in a fine-tuned model dir: the task evaluation of the validation file
 _CONFIG_KEYS_IGNORED = {"_name_or_path", "dtype", "torch_dtype", "transformers_version", "architectures", "use_cache"}
 _FINGERPRINT_ROWS = 1024
 

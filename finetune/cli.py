@@ -92,8 +92,9 @@ def _register_evaluate(subparsers: argparse._SubParsersAction) -> None:
     evaluate = subparsers.add_parser(
         "evaluate",
         help="score a model on a held-out JSONL file",
-        description="Held-out loss and token accuracy on the trained tokens and, for the bank disposition task, "
-        "exact-match disposition accuracy (greedy).",
+        description="Held-out loss and token accuracy on the trained tokens, and the task evaluation: greedy "
+        "answers to each held-out prompt (stopping at the end of the turn), their exact match with the reference "
+        "and, for references made of `Field: value` lines, each field's accuracy.",
     )
     evaluate.add_argument("--model", required=True, metavar="DIR", help="base or full checkpoint")
     evaluate.add_argument("--adapter", metavar="DIR", help="LoRA adapter trained on --model")
@@ -174,11 +175,19 @@ def run_evaluate_command(args: argparse.Namespace) -> int:
     except EvaluationError as error:
         raise CommandError(str(error)) from None
     if not args.json:
-        for name, value in scores.items():
+        for name, value in _table_rows(scores):
             shown = "n/a" if value is None else f"{value:.4f}" if isinstance(value, float) else str(value)
-            print(f"{name:<24}{shown:>12}")
+            print(f"{name:<32}{shown:>12}")
     print(json.dumps(scores))
     return 0
+
+
+def _table_rows(scores: dict) -> list[tuple[str, Any]]:
+    task = scores["task_evaluation"]
+    rows = [(name, value) for name, value in scores.items() if name != "task_evaluation"]
+    rows += [("task_examples", task["n_examples"]), ("exact_match", task["exact_match"])]
+    rows += [(f"{name} accuracy", field["accuracy"]) for name, field in task["fields"].items()]
+    return rows
 
 
 class _ProgressBarHooks:

@@ -83,6 +83,10 @@ def _write_chats(path: Path, n: int, seed: int) -> Path:
     return path
 
 
+def disposition_accuracy(scores: dict) -> float:
+    return scores["task_evaluation"]["fields"]["Disposition"]["accuracy"]
+
+
 def print_table(report: dict) -> None:
     rows = [("model", "loss", "token accuracy", "disposition accuracy")]
     for name, scores in (("base", report["before"]), ("base + LoRA", report["after"])):
@@ -91,7 +95,7 @@ def print_table(report: dict) -> None:
                 name,
                 f"{scores['loss']:.2f}",
                 f"{scores['token_accuracy']:.3f}",
-                f"{scores['disposition_accuracy']:.3f}",
+                f"{disposition_accuracy(scores):.3f}",
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]

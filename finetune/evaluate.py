@@ -1,57 +1,194 @@
 """Score a model (base, full fine-tune, or base + adapter) on a held-out JSONL file.
 
-- `loss`, `token_accuracy`: token-weighted over the trained tokens that `tokenize_example` marks (assistant turns),
-  exactly the tokens fine-tuning trains on.
-- `disposition_accuracy`: for the bank `disposition` task (reference answers that start with "Disposition: LABEL"),
-  the share of greedy answers whose label (`parse_disposition`) equals the reference's.
+Two kinds of scores:
+
+- teacher-forced: `loss` and `token_accuracy`, token-weighted over the trained tokens that `tokenize_example` marks
+  (assistant turns), exactly the tokens fine-tuning trains on;
+- generated (`task_evaluation`, the task a user cares about): the model answers each held-out prompt greedily,
+  stopping at the end of its turn, and the answer is compared with the reference: `exact_match` (the whole answer,
+  whitespace at line ends aside) and, for references made of `Field: value` lines (`Disposition: FILE_SAR` /
+  `Reasons: ...`), the accuracy of each field's value.
+
+`task_evaluation` is a plain function of a loaded model, so the trainer (at the end of a job with a validation file),
+`zaya evaluate` and the quality benchmark all score with the same code.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
 from zaya_model import ZayaForCausalLM
+from zaya_model.pretrain import generation_eos_token_ids
 
 from .artifacts import BASE_MODEL_FILE, base_model_fingerprint
 from .data import IGNORE_INDEX, labelled_features, make_collator, read_examples, token_statistics
 from .datasets.formats import DatasetFormat, Example
-from .datasets.synthetic import parse_disposition
 from .datasets.validation import validate_dataset
 
-DISPOSITION_PREFIX = "Disposition:"
+# A line of a structured answer: a short field name, a colon, the value.
+FIELD_LINE = re.compile(r"^([A-Za-z][A-Za-z0-9 _/-]{0,63}):\s*(.*)$")
+EXTRA_TOKENS = 16  # generated past the reference's length: enough to see where a wrong answer goes
+GENERATION_BATCH = 8
 
 
 class EvaluationError(ValueError):
     """Bad model, adapter or data file; the message says which and why."""
 
 
-def evaluate_model(
-    model_dir: str,
-    data_file: str,
-    adapter_dir: str | None = None,
-    *,
-    batch_size: int = 8,
-    max_new_tokens: int = 16,
-) -> dict[str, Any]:
+@dataclass(frozen=True)
+class TaskExample:
+    """A held-out prompt (token ids, ready to continue) and the answer it should get."""
+
+    prompt_ids: list[int]
+    reference: str
+
+
+@dataclass
+class TaskScores:
+    n_examples: int
+    exact_match: float | None
+    fields: dict[str, dict[str, float | int]] = field(default_factory=dict)  # name -> {"accuracy", "n"}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"n_examples": self.n_examples, "exact_match": self.exact_match, "fields": self.fields}
+
+
+def answer_fields(text: str) -> dict[str, str] | None:
+    """The `Field: value` pairs of an answer whose every non-empty line is one (the first of a repeated name
+    counts), else None."""
+    fields: dict[str, str] = {}
+    for line in normalized(text).splitlines():
+        match = FIELD_LINE.match(line)
+        if match is None:
+            return None
+        fields.setdefault(match.group(1), match.group(2))
+    return fields or None
+
+
+def normalized(text: str) -> str:
+    """The answer as compared: surrounding blank lines and each line's outer whitespace dropped."""
+    return "\n".join(line.strip() for line in text.strip().splitlines() if line.strip())
+
+
+def score_answers(references: list[str], answers: list[str]) -> TaskScores:
+    """Exact match over every pair; per-field accuracy over the pairs whose reference is made of `Field: value`
+    lines (an answer missing the field, or not made of such lines, is wrong for it)."""
+    matches = [
+        normalized(reference) == normalized(answer) for reference, answer in zip(references, answers, strict=True)
+    ]
+    correct: dict[str, int] = {}
+    seen: dict[str, int] = {}
+    for reference, answer in zip(references, answers, strict=True):
+        expected = answer_fields(reference)
+        if expected is None:
+            continue
+        given = answer_fields(answer) or {}
+        for name, value in expected.items():
+            seen[name] = seen.get(name, 0) + 1
+            correct[name] = correct.get(name, 0) + (given.get(name) == value)
+    fields = {name: {"accuracy": correct[name] / seen[name], "n": seen[name]} for name in seen}
+    return TaskScores(len(matches), sum(matches) / len(matches) if matches else None, fields)
+
+
+def describe(evaluation: dict[str, Any]) -> str:
+    """A stored task evaluation in one line: "exact match 0.800 on 30 examples; Disposition 0.967 (30), ..."."""
+    if evaluation["exact_match"] is None:
+        return "no examples with an answer to generate"
+    line = f"exact match {evaluation['exact_match']:.3f} on {evaluation['n_examples']} examples"
+    if evaluation["fields"]:
+        fields = evaluation["fields"].items()
+        line += "; " + ", ".join(f"{name} {field['accuracy']:.3f} ({field['n']})" for name, field in fields)
+    return line
+
+
+def task_examples(examples: list[Example], tokenizer: Any) -> list[TaskExample]:
+    """The examples that end in an answer to generate: chat examples ending with an assistant message (the prompt is
+    the conversation before it) and prompt/completion examples."""
+    tasks = []
+    for example in examples:
+        if example.format is DatasetFormat.CHAT and example.messages and example.messages[-1]["role"] == "assistant":
+            context = [{"role": m["role"], "content": m["content"]} for m in example.messages[:-1]]
+            prompt = tokenizer.apply_chat_template(context, add_generation_prompt=True, tokenize=True, return_dict=True)
+            tasks.append(TaskExample(list(prompt["input_ids"]), example.messages[-1]["content"]))
+        elif example.format is DatasetFormat.PROMPT_COMPLETION:
+            tasks.append(TaskExample(tokenizer.encode(example.prompt, add_special_tokens=False), example.completion))
+    return tasks
+
+
+@torch.no_grad()
+def generate_answers(
+    model: Any, tokenizer: Any, tasks: list[TaskExample], batch_size: int = GENERATION_BATCH
+) -> list[str]:
+    """Greedy answers, stopping at the end of the turn (or EOS), at most the reference's length + EXTRA_TOKENS.
+    Prompts of similar length are batched, padded on the left."""
+    stop = stop_token_ids(tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop[-1]
+    order = sorted(range(len(tasks)), key=lambda index: len(tasks[index].prompt_ids))
+    answers: list[str] = [""] * len(tasks)
+    device = next(model.parameters()).device
+    for start in range(0, len(order), batch_size):
+        batch = [tasks[index] for index in order[start : start + batch_size]]
+        width = max(len(task.prompt_ids) for task in batch)
+        input_ids = torch.tensor([[pad] * (width - len(t.prompt_ids)) + t.prompt_ids for t in batch], device=device)
+        attention_mask = torch.tensor(
+            [[0] * (width - len(t.prompt_ids)) + [1] * len(t.prompt_ids) for t in batch], device=device
+        )
+        limits = [len(tokenizer.encode(task.reference, add_special_tokens=False)) + EXTRA_TOKENS for task in batch]
+        output = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=max(limits),
+            do_sample=False,
+            eos_token_id=stop,
+            pad_token_id=pad,
+        )
+        # Each answer is cut at its own limit, so it does not depend on the batch it ran in.
+        for index, row, limit in zip(order[start : start + batch_size], output[:, width:], limits, strict=True):
+            answers[index] = tokenizer.decode(row[:limit], skip_special_tokens=True)
+    return answers
+
+
+def task_evaluation(model: Any, tokenizer: Any, examples: list[Example]) -> TaskScores:
+    """Generate an answer for each held-out example and score it (see the module's docstring)."""
+    was_training = model.training
+    model.eval()
+    try:
+        tasks = task_examples(examples, tokenizer)
+        answers = generate_answers(model, tokenizer, tasks)
+    finally:
+        model.train(was_training)
+    return score_answers([task.reference for task in tasks], answers)
+
+
+def evaluate_file(model: Any, tokenizer: Any, data_file: str) -> dict[str, Any]:
+    """The task evaluation of a (validated) JSONL file as it is stored and reported: the scores and the file's
+    SHA-256, since two models' scores compare only on the same data."""
+    scores = task_evaluation(model, tokenizer, read_examples(data_file))
+    return {**scores.to_dict(), "data_sha256": _sha256(data_file)}
+
+
+def evaluate_model(model_dir: str, data_file: str, adapter_dir: str | None = None, *, batch_size: int = 8) -> dict:
+    """`zaya evaluate`: the teacher-forced scores and the task evaluation of a model on a JSONL file."""
     model, tokenizer = load_model(model_dir, adapter_dir)
     report = validate_dataset(data_file, tokenizer=tokenizer, max_problems=10)
     if not report.is_valid:
         raise EvaluationError(f"data_file: {report.n_problems} problem(s): " + "; ".join(report.problem_lines()))
     examples = read_examples(data_file)
     loss, accuracy, n_trained = _token_scores(model, tokenizer, examples, batch_size)
-    disposition_accuracy, n_dispositions = _disposition_accuracy(model, tokenizer, examples, max_new_tokens)
     return {
         "n_examples": len(examples),
         "n_trained_tokens": n_trained,
         "loss": loss,
         "token_accuracy": accuracy,
-        "disposition_accuracy": disposition_accuracy,
-        "n_disposition_examples": n_dispositions,
+        "task_evaluation": evaluate_file(model, tokenizer, data_file),
     }
 
 
@@ -111,30 +248,17 @@ def _token_scores(model: Any, tokenizer: Any, examples: list[Example], batch_siz
     return float(totals[0] / n), float(totals[1] / n), n_trained
 
 
-@torch.no_grad()
-def _disposition_accuracy(
-    model: Any, tokenizer: Any, examples: list[Example], max_new_tokens: int
-) -> tuple[float | None, int]:
-    correct = total = 0
-    for example in examples:
-        reference = _reference_disposition(example)
-        if reference is None:
-            continue
-        prompt = tokenizer.apply_chat_template(
-            [{"role": m["role"], "content": m["content"]} for m in example.messages[:-1]],
-            add_generation_prompt=True,
-            return_tensors="pt",
-            return_dict=True,
-        )
-        output = model.generate(**prompt, max_new_tokens=max_new_tokens, do_sample=False)
-        answer = tokenizer.decode(output[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
-        correct += parse_disposition(answer) == reference
-        total += 1
-    return (correct / total if total else None), total
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
-def _reference_disposition(example: Example) -> str | None:
-    if example.format is not DatasetFormat.CHAT or example.messages[-1]["role"] != "assistant":
-        return None
-    answer = example.messages[-1]["content"]
-    return parse_disposition(answer) if answer.startswith(DISPOSITION_PREFIX) else None
+def stop_token_ids(tokenizer: Any) -> list[int]:
+    """Where an answer ends: the chat end-of-turn token and EOS."""
+    try:
+        return generation_eos_token_ids(tokenizer)
+    except ValueError:  # a tokenizer without a chat end-of-turn token stops on EOS only
+        return [tokenizer.eos_token_id]

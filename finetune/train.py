@@ -40,7 +40,6 @@ from transformers import (
 
 from zaya_model import ZayaConfig, ZayaForCausalLM
 from zaya_model.atomic_io import write_json_atomic
-from zaya_model.pretrain import generation_eos_token_ids
 from zaya_model.training.callbacks import (
     COMPILING_MESSAGE,
     HooksCallback,
@@ -52,6 +51,7 @@ from zaya_model.training.callbacks import (
 
 from .artifacts import (
     BASE_MODEL_FILE,
+    EVALUATION_FILE,
     METRICS_FILE,
     atomic_directory,
     base_model_fingerprint,
@@ -62,6 +62,7 @@ from .auto import ResolvedHyperparameters, resolve_hyperparameters
 from .balancing import BalancingBiasCallback
 from .data import IGNORE_INDEX, TokenizedDataset, make_collator, read_examples, token_statistics
 from .datasets.validation import ValidationReport, validate_dataset
+from .evaluate import describe, evaluate_file, stop_token_ids
 from .rotation import rotate_checkpoints
 from .settings import DEFAULT_LORA_TARGET_MODULES, FinetuneError, FineTuneSettings
 
@@ -104,6 +105,7 @@ class FinetuneResult:
     kind: str  # "adapter" | "full"
     metrics: dict = field(default_factory=dict)
     checkpoints: list[dict] = field(default_factory=list)  # each {"step", "path", "metrics": {...}}
+    evaluation: dict | None = None  # the task evaluation of the validation file (`finetune.evaluate.TaskScores`)
 
 
 def check_run(run: FineTuneRun) -> None:
@@ -154,7 +156,7 @@ def run_finetune(
 
     set_seed(run.seed)  # before the LoRA matrices are initialised
     base = ZayaForCausalLM.from_pretrained(run.model_dir, dtype=torch.float32)
-    base.generation_config.eos_token_id = _stop_token_ids(tokenizer)
+    base.generation_config.eos_token_id = stop_token_ids(tokenizer)
     base.generation_config.pad_token_id = tokenizer.pad_token_id
     if hyperparameters.compile:
         try:
@@ -206,25 +208,39 @@ def run_finetune(
         hooks.on_event("info", f"training {status} at step {trainer.state.global_step}")
         return FinetuneResult(status, None, kind, metrics, trainer.checkpoint_records())
 
+    evaluation = None
+    if run.validation_file is not None:
+        hooks.on_event("info", f"task evaluation: answering the {len(eval_set)} validation examples (greedy)")
+        evaluation = evaluate_file(trainer.model, tokenizer, run.validation_file)
+        hooks.on_event("info", f"task evaluation: {describe(evaluation)}", {"task_evaluation": evaluation})
     try:
-        result_dir, kind = _write_outputs(run, trainer, base, tokenizer, fingerprint, metrics)
+        result_dir, kind = _write_outputs(run, trainer, base, tokenizer, fingerprint, metrics, evaluation)
     except OSError as error:
         raise CheckpointWriteError(f"could not write the fine-tuned model in {run.output_dir}: {error}") from error
     hooks.on_event("info", f"wrote {kind} to {result_dir}", {"path": str(result_dir)})
-    return FinetuneResult("succeeded", str(result_dir), kind, metrics, trainer.checkpoint_records())
+    return FinetuneResult(
+        "succeeded", str(result_dir), kind, metrics, trainer.checkpoint_records(), evaluation=evaluation
+    )
 
 
 def _write_outputs(
-    run: FineTuneRun, trainer: Trainer, base: ZayaForCausalLM, tokenizer: Any, fingerprint: str, metrics: dict
+    run: FineTuneRun,
+    trainer: Trainer,
+    base: ZayaForCausalLM,
+    tokenizer: Any,
+    fingerprint: str,
+    metrics: dict,
+    evaluation: dict | None,
 ) -> tuple[Path, str]:
-    """output_dir/final (adapter or full checkpoint) and, with merge_adapter, output_dir/merged; each atomic."""
+    """output_dir/final (adapter or full checkpoint) and, with merge_adapter, output_dir/merged; each atomic, each
+    with the run's metrics and task evaluation."""
     final_dir, kind = Path(run.output_dir) / "final", "adapter" if run.settings.adapter == "lora" else "full"
     with atomic_directory(final_dir) as staging:
         trainer.model.save_pretrained(staging)
         save_generation_files(staging, base, tokenizer)
         if kind == "adapter":
             write_json_atomic(staging / BASE_MODEL_FILE, {"fingerprint": fingerprint, "model_dir": run.model_dir})
-        write_json_atomic(staging / METRICS_FILE, metrics)
+        _write_scores(staging, metrics, evaluation)
     if not run.settings.method.merge_adapter:
         return final_dir, kind
     merged_dir = Path(run.output_dir) / "merged"
@@ -232,8 +248,14 @@ def _write_outputs(
         merged = trainer.model.merge_and_unload()
         merged.save_pretrained(staging)
         save_generation_files(staging, merged, tokenizer)
-        write_json_atomic(staging / METRICS_FILE, metrics)
+        _write_scores(staging, metrics, evaluation)
     return merged_dir, "full"
+
+
+def _write_scores(directory: Path, metrics: dict, evaluation: dict | None) -> None:
+    write_json_atomic(directory / METRICS_FILE, metrics)
+    if evaluation is not None:
+        write_json_atomic(directory / EVALUATION_FILE, evaluation)
 
 
 class _FinetuneTrainer(Trainer):
@@ -432,13 +454,6 @@ def _validated(
         problems = "; ".join(report.problem_lines())
         raise FinetuneError(field_name, f"{report.n_problems} problem(s) in {path}: {problems}")
     return report
-
-
-def _stop_token_ids(tokenizer: Any) -> list[int]:
-    try:
-        return generation_eos_token_ids(tokenizer)
-    except ValueError:  # a tokenizer without a chat end-of-turn token stops on EOS only
-        return [tokenizer.eos_token_id]
 
 
 def _load_tokenizer(model_dir: str) -> Any:

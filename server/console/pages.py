@@ -13,7 +13,7 @@ from fastapi.responses import RedirectResponse, Response
 from server.api.deps import AdminDep, AnalystDep, DataDep, Principal, SessionDep, SettingsDep
 from server.console import datasets
 from server.console.templating import templates
-from server.db.models import FineTuningJob, JobEvent, JobStatus, Role
+from server.db.models import FineTuningJob, JobEvent, JobStatus, ModelVersion, Role
 from server.errors import InvalidRequest
 from server.services import approvals, registry
 from server.services import audit as audit_service
@@ -92,11 +92,13 @@ def job_page(fine_tuning_job_id: str, request: Request, session: SessionDep, pri
     checkpoints, _ = job_service.list_checkpoints(session, job, after=None, limit=100)
     events, _ = job_service.list_events(session, job, after=None, limit=EVENTS_SHOWN)
     step = latest_step(events)
+    version = session.get(ModelVersion, job.result_model_version_id) if job.result_model_version_id else None
     return render(
         request,
         "job.html",
         principal,
         job=job,
+        evaluation=version.evaluation if version is not None else None,
         checkpoints=checkpoints,
         events=events,
         step=step,

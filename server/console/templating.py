@@ -25,5 +25,15 @@ def _number(value: object, digits: int = 4) -> str:
     return f"{value:.{digits}f}" if isinstance(value, float) else ("—" if value is None else str(value))
 
 
+def _task_evaluation(evaluation: dict | None) -> str:
+    """A stored task evaluation in one line: "exact match 0.800 (30 examples); Disposition 0.967, Reasons 0.800"."""
+    if not evaluation or evaluation.get("exact_match") is None:
+        return "—"
+    line = f"exact match {evaluation['exact_match']:.3f} ({evaluation['n_examples']} examples)"
+    fields = ", ".join(f"{name} {field['accuracy']:.3f}" for name, field in evaluation.get("fields", {}).items())
+    return f"{line}; {fields}" if fields else line
+
+
 templates.env.filters["when"] = _when
+templates.env.filters["task_evaluation"] = _task_evaluation
 templates.env.filters["number"] = _number

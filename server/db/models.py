@@ -162,6 +162,8 @@ class ModelVersion(Base):
     job_id: Mapped[str | None] = mapped_column(ForeignKey("fine_tuning_jobs.id"))
     status: Mapped[str] = mapped_column(String(16), default="active")
     metrics: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    # The task evaluation of its job's validation file (`finetune.evaluate`): exact match, accuracy per field.
+    evaluation: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     # Hyperparameters, dataset file ids and hashes: whatever the version was made from.
     lineage: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     description: Mapped[str | None] = mapped_column(Text)

@@ -29,8 +29,10 @@ ALIAS_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 KINDS = ("full", "adapter")
 # Where a version's held-out loss is read from, first found wins: the fine-tuning trainer's metrics.
 HELD_OUT_LOSS_METRICS = ("best_valid_loss", "valid_loss")
-# What `finetune` writes beside a checkpoint or adapter (finetune.artifacts.METRICS_FILE; not imported: torch).
+# What `finetune` writes beside a checkpoint or adapter (finetune.artifacts' METRICS_FILE and EVALUATION_FILE; not
+# imported: torch).
 METRICS_FILE = "metrics.json"
+EVALUATION_FILE = "evaluation.json"
 
 
 # --- reading checkpoint directories -------------------------------------------------------------------------------
@@ -107,7 +109,8 @@ def register_version(
     """Add version N+1 of `name` for a checkpoint or adapter dir (checked here). Flushes; the caller commits.
 
     Without `metrics`, the trainer's `metrics.json` in the directory (if any) is recorded, so a fine-tuned output
-    registered by hand keeps its held-out loss for the evaluation gate.
+    registered by hand keeps its held-out loss for the evaluation gate; its task evaluation (`evaluation.json`)
+    is recorded likewise.
     """
     check_name(name)
     path = path.resolve()
@@ -118,6 +121,7 @@ def register_version(
             key: None if isinstance(value, float) and not math.isfinite(value) else value
             for key, value in _read_json(path / METRICS_FILE).items()
         }
+    evaluation = _read_json(path / EVALUATION_FILE) if (path / EVALUATION_FILE).is_file() else None
     base = get_version(session, base_version_id) if base_version_id else None
     if kind == "adapter" and base is None:
         raise InvalidRequest("An adapter needs the model version it was trained on ('base_model').", param="base_model")
@@ -135,6 +139,7 @@ def register_version(
         base_version_id=base.id if base else None,
         job_id=job_id,
         metrics=metrics,
+        evaluation=evaluation,
         lineage=lineage,
         description=description,
         created_by=created_by,
@@ -207,24 +212,59 @@ def held_out_loss(version: ModelVersion) -> float | None:
     return None
 
 
-def evaluation_gate(candidate: ModelVersion, holder: ModelVersion | None, *, label: str, force: bool) -> dict:
-    """Refuse a promotion to `label` (`name@alias`) that would make it worse on held-out loss.
+def task_scores(version: ModelVersion | None) -> dict[str, float] | None:
+    """A version's task evaluation as comparable scores ("exact_match", "<field> accuracy"); None without one."""
+    evaluation = version.evaluation if version is not None else None
+    if not evaluation or evaluation.get("exact_match") is None:
+        return None
+    scores = {"exact_match": float(evaluation["exact_match"])}
+    scores.update({f"{name} accuracy": float(field["accuracy"]) for name, field in evaluation["fields"].items()})
+    return scores
 
+
+def evaluation_gate(candidate: ModelVersion, holder: ModelVersion | None, *, label: str, force: bool) -> dict:
+    """Refuse a promotion to `label` (`name@alias`) that would make it worse on held-out data.
+
+    Held-out loss:
     - no current holder, or a holder without a held-out loss: allowed (nothing to compare against);
     - both losses known: refused when the candidate's is higher (equal is allowed); `force` does not override this;
     - the holder has a loss but the candidate has none: refused unless `force` (the reason says why).
+    Task evaluation (generated answers, `finetune.evaluate`): when both were scored on the same file, refused when
+    the candidate's exact match or any field's accuracy is lower; `force` does not override this either.
     Returns what was compared, for the alias history.
     """
     candidate_loss = held_out_loss(candidate)
     holder_loss = held_out_loss(holder) if holder is not None else None
+    candidate_task, holder_task = task_scores(candidate), task_scores(holder)
+    same_data = (
+        candidate_task is not None
+        and holder_task is not None
+        and candidate.evaluation.get("data_sha256") == holder.evaluation.get("data_sha256") is not None
+    )
     record = {
         "metric": "held_out_loss",
         "candidate_version_id": candidate.id,
         "candidate_loss": candidate_loss,
         "holder_version_id": holder.id if holder is not None else None,
         "holder_loss": holder_loss,
+        "candidate_task": candidate_task,
+        "holder_task": holder_task,
+        "task_compared": same_data,
         "forced": False,
     }
+    if same_data:
+        worse = [
+            f"{name} {candidate_task.get(name, 0.0):.4g} < {value:.4g}"
+            for name, value in holder_task.items()
+            if candidate_task.get(name, 0.0) < value
+        ]
+        if worse:
+            raise Conflict(
+                f"Evaluation gate: on the same validation file {candidate.id} answers worse than {holder.id}, the "
+                f"current {label}: {', '.join(worse)}.",
+                param="version_id",
+                code="evaluation_gate_failed",
+            )
     if holder_loss is None:
         return record
     if candidate_loss is None:

@@ -288,6 +288,8 @@ def test_upload_train_promote_and_chat(signed_in):
     assert data.locator("[data-job-action]:enabled").count() == 0  # nothing to control on a finished job
     fine_tuned = data.locator("#job-model").inner_text()
     assert fine_tuned.startswith(f"ft:{BASE_MODEL}") and fine_tuned.endswith(job_id)
+    # The run ended with answers generated for the validation file, scored as the page shows them.
+    playwright_api.expect(data.locator("#job-evaluation")).to_contain_text("(4 examples)")
     screenshot(data, "job")
     data.goto("/console/jobs")
     playwright_api.expect(data.locator("tr", has_text=job_id)).to_contain_text("succeeded")
@@ -297,6 +299,7 @@ def test_upload_train_promote_and_chat(signed_in):
     admin.goto("/console/models")
     row = admin.locator("#versions tr", has_text=fine_tuned)
     playwright_api.expect(row).to_contain_text("training file accounts-train.jsonl")
+    playwright_api.expect(row.locator(".task-evaluation")).to_contain_text("exact match")
     row.get_by_label("Reason (required)").fill("held-out loss reviewed")
     row.get_by_role("button", name="Promote").click()
     playwright_api.expect(admin.locator("#flash")).to_contain_text("Promotion of")

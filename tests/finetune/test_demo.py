@@ -17,9 +17,9 @@ def test_demo_prints_and_writes_scores_before_and_after(tmp_path, capsys):
     report = json.loads(out.read_text())
     assert (report["n_train"], report["n_valid"], report["steps"]) == (8, 3, 2)
     for scores in (report["before"], report["after"]):
-        assert scores["n_examples"] == scores["n_disposition_examples"] == 3
-        assert scores["loss"] > 0 and 0 <= scores["token_accuracy"] <= 1 and 0 <= scores["disposition_accuracy"] <= 1
+        assert scores["n_examples"] == scores["task_evaluation"]["fields"]["Disposition"]["n"] == 3
+        assert scores["loss"] > 0 and 0 <= scores["token_accuracy"] <= 1 and 0 <= demo.disposition_accuracy(scores) <= 1
     assert report["after"]["loss"] < report["before"]["loss"]  # two LoRA steps already help
     assert (tmp_path / "lora" / "final" / "adapter_config.json").is_file()
     table = capsys.readouterr().out
-    assert "base + LoRA" in table and f"{report['after']['disposition_accuracy']:.3f}" in table
+    assert "base + LoRA" in table and f"{demo.disposition_accuracy(report['after']):.3f}" in table

@@ -10,7 +10,17 @@ import torch
 from finetune_helpers import chat
 from tiny_models import TINY_ZAYA, randomize_zaya
 
-from finetune.evaluate import EvaluationError, evaluate_model
+from finetune.data import read_examples
+from finetune.datasets.formats import parse_record
+from finetune.evaluate import (
+    EvaluationError,
+    answer_fields,
+    evaluate_model,
+    generate_answers,
+    load_model,
+    score_answers,
+    task_examples,
+)
 from zaya_cli.main import main
 from zaya_model import ZayaForCausalLM
 from zaya_model.configuration_zaya import ZayaConfig
@@ -73,15 +83,55 @@ def trained(model_dir, tmp_path_factory):
 
 def test_scores_of_the_base_model(model_dir, trained):
     scores = evaluate_model(model_dir, trained[2])
-    assert scores["n_examples"] == 3 and scores["n_disposition_examples"] == 3
-    assert scores["n_trained_tokens"] > 0 and scores["loss"] > 0
-    assert 0 <= scores["token_accuracy"] <= 1 and 0 <= scores["disposition_accuracy"] <= 1
+    assert scores["n_examples"] == 3 and scores["n_trained_tokens"] > 0 and scores["loss"] > 0
+    task = scores["task_evaluation"]
+    assert task["n_examples"] == 3 and task["fields"]["Disposition"]["n"] == 3
+    assert 0 <= scores["token_accuracy"] <= 1 and 0 <= task["fields"]["Disposition"]["accuracy"] <= 1
 
 
-def test_prompt_completion_data_has_no_disposition_score(model_dir, write_jsonl):
-    data = write_jsonl([{"prompt": "Case 1:", "completion": " Disposition: SAR"}], "pc.jsonl")
-    scores = evaluate_model(model_dir, str(data))
-    assert scores["disposition_accuracy"] is None and scores["n_disposition_examples"] == 0
+def test_text_data_has_no_task_score_and_free_text_no_field_score(model_dir, write_jsonl):
+    text = evaluate_model(model_dir, str(write_jsonl([{"text": "Case 1: closed."}], "text.jsonl")))
+    assert text["task_evaluation"]["n_examples"] == 0 and text["task_evaluation"]["exact_match"] is None
+    free = evaluate_model(model_dir, str(write_jsonl([chat(answer="The case can be closed.")], "free.jsonl")))
+    assert free["task_evaluation"]["n_examples"] == 1 and free["task_evaluation"]["fields"] == {}
+
+
+@pytest.mark.parametrize(
+    ("reference", "answer", "exact", "fields"),
+    [
+        ("Disposition: FILE_SAR\nReasons: a; b", "Disposition: FILE_SAR\nReasons: a; b", 1.0, (1.0, 1.0)),
+        ("Disposition: FILE_SAR\nReasons: a; b", "  Disposition: FILE_SAR  \n\nReasons: a; b\n", 1.0, (1.0, 1.0)),
+        ("Disposition: FILE_SAR\nReasons: a; b", "Disposition: FILE_SAR\nReasons: a", 0.0, (1.0, 0.0)),
+        ("Disposition: FILE_SAR\nReasons: a; b", "Reasons: a; b\nDisposition: CLOSE", 0.0, (0.0, 1.0)),
+        ("Disposition: FILE_SAR\nReasons: a; b", "I think FILE_SAR.", 0.0, (0.0, 0.0)),
+        ("Disposition: FILE_SAR\nReasons: a; b", "", 0.0, (0.0, 0.0)),
+    ],
+)
+def test_answers_are_scored_whole_and_field_by_field(reference, answer, exact, fields):
+    scores = score_answers([reference], [answer])
+    assert scores.exact_match == exact
+    assert (scores.fields["Disposition"]["accuracy"], scores.fields["Reasons"]["accuracy"]) == fields
+    assert answer_fields("Summary: fine\nno colon here") is None
+
+
+def test_field_accuracy_counts_only_references_with_the_field():
+    references = ["Disposition: CLOSE", "Disposition: ESCALATE\nReasons: x", "Just text."]
+    scores = score_answers(references, ["Disposition: CLOSE", "Disposition: CLOSE\nReasons: x", "Just text."])
+    assert scores.n_examples == 3 and scores.exact_match == 2 / 3
+    assert scores.fields == {"Disposition": {"accuracy": 0.5, "n": 2}, "Reasons": {"accuracy": 1.0, "n": 1}}
+
+
+def test_batched_answers_equal_one_at_a_time(model_dir, trained, tokenizer):
+    model, _ = load_model(model_dir)
+    examples = read_examples(trained[2]) + [
+        *read_examples(trained[1])[:2],
+        parse_record(chat(user="A much longer case description " * 6))[0],
+    ]
+    tasks = task_examples(examples, tokenizer)
+    assert len({len(task.prompt_ids) for task in tasks}) > 1  # the batch needs left padding
+    batched = generate_answers(model, tokenizer, tasks, batch_size=len(tasks))
+    assert batched == [generate_answers(model, tokenizer, [task], batch_size=1)[0] for task in tasks]
+    assert all(batched)  # the random base model runs on to the length limit: every position is compared
 
 
 def test_adapter_lowers_the_loss_and_refuses_another_base(model_dir, trained, tokenizer, tmp_path):
@@ -104,8 +154,9 @@ def test_evaluate_command_prints_a_table_and_json(model_dir, trained, capsys):
     assert lines[0].split()[0] == "n_examples" and lines[0].split()[1] == "3"
     assert json.loads(lines[-1])["n_examples"] == 3
 
+    assert "Disposition accuracy" in "\n".join(lines)
     assert main(["evaluate", "--model", model_dir, "--data", trained[2], "--json"]) == 0
-    assert set(json.loads(capsys.readouterr().out)) >= {"loss", "token_accuracy", "disposition_accuracy"}
+    assert set(json.loads(capsys.readouterr().out)) >= {"loss", "token_accuracy", "task_evaluation"}
 
 
 def test_command_errors_exit_1_with_one_line(model_dir, trained, tmp_path, capsys):

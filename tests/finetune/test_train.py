@@ -115,6 +115,14 @@ def test_lora_trains_and_its_adapter_and_merge_reload(model_dir, tokenizer, data
     # The reloaded adapter scores exactly what the trainer measured in memory.
     scores = evaluate_model(model_dir, data[1], adapter_dir=str(final))
     assert scores["loss"] == pytest.approx(result.metrics["best_valid_loss"], abs=1e-5)
+    # The run ended with the task evaluation of its validation file, the one `zaya evaluate` makes, saved beside
+    # the model.
+    assert result.evaluation == scores["task_evaluation"] and result.evaluation["n_examples"] == 3
+    assert result.evaluation["fields"]["Disposition"]["n"] == 3
+    for directory in (final, result.output_dir):
+        with open(os.path.join(directory, "evaluation.json")) as file:
+            assert json.load(file) == result.evaluation
+    assert any(message.startswith("task evaluation: exact match") for _, message in hooks.events)
 
 
 def test_full_fine_tuning_trains_and_stops_generation_at_end_of_turn(model_dir, tokenizer, write_jsonl, tmp_path):

@@ -1,5 +1,6 @@
 """Governance of alias moves over HTTP: the four-eyes rule (a second admin key approves each promotion and rollback)
-and the evaluation gate (a promotion may not make an alias worse on held-out loss)."""
+and the evaluation gate (a promotion may not make an alias worse on held-out loss or, on the same validation file,
+on its task evaluation)."""
 
 from __future__ import annotations
 
@@ -18,14 +19,19 @@ from server.worker import Worker, WorkerConfig
 
 @pytest.fixture
 def checkpoint(tmp_path):
-    """A registrable checkpoint dir whose `metrics.json` (as the fine-tuning trainer writes it) holds `loss`."""
+    """A registrable checkpoint dir whose `metrics.json` and `evaluation.json` (as the fine-tuning trainer writes
+    them) hold `loss` and a task evaluation (`exact` match and Disposition accuracy on the file `data`)."""
 
-    def make(name: str, loss: float | None = None) -> str:
+    def make(name: str, loss: float | None = None, exact: float | None = None, disposition=None, data="a") -> str:
         directory = tmp_path / name
         directory.mkdir()
         (directory / "config.json").write_text('{"model_type": "zaya"}')
         if loss is not None:
             (directory / "metrics.json").write_text(json.dumps({"step": 4, "valid_loss": 9.9, "best_valid_loss": loss}))
+        if exact is not None:
+            fields = {"Disposition": {"accuracy": disposition, "n": 10}}
+            evaluation = {"n_examples": 10, "exact_match": exact, "fields": fields, "data_sha256": data * 64}
+            (directory / "evaluation.json").write_text(json.dumps(evaluation))
         return str(directory)
 
     return make
@@ -169,6 +175,9 @@ def test_the_evaluation_gate_refuses_a_worse_held_out_loss(client, auth, checkpo
         "candidate_loss": 1.0,
         "holder_version_id": holder_id,
         "holder_loss": 1.25,
+        "candidate_task": None,
+        "holder_task": None,
+        "task_compared": False,
         "forced": False,
     }
 
@@ -186,6 +195,33 @@ def test_the_evaluation_gate_refuses_a_worse_held_out_loss(client, auth, checkpo
     rollback = {"model_name": "bank", "reason": "undo"}
     assert client.post("/v1/admin/model_aliases/rollback", headers=admin, json=rollback).status_code == 200
     assert holder(client, admin) == unmeasured
+
+
+def test_the_evaluation_gate_compares_task_scores_on_the_same_validation_file(client, auth, checkpoint):
+    admin = auth("admin")
+    holder_id = register(client, admin, checkpoint("v1", loss=1.0, exact=0.6, disposition=0.9))
+    assert promote(client, admin, holder_id).status_code == 200
+    version = client.get(f"/v1/admin/models/{holder_id}", headers=admin).json()
+    assert version["evaluation"]["exact_match"] == 0.6  # recorded from evaluation.json at registration
+
+    # A lower held-out loss, but worse answers on the same file: refused, naming the score that fell.
+    worse = register(client, admin, checkpoint("v2", loss=0.9, exact=0.7, disposition=0.8))
+    refused = promote(client, admin, worse, force=True)
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "evaluation_gate_failed"
+    assert "Disposition accuracy 0.8 < 0.9" in refused.json()["error"]["message"]
+
+    # Scores on another file are recorded but not compared.
+    elsewhere = register(client, admin, checkpoint("v3", loss=0.9, exact=0.1, disposition=0.1, data="b"))
+    moved = promote(client, admin, elsewhere)
+    assert moved.status_code == 200 and moved.json()["evaluation"]["task_compared"] is False
+
+    better = register(client, admin, checkpoint("v4", loss=0.8, exact=0.9, disposition=1.0, data="b"))
+    promoted = promote(client, admin, better)
+    assert promoted.status_code == 200, promoted.text
+    record = promoted.json()["evaluation"]
+    assert record["task_compared"] is True
+    assert record["candidate_task"] == {"exact_match": 0.9, "Disposition accuracy": 1.0}
+    assert record["holder_task"] == {"exact_match": 0.1, "Disposition accuracy": 0.1}
 
 
 def test_the_evaluation_gate_can_be_switched_off(ungated, auth, checkpoint):

@@ -167,6 +167,11 @@ def test_rotated_checkpoints_leave_no_rows_behind(client, auth, worker, create_j
     assert len(step_3) == 2
     assert "training loss=" in step_3[0] and "validation loss=" in step_3[1], step_3
     assert set(paths) == on_disk and 5 in on_disk and len(on_disk) <= 2  # the newest, and the best if older
+    # The job ended with the task evaluation of its validation file, recorded on its model version.
+    assert any(message.startswith("task evaluation: exact match") for message in messages)
+    version = client.get("/v1/admin/models", headers=auth("admin")).json()["data"]
+    (evaluated,) = [v for v in version if v["job_id"] == job_id]
+    assert evaluated["evaluation"]["n_examples"] > 0 and 0 <= evaluated["evaluation"]["exact_match"] <= 1
     rotated = [message for message in messages if message.endswith("deleted (rotation).")]
     assert len(rotated) == 5 - len(on_disk)  # one checkpoint per step was saved; every other one was rotated away
 

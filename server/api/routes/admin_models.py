@@ -31,6 +31,7 @@ class ModelVersionObject(BaseModel):
     base_version_id: str | None
     job_id: str | None
     metrics: dict[str, Any] | None
+    evaluation: dict[str, Any] | None
     lineage: dict[str, Any] | None
     description: str | None
     created_at: int
@@ -49,6 +50,7 @@ class ModelVersionObject(BaseModel):
             base_version_id=version.base_version_id,
             job_id=version.job_id,
             metrics=version.metrics,
+            evaluation=version.evaluation,
             lineage=version.lineage,
             description=version.description,
             created_at=unix(version.created_at),

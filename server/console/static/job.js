@@ -99,7 +99,19 @@
     );
   }
 
+  // The task evaluation the run reports at its end (as the server renders it: templating._task_evaluation).
+  function renderEvaluation() {
+    const reported = [...events.values()].filter((event) => event.data && event.data.task_evaluation);
+    if (reported.length === 0) return;
+    const evaluation = reported.sort((a, b) => eventNumber(b.id) - eventNumber(a.id))[0].data.task_evaluation;
+    if (typeof evaluation.exact_match !== "number") return;
+    const fields = Object.entries(evaluation.fields || {}).map(([name, field]) => `${name} ${field.accuracy.toFixed(3)}`);
+    const line = `exact match ${evaluation.exact_match.toFixed(3)} (${evaluation.n_examples} examples)`;
+    document.getElementById("job-evaluation").textContent = fields.length ? `${line}; ${fields.join(", ")}` : line;
+  }
+
   function renderJob(job) {
+    renderEvaluation();
     const status = document.getElementById("job-status");
     status.textContent = job.status;
     status.className = `status status-${job.status}`;
