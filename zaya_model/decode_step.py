@@ -22,6 +22,7 @@ path, which applies them.
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable
 
@@ -34,6 +35,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from .cache_zaya import ZayaCache
+from .kernels.gathered_experts import gathered_products
 from .small_batch_linear import traced_for_inductor
 
 CAPACITY_STEP = 256
@@ -47,8 +49,8 @@ def _routed_experts(block: nn.Module, hidden_states: torch.Tensor, router_states
     """`ZayaSparseMoeBlock` for a few tokens without host synchronisation: every token reads its own expert's
     weights (`ZayaExperts.gathered`; too few tokens to be worth sorting)."""
     logits, choice, weight, router_states = block.gate(hidden_states, router_states)
-    expert_out = block.experts.gathered(hidden_states, choice, sort=False)
-    return block.combine(expert_out, hidden_states, choice, weight), router_states
+    experts = functools.partial(gathered_products, block.experts)
+    return block.expert_outputs(hidden_states, choice, weight, experts), router_states
 
 
 def _attend_one_query(

@@ -23,7 +23,6 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from .grouped_linear import grouped_linear
-from .small_batch_linear import linear
 
 try:
     from peft.tuners.lora.layer import ParamWrapper as _PeftParamWrapper
@@ -51,13 +50,6 @@ class ExpertWeight:
             return output
         low_rank = grouped_linear(grouped_linear(inputs, self.rhs, group_sizes), self.lhs, group_sizes)
         return output + self.scaling * low_rank
-
-    def single(self, inputs: torch.Tensor, expert: int) -> torch.Tensor:
-        """All rows of `inputs` through one expert."""
-        output = linear(inputs, self.weight[expert])
-        if self.lhs is None:
-            return output
-        return output + self.scaling * linear(linear(inputs, self.rhs[expert]), self.lhs[expert])
 
 
 def expert_weight(module: nn.Module, name: str) -> ExpertWeight:

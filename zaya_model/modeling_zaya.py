@@ -24,6 +24,7 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
+from transformers.integrations import use_experts_implementation
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
@@ -35,6 +36,7 @@ from .configuration_zaya import ZayaConfig
 from .decode_step import CompiledDecode, has_adapters
 from .expert_lora import ExpertWeight, expert_weight, peft_expert_weights
 from .grouped_linear import group_layout, group_row_multiple
+from .kernels.gathered_experts import gathered_products
 from .small_batch_linear import SmallBatchLinear, align_parameters
 
 
@@ -448,11 +450,16 @@ class ZayaRouter(nn.Module):
         return logits, choice, weight, router_hidden
 
 
+@use_experts_implementation
 class ZayaExperts(nn.Module):
     """Top-1 SwiGLU experts with fused 3-D weights: `gate_up_proj` [E, 2I, H] (gate rows first), `down_proj` [E, H, I].
 
-    Tokens are grouped by expert (`group_layout`) and each projection runs as one grouped matmul (`grouped_linear`);
-    no Python loop over tokens. LoRA from PEFT's `target_parameters` stays low-rank (`expert_lora`).
+    Called as upstream's experts are, so that other experts implementations apply: `forward` is the reference
+    ("eager"); others are chosen with `model.set_experts_implementation(name)`. A token routed to the skip class
+    comes as expert index E, which transformers' implementations treat as a sentinel (no expert, zero output) and
+    ours skip, so it costs no expert compute. The reference groups tokens by expert (`group_layout`) and runs each
+    projection as one grouped matmul (`grouped_linear`); no Python loop over tokens. LoRA from PEFT's
+    `target_parameters` stays low-rank (`expert_lora`).
     """
 
     def __init__(self, config: ZayaConfig):
@@ -466,46 +473,32 @@ class ZayaExperts(nn.Module):
         self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(
-        self, hidden_states: torch.Tensor, expert_index: torch.Tensor, adapted: dict[str, ExpertWeight] | None = None
+        self,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        adapted: dict[str, ExpertWeight] | None = None,
     ) -> torch.Tensor:
-        """`hidden_states` [tokens, H], `expert_index` [tokens] in [0, E) -> expert outputs [tokens, H] (unweighted).
+        """`hidden_states` [tokens, H]; `top_k_index`, `top_k_weights` [tokens, 1]: each token's expert in [0, E]
+        (E: skipped) and its weight -> the weighted expert outputs [tokens, H], zero for skipped tokens.
         `adapted`: weights given with LoRA factors by name (`peft_expert_weights`), used instead of the module's."""
+        expert_index, weights = top_k_index.reshape(-1), top_k_weights.reshape(-1, 1)
+        routed = expert_index < self.num_experts
+        if not bool(routed.all()):
+            rows = routed.nonzero().squeeze(-1)
+            output = self(hidden_states.index_select(0, rows), expert_index[rows, None], weights[rows], adapted)
+            return torch.zeros_like(hidden_states).index_copy(0, rows, output)
         adapted = adapted or {}
         gate_up = adapted.get("gate_up_proj") or expert_weight(self, "gate_up_proj")
         down = adapted.get("down_proj") or expert_weight(self, "down_proj")
-        if hidden_states.shape[0] == 1:
-            # Decoding one sequence: read only its expert's weights, without the sort and the scatter.
-            return self._expert(hidden_states, int(expert_index), gate_up, down)
         multiple = group_row_multiple(hidden_states.dtype, hidden_states.device)
         rows, group_sizes = group_layout(expert_index, self.num_experts, multiple)
         # Each token's row; padding rows (low precision) are zero, so they add nothing to any gradient.
         allocate = hidden_states.new_zeros if multiple > 1 else hidden_states.new_empty
         grouped_states = allocate(int(group_sizes.sum()), hidden_states.shape[-1]).index_copy_(0, rows, hidden_states)
         gate, up = gate_up.grouped(grouped_states, group_sizes).split(self.intermediate_size, dim=-1)
-        return down.grouped(self.act_fn(gate) * up, group_sizes).index_select(0, rows)
-
-    def _expert(self, hidden_states: torch.Tensor, expert: int, gate_up: ExpertWeight, down: ExpertWeight):
-        gate, up = gate_up.single(hidden_states, expert).split(self.intermediate_size, dim=-1)
-        return down.single(self.act_fn(gate) * up, expert)
-
-    def gathered(self, hidden_states: torch.Tensor, choice: torch.Tensor, sort: bool = True) -> torch.Tensor:
-        """Each token's expert output (unweighted; zero for the skip class) from its own expert's weights, indexed
-        by `choice` [...] in [0, E]: fixed shapes and no host synchronisation, so it compiles into one graph (the
-        compiled decode step, compiled inference chunks). Compiled, the indexing fuses into the product loops;
-        eager, it would copy each token's weights. `sort`: order the tokens by expert first, so that consecutive
-        products read the same weights while they are in cache (worth it beyond a few tokens). No adapters."""
-        flat = hidden_states.reshape(-1, hidden_states.shape[-1])
-        flat_choice = choice.reshape(-1)
-        index = flat_choice.clamp(max=self.num_experts - 1)  # the skip class computes expert E-1, then is dropped
-        if sort:
-            order = torch.argsort(index)
-            flat, index = flat.index_select(0, order), index.index_select(0, order)
-        gate, up = torch.bmm(self.gate_up_proj[index], flat[:, :, None]).squeeze(-1).split(self.intermediate_size, -1)
-        output = torch.bmm(self.down_proj[index], (self.act_fn(gate) * up)[:, :, None]).squeeze(-1)
-        if sort:
-            output = torch.empty_like(output).index_copy_(0, order, output)
-        # `where`, not a product: a skipped token's output is dropped whatever it holds.
-        return torch.where((flat_choice < self.num_experts)[:, None], output, 0.0).view_as(hidden_states)
+        expert_out = down.grouped(self.act_fn(gate) * up, group_sizes).index_select(0, rows)
+        return expert_out * weights.to(expert_out.dtype)
 
 
 class ZayaSparseMoeBlock(nn.Module):
@@ -516,30 +509,31 @@ class ZayaSparseMoeBlock(nn.Module):
         super().__init__()
         self.gate = ZayaRouter(config, layer_idx)
         self.experts = ZayaExperts(config)
+        # Makes transformers' experts implementations read index E (the skip class) as "no expert", as they read
+        # the indices of experts held by other ranks under expert parallelism.
+        self.experts._is_expert_parallel = True
         self.skip_scales_input = config.skip_expert_mode == "scaled_input"
 
     def forward(self, hidden_states: torch.Tensor, router_states: torch.Tensor | None):
         logits, choice, weight, router_states = self.gate(hidden_states, router_states)
-        expert_out = self.expert_outputs(hidden_states, choice)
-        return self.combine(expert_out, hidden_states, choice, weight), router_states, logits, choice
+        return self.expert_outputs(hidden_states, choice, weight), router_states, logits, choice
 
-    def expert_outputs(self, hidden_states: torch.Tensor, choice: torch.Tensor) -> torch.Tensor:
-        """Each token's expert output, unweighted, and zero where the skip class was chosen. Tokens are grouped by
-        expert on the host, so shapes depend on the routing: this part runs eagerly (the compiled path's alternative
-        for a few tokens at inference is `ZayaExperts.gathered`)."""
-        flat_states, flat_choice = hidden_states.reshape(-1, hidden_states.shape[-1]), choice.reshape(-1)
-        routed = flat_choice < self.gate.num_experts
-        if bool(routed.all()):
-            return self._run_experts(flat_states, flat_choice).view_as(hidden_states)
-        rows = routed.nonzero().squeeze(-1)
-        expert_out = self._run_experts(flat_states.index_select(0, rows), flat_choice.index_select(0, rows))
-        return torch.zeros_like(flat_states).index_copy(0, rows, expert_out).view_as(hidden_states)
+    def expert_outputs(
+        self, hidden_states: torch.Tensor, choice: torch.Tensor, weight: torch.Tensor, run_experts=None
+    ) -> torch.Tensor:
+        """The MoE output for the router's `choice` [batch, seq] in [0, E] (E: skip) and `weight` [batch, seq, 1]."""
+        weight = weight.to(hidden_states.dtype)
+        flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+        output = (run_experts or self._run_experts)(flat, choice.reshape(-1, 1), weight.reshape(-1, 1))
+        output = output.view_as(hidden_states)
+        if self.skip_scales_input:
+            skipped = (choice == self.gate.num_experts)[..., None]
+            output = output + torch.where(skipped, weight * hidden_states, 0.0)
+        return output
 
     def gathers_experts(self, hidden_states: torch.Tensor) -> bool:
-        """Whether the compiled path computes these tokens' experts with `ZayaExperts.gathered`: at inference on
-        CPU, for up to `GATHERED_EXPERTS_MAX_TOKENS` tokens (a prompt's prefill), and without adapters. Grouped
-        matmuls read each expert's weights once too, but the library's matmuls of a few rows run far below
-        memory speed: gathered, model_bench's 64-token prefill spends half as long in its experts."""
+        """Whether the compiled path computes these tokens' experts by gathering (`zaya_model.kernels`): at inference
+        on CPU, for up to `GATHERED_EXPERTS_MAX_TOKENS` tokens (a prompt's prefill), and without adapters."""
         return (
             not torch.is_grad_enabled()
             and hidden_states.device.type == "cpu"
@@ -547,26 +541,14 @@ class ZayaSparseMoeBlock(nn.Module):
             and not has_adapters(self.experts)  # PEFT's expert LoRA wraps the module or parametrizes its weights
         )
 
-    def _run_experts(self, hidden_states: torch.Tensor, expert_index: torch.Tensor) -> torch.Tensor:
+    def _run_experts(self, hidden_states: torch.Tensor, expert_index: torch.Tensor, weights: torch.Tensor):
         # With PEFT's expert LoRA, call our experts with the adapters' factors: PEFT's wrappers would register (and
         # so evaluate once) a parametrization of each whole expert stack on every forward.
         adapted = peft_expert_weights(self.experts)
         if adapted is None:
-            return self.experts(hidden_states, expert_index)
-        experts, weights = adapted
-        return experts(hidden_states, expert_index, weights)
-
-    def combine(
-        self, expert_out: torch.Tensor, hidden_states: torch.Tensor, choice: torch.Tensor, weight: torch.Tensor
-    ) -> torch.Tensor:
-        """Expert outputs weighted by the routing probability `weight` [batch, seq, 1]; skip-class tokens give zero
-        or the scaled input."""
-        weight = weight.to(hidden_states.dtype)
-        output = expert_out * weight
-        if self.skip_scales_input:
-            skipped = (choice >= self.gate.num_experts)[..., None]
-            output = output + torch.where(skipped, weight * hidden_states, 0.0)
-        return output
+            return self.experts(hidden_states, expert_index, weights)
+        experts, factors = adapted
+        return experts(hidden_states, expert_index, weights, adapted=factors)
 
 
 class ZayaDecoderLayer(GradientCheckpointingLayer):
@@ -620,9 +602,9 @@ class ZayaDecoderLayer(GradientCheckpointingLayer):
         if compiled and self.mlp.gathers_experts(moe_input):
             residual = compiled_function(gathered_experts_and_merge)(self, moe_input, choice, weight, residual)
         else:
-            expert_out = self.mlp.expert_outputs(moe_input, choice)
+            moe_out = self.mlp.expert_outputs(moe_input, choice, weight)
             merge = compiled_function(merge_experts) if compiled else merge_experts
-            residual = merge(self, expert_out, moe_input, choice, weight, residual)
+            residual = merge(self, moe_out, residual)
         return residual, router_states, router_logits, choice
 
     def route(self, attn_out: torch.Tensor, residual: torch.Tensor, router_states: torch.Tensor | None):
@@ -651,24 +633,17 @@ def attention_and_routing(
     return layer.route(attn_out, residual, router_states), state
 
 
-def merge_experts(
-    layer: ZayaDecoderLayer,
-    expert_out: torch.Tensor,
-    moe_input: torch.Tensor,
-    choice: torch.Tensor,
-    weight: torch.Tensor,
-    residual: torch.Tensor,
-) -> torch.Tensor:
-    """A block's last part: weight the expert outputs and merge them into the residual."""
-    return layer.post_mlp_residual_scale(layer.mlp.combine(expert_out, moe_input, choice, weight), residual)
+def merge_experts(layer: ZayaDecoderLayer, moe_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """A block's last part: merge the MoE output into the residual."""
+    return layer.post_mlp_residual_scale(moe_out, residual)
 
 
 def gathered_experts_and_merge(
     layer: ZayaDecoderLayer, moe_input: torch.Tensor, choice: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor
 ) -> torch.Tensor:
     """A block's last two parts in one compiled graph where `ZayaSparseMoeBlock.gathers_experts`."""
-    expert_out = layer.mlp.experts.gathered(moe_input, choice)
-    return merge_experts(layer, expert_out, moe_input, choice, weight, residual)
+    experts = functools.partial(gathered_products, layer.mlp.experts)
+    return merge_experts(layer, layer.mlp.expert_outputs(moe_input, choice, weight, experts), residual)
 
 
 # Up to this many tokens gathering won on model_bench's model (8 layers of experts: 16 tokens 17 against 48 ms grouped,
@@ -714,6 +689,10 @@ class ZayaPreTrainedModel(PreTrainedModel):
     _supports_attention_backend = True
     _can_compile_fullgraph = False
     _is_stateful = True
+
+    def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
+        # Unless another is asked for, the reference experts ("eager"); transformers' default is "grouped_mm".
+        return super().get_correct_experts_implementation(requested_experts or "eager")
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

@@ -35,7 +35,7 @@ def test_experts_under_bf16_autocast_pad_groups_and_match_the_per_token_computat
 
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert group_row_multiple(torch.float32, hidden.device) > 1  # the padded layout is in use
-        output = experts(hidden, index)
+        output = experts(hidden, index[:, None], torch.ones(90, 1))
     assert output.dtype == torch.bfloat16
     output.float().square().sum().backward()
     grads = [hidden.grad, experts.gate_up_proj.grad, experts.down_proj.grad]

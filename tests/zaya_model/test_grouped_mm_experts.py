@@ -6,7 +6,7 @@ import torch
 from tiny_models import TINY_ZAYA, randomize_zaya, skip_prone_model
 
 from zaya_model import ZayaConfig, ZayaForCausalLM
-from zaya_model.kernels.grouped_mm_experts import grouped_mm_expert_outputs, use_grouped_mm_experts
+from zaya_model.kernels.grouped_mm_experts import use_grouped_mm_experts
 
 
 def _block_inputs(seed: int, tokens: int = 40):
@@ -21,10 +21,12 @@ def _block_inputs(seed: int, tokens: int = 40):
     return block, states, choice
 
 
-def _outputs_and_grads(block, states, choice, expert_outputs):
+def _outputs_and_grads(block, states, choice, implementation):
     states = states.clone().requires_grad_()
     weights = torch.randn(*states.shape, generator=torch.Generator().manual_seed(9))  # the same for both calls
-    out = expert_outputs(states, choice)
+    routing_weights = torch.rand(*choice.shape, 1, generator=torch.Generator().manual_seed(8))
+    block.experts.config._experts_implementation = implementation
+    out = block.expert_outputs(states, choice, routing_weights)
     (out.float() * weights).sum().backward()
     grads = [states.grad, block.experts.gate_up_proj.grad, block.experts.down_proj.grad]
     block.zero_grad(set_to_none=True)
@@ -33,10 +35,8 @@ def _outputs_and_grads(block, states, choice, expert_outputs):
 
 def test_block_outputs_and_gradients_equal_the_reference_in_fp32():
     block, states, choice = _block_inputs(seed=0)
-    ours, ours_grads = _outputs_and_grads(block, states, choice, block.expert_outputs)
-    kernel, kernel_grads = _outputs_and_grads(
-        block, states, choice, lambda x, c: grouped_mm_expert_outputs(block, x, c)
-    )
+    ours, ours_grads = _outputs_and_grads(block, states, choice, "eager")
+    kernel, kernel_grads = _outputs_and_grads(block, states, choice, "zaya_grouped_mm")
     torch.testing.assert_close(kernel, ours, rtol=1e-5, atol=1e-6)
     assert kernel[0, :5].abs().max() == 0  # skipped tokens output zero
     for got, want in zip(kernel_grads, ours_grads, strict=True):
@@ -51,10 +51,8 @@ def test_block_under_bf16_autocast_matches_the_reference():
         torch.cpu._init_amx()  # bf16 matmuls on AMX CPUs need the permission first
     block, states, choice = _block_inputs(seed=1)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        ours, ours_grads = _outputs_and_grads(block, states, choice, block.expert_outputs)
-        kernel, kernel_grads = _outputs_and_grads(
-            block, states, choice, lambda x, c: grouped_mm_expert_outputs(block, x, c)
-        )
+        ours, ours_grads = _outputs_and_grads(block, states, choice, "eager")
+        kernel, kernel_grads = _outputs_and_grads(block, states, choice, "zaya_grouped_mm")
     assert kernel.dtype == torch.bfloat16  # as a matmul under autocast gives
     torch.testing.assert_close(kernel.float(), ours.float(), rtol=2e-2, atol=2e-3)
     for got, want in zip(kernel_grads, ours_grads, strict=True):
@@ -81,7 +79,7 @@ def test_model_loss_and_gradients_equal_the_reference():
     for name, grad in reference[1].items():
         torch.testing.assert_close(kernel[1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
     assert use_grouped_mm_experts(model, enabled=False) == 0
-    assert "expert_outputs" not in model.model.layers[0].mlp.__dict__  # back on the reference method
+    assert model.config._experts_implementation == "eager"  # back on the reference
 
 
 def test_expert_adapters_keep_the_reference_path():

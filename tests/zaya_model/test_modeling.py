@@ -90,7 +90,7 @@ def test_scaled_input_skip_returns_probability_times_input():
     torch.testing.assert_close(out, skip_probability * hidden)
 
 
-@pytest.mark.parametrize("tokens", [50, 3, 1])  # grouped matmul (large and small groups), one-token path
+@pytest.mark.parametrize("tokens", [50, 3, 1])  # grouped matmul: large and small groups, one token
 @torch.no_grad()
 def test_experts_match_per_token_reference(tiny_model, tokens):
     experts = tiny_model.model.layers[0].mlp.experts
@@ -101,7 +101,13 @@ def test_experts_match_per_token_reference(tiny_model, tokens):
     for token, expert in zip(hidden, index.tolist(), strict=True):
         gate, up = (experts.gate_up_proj[expert] @ token).chunk(2)
         reference.append(experts.down_proj[expert] @ (torch.nn.functional.silu(gate) * up))
-    torch.testing.assert_close(experts(hidden, index), torch.stack(reference), rtol=1e-5, atol=1e-6)
+    weights = torch.rand(tokens, 1)
+    expected = torch.stack(reference) * weights
+    torch.testing.assert_close(experts(hidden, index[:, None], weights), expected, rtol=1e-5, atol=1e-6)
+    # Index E is the skip class: those tokens get zero, and the others their experts' outputs.
+    skipped = torch.arange(tokens) % 3 == 1
+    output = experts(hidden, index.masked_fill(skipped, TINY_ZAYA["num_experts"])[:, None], weights)
+    torch.testing.assert_close(output, expected.masked_fill(skipped[:, None], 0.0), rtol=1e-5, atol=1e-6)
 
 
 @torch.no_grad()
