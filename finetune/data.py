@@ -1,9 +1,11 @@
 """Tokenized fine-tuning data for the Trainer: examples with assistant-only labels, and the batch collators.
 
 Labels come from `tokenize_example` (the one place that decides trained tokens): the token id where the mask is 1,
--100 elsewhere. With packing, `DataCollatorWithFlattening` concatenates a batch into one row whose `position_ids`
-restart at 0 for each example; the model masks attention, convolutions and the value shift per example, and the
-collator puts -100 on each example's first label, so no example predicts or sees another's tokens.
+-100 elsewhere. With packing, `PackingCollator` places a batch's examples into rows no longer than its longest
+example, each row concatenated as `DataCollatorWithFlattening` does: `position_ids` restart at 0 for each example, so
+the model masks attention, convolutions and the value shift per example, and each example's first label is -100, so
+no example predicts or sees another's tokens. Bounding the rows matters: attention over a row costs the square of its
+length, and one row holding a whole batch of 32 chats trained ~8x slower per token than rows of one chat's length.
 """
 
 from __future__ import annotations
@@ -58,9 +60,45 @@ class TokenizedDataset(torch.utils.data.Dataset):
         return sum(label != IGNORE_INDEX for feature in self.features for label in feature["labels"])
 
 
+class PackingCollator:
+    """Examples packed first-fit, longest first, into rows of at most the batch's longest example; rows padded at the
+    end with `pad_token_id` (a document of its own, label -100) to one length."""
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+        self.flatten = DataCollatorWithFlattening(return_tensors="pt")
+
+    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        limit = max(len(feature["input_ids"]) for feature in features)
+        rows: list[list[dict]] = []
+        lengths: list[int] = []
+        for feature in sorted(features, key=lambda feature: -len(feature["input_ids"])):
+            size = len(feature["input_ids"])
+            row = next((index for index, used in enumerate(lengths) if used + size <= limit), None)
+            if row is None:
+                rows.append([])
+                lengths.append(0)
+                row = len(rows) - 1
+            rows[row].append(feature)
+            lengths[row] += size
+        packed = [self.flatten(row) for row in rows]
+        batch = {}
+        for key, pad in (("input_ids", self.pad_token_id), ("labels", IGNORE_INDEX), ("position_ids", None)):
+            batch[key] = torch.cat([_pad_row(row[key], limit, pad) for row in packed])
+        return batch
+
+
+def _pad_row(row: torch.Tensor, length: int, pad: int | None) -> torch.Tensor:
+    missing = length - row.shape[1]
+    if missing == 0:
+        return row
+    filler = torch.arange(missing)[None] if pad is None else torch.full((1, missing), pad, dtype=row.dtype)
+    return torch.cat([row, filler.to(row.dtype)], dim=1)
+
+
 def make_collator(tokenizer: PreTrainedTokenizerBase, packing: bool) -> Callable[[list[dict]], dict[str, Any]]:
     if packing:
-        return DataCollatorWithFlattening(return_tensors="pt")
+        return PackingCollator(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
     return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX, return_tensors="pt")
 
 

@@ -47,9 +47,13 @@ def test_labels_are_exactly_the_tokens_tokenize_example_trains(tokenizer, data):
 
 def test_packed_batch_loss_equals_the_per_example_losses(model_dir, tokenizer, data):
     model = ZayaForCausalLM.from_pretrained(model_dir).eval()
-    features = list(TokenizedDataset(read_examples(data[0]), tokenizer))[:3]
+    features = list(TokenizedDataset(read_examples(data[0]), tokenizer))[:5]
+    # One example twice as long as the others: two short ones share a row of its length.
+    features = features[:3] + [{key: features[3][key] + features[4][key] for key in features[3]}]
     batch = make_collator(tokenizer, packing=True)(features)
-    assert batch["input_ids"].shape[0] == 1 and (batch["position_ids"] == 0).sum() == 3
+    longest = max(len(feature["input_ids"]) for feature in features)
+    assert batch["input_ids"].shape == (3, longest)
+    assert (batch["position_ids"] == 0).sum() >= len(features)  # every example (and row padding) starts at 0
     with torch.no_grad():
         packed = model(**batch, use_cache=False).loss
         total = n = 0
