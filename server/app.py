@@ -57,8 +57,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.rows = RowWriter(engine)
     app.state.sessionmaker = make_sessionmaker(engine)
     app.state.metrics = Metrics(app.state.sessionmaker)
-    app.state.inference = InferenceService(settings, app.state.reads, app.state.rows)
     app.state.rate_limits = RateLimits(settings)
+    app.state.inference = InferenceService(settings, app.state.reads, app.state.rows, app.state.rate_limits)
     install_error_handlers(app)
     # Added first, so it runs inside the request middleware (after authentication, and audited).
     app.add_middleware(BodySizeLimitMiddleware, settings=settings)

@@ -1,4 +1,4 @@
-"""Typed dependencies: settings, a database session, the calling API key and role checks.
+"""Typed dependencies: settings, a database session, the inference service, the calling API key and role checks.
 
 Authentication itself runs in `server.api.middleware` before routing (so even a malformed body without a key gets
 401); these dependencies read its result and enforce the role each route needs. Dependencies that do no I/O are
@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 
 from server.db.models import ApiKey, Role
 from server.errors import Forbidden, Unauthorized
+from server.services.inference import InferenceService
 from server.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,10 @@ def get_session(request: Request) -> Iterator[Session]:
                 session.invalidate()
 
 
+async def get_inference(request: Request) -> InferenceService:
+    return request.app.state.inference
+
+
 async def get_principal(request: Request) -> Principal:
     principal = getattr(request.state, "principal", None)
     if principal is None:
@@ -67,6 +72,7 @@ async def get_principal(request: Request) -> Principal:
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 SessionDep = Annotated[Session, Depends(get_session)]
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
+InferenceDep = Annotated[InferenceService, Depends(get_inference)]
 
 
 def require_role(role: Role) -> Callable[[Principal], Awaitable[Principal]]:

@@ -1,4 +1,5 @@
-"""The OpenAPI document says what the server really answers: errors in OpenAI's shape, and bearer-key auth.
+"""The OpenAPI document says what the server really answers: errors in OpenAI's shape, streamed chunks, and
+bearer-key auth.
 
 FastAPI documents its own 422 validation body, which this server never sends (validation errors are 400 in OpenAI's
 shape, see `server.api.errors`). Every operation instead gets a `default` response, the OpenAI error body, since
@@ -11,7 +12,9 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from pydantic.json_schema import models_json_schema
 
+from server.api.completion_schemas import STREAMED_CHUNKS
 from server.api.middleware import PUBLIC_PATHS
 
 ERROR_SCHEMA = {
@@ -43,6 +46,12 @@ def build_schema(app: FastAPI) -> dict[str, Any]:
     components = schema.setdefault("components", {})
     schemas = components.setdefault("schemas", {})
     schemas["ErrorResponse"] = ERROR_SCHEMA
+    # Streamed chunks are named only by `text/event-stream` answers, which FastAPI does not collect models from.
+    _, chunks = models_json_schema(
+        [(chunk, "serialization") for chunk in STREAMED_CHUNKS], ref_template="#/components/schemas/{model}"
+    )
+    for name, definition in chunks["$defs"].items():
+        schemas.setdefault(name, definition)
     for unused in ("HTTPValidationError", "ValidationError"):
         schemas.pop(unused, None)
     components["securitySchemes"] = {"apiKey": BEARER}

@@ -1,35 +1,40 @@
-"""Chat and text completions: resolve the model, build the prompt, run the engine, answer in OpenAI's shapes.
+"""Chat and text completions: resolve the model, build the prompt, run the engine, record the request.
 
-Both endpoints share one flow (`InferenceService.complete`); `ChatFormat` and `CompletionFormat` differ only in how
-a prompt is made and how choices, chunks and logprobs look. Every request that reached this service leaves one
-`inference_records` row (key, requested model, answering version, tokens, latency, status), whatever its outcome.
+`InferenceService.start` turns a caller's request (a `ChatPrompt` or a `TextPrompt`, and `GenerationOptions`) into a
+running `Generation`, or raises a `server.errors` error before anything is generated (unknown model, prompt too
+long, rate limit, full queue). A `Generation` is read once, as a stream of deltas or whole; either way every request
+that reached this service leaves one `inference_records` row (key, requested model, answering version, tokens,
+latency, status), and a generation abandoned early (its reader cancelled: the client left) stops the engine's work
+and is recorded as 499. Nothing here knows HTTP: the routes turn `Generation`s into OpenAI's responses and chunks.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import logging
-import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from types import TracebackType
+from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
 
 import anyio
-from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
 from sqlalchemy import insert
-from starlette.types import Receive, Scope, Send
 
-from server.api.deps import Principal
 from server.db.base import utcnow
 from server.db.models import InferenceRecord
 from server.db.row_writer import RowWriter
 from server.db.session import RequestReads
 from server.engines import create_engine
-from server.engines.base import ChoiceDelta, Engine, EngineError, EngineOverloaded, ModelLoadError, SamplingParams
+from server.engines.base import (
+    ChoiceDelta,
+    Engine,
+    EngineError,
+    EngineOverloaded,
+    ModelLoadError,
+    SamplingParams,
+    TokenLogprob,
+)
 from server.errors import APIError, GenerationFailed, InvalidRequest, ServiceUnavailable, TooManyRequests
 from server.heap import freeze_startup_heap
 from server.services.model_resolution import ServableModel, resolve
@@ -49,9 +54,54 @@ READY_ENGINE_STATES = frozenset({"not_started", "ready"})
 logger = logging.getLogger(__name__)
 
 
+class TokenBudget(Protocol):
+    """Per-key token limits (`server.api.ratelimit.RateLimits`)."""
+
+    def charge_tokens(self, key_id: str, tokens: int, *, param: str) -> None:
+        """Count a request's tokens (prompt plus max completion) against the key's limit, or raise `RateLimited`."""
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """Chat messages (`{"role", "content"}`), rendered with the model's chat template."""
+
+    messages: list[dict[str, str]]
+    endpoint: ClassVar[str] = "chat.completions"
+    param: ClassVar[str] = "messages"
+
+    def token_ids(self, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+        if not tokenizer.chat_template:
+            raise InvalidRequest("This model has no chat template; use /v1/completions.", param="model")
+        text = tokenizer.apply_chat_template(self.messages, tokenize=False, add_generation_prompt=True)
+        # The template writes the special tokens itself (BOS, turn markers).
+        return tokenizer.encode(text, add_special_tokens=False)
+
+
+@dataclass(frozen=True)
+class TextPrompt:
+    """A raw prompt: text, or token ids."""
+
+    prompt: str | list[int]
+    endpoint: ClassVar[str] = "completions"
+    param: ClassVar[str] = "prompt"
+
+    def token_ids(self, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+        if isinstance(self.prompt, str):
+            return tokenizer.encode(self.prompt, add_special_tokens=False)
+        if any(token < 0 or token >= len(tokenizer) for token in self.prompt):
+            raise InvalidRequest(f"prompt: token ids must be in [0, {len(tokenizer)}).", param="prompt")
+        return list(self.prompt)
+
+
+Prompt = ChatPrompt | TextPrompt
+
+
 @dataclass(frozen=True)
 class GenerationOptions:
-    """The sampling fields of a request, validated by the route's schema (ranges) and here (context length)."""
+    """The sampling fields of a request, validated by the route's schema (ranges) and here (context length).
+
+    `max_tokens_param` names the request field that set `max_tokens`, for errors about it.
+    """
 
     max_tokens: int | None
     max_tokens_param: str
@@ -62,155 +112,112 @@ class GenerationOptions:
     stop: tuple[str, ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
-    stream: bool = False
-    include_usage: bool = False
 
 
 @dataclass
-class _Choice:
-    text: list[str] = field(default_factory=list)
-    logprobs: list = field(default_factory=list)
-    finish_reason: str | None = None
-    tokens: int = 0
+class FinishedChoice:
+    """One choice of a whole answer."""
+
+    index: int
+    text: str
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None
 
 
-class ChatFormat:
-    endpoint = "chat.completions"
-    prompt_param = "messages"
-    id_prefix = "chatcmpl-"
-    object_name = "chat.completion"
-    chunk_object_name = "chat.completion.chunk"
+@dataclass
+class _Record:
+    api_key_id: str
+    endpoint: str
+    requested_model: str
+    model_version_id: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    status_code: int = 200
+    started: float = field(default_factory=time.perf_counter)
 
-    def __init__(self, messages: list[dict]) -> None:
-        self.messages = messages
-
-    def prompt_token_ids(self, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-        if not tokenizer.chat_template:
-            raise InvalidRequest("This model has no chat template; use /v1/completions.", param="model")
-        text = tokenizer.apply_chat_template(self.messages, tokenize=False, add_generation_prompt=True)
-        # The template writes the special tokens itself (BOS, turn markers).
-        return tokenizer.encode(text, add_special_tokens=False)
-
-    @staticmethod
-    def logprobs(entries: list, options: GenerationOptions) -> dict | None:
-        if not options.logprobs:
-            return None
-        content = [
-            {
-                "token": entry.token,
-                "logprob": entry.logprob,
-                "bytes": list(entry.token.encode()),
-                "top_logprobs": [
-                    {"token": token, "logprob": logprob, "bytes": list(token.encode())} for token, logprob in entry.top
-                ],
-            }
-            for entry in entries
-        ]
-        return {"content": content, "refusal": None}
-
-    def choice(self, index: int, choice: _Choice, options: GenerationOptions) -> dict:
+    def row(self) -> dict:
+        """The `inference_records` row, timed now."""
         return {
-            "index": index,
-            "message": {"role": "assistant", "content": "".join(choice.text), "refusal": None},
-            "logprobs": self.logprobs(choice.logprobs, options),
-            "finish_reason": choice.finish_reason,
-        }
-
-    def opening_chunks(self, options: GenerationOptions) -> list[dict]:
-        # OpenAI opens each choice's stream with the role.
-        return [
-            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-            for i in range(options.n)
-        ]
-
-    def chunk_choice(self, delta: ChoiceDelta, options: GenerationOptions) -> dict:
-        return {
-            "index": delta.index,
-            "delta": {"content": delta.text} if delta.text else {},
-            "logprobs": self.logprobs(delta.logprobs, options),
-            "finish_reason": delta.finish_reason,
+            "created_at": utcnow(),
+            "api_key_id": self.api_key_id,
+            "endpoint": self.endpoint,
+            "requested_model": self.requested_model[:256],
+            "model_version_id": self.model_version_id,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "latency_ms": (time.perf_counter() - self.started) * 1000,
+            "status_code": self.status_code,
         }
 
 
-class CompletionFormat:
-    endpoint = "completions"
-    prompt_param = "prompt"
-    id_prefix = "cmpl-"
-    object_name = chunk_object_name = "text_completion"
+class Generation:
+    """A started generation of `n` choices, read once: `deltas()` (a stream) or `collect()` (the whole answer).
 
-    def __init__(self, prompt: str | list[int]) -> None:
-        self.prompt = prompt
-
-    def prompt_token_ids(self, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-        if isinstance(self.prompt, str):
-            return tokenizer.encode(self.prompt, add_special_tokens=False)
-        if any(token < 0 or token >= len(tokenizer) for token in self.prompt):
-            raise InvalidRequest(f"prompt: token ids must be in [0, {len(tokenizer)}).", param="prompt")
-        return list(self.prompt)
-
-    @staticmethod
-    def logprobs(entries: list, options: GenerationOptions, offset: int = 0) -> dict | None:
-        if not options.logprobs:
-            return None
-        offsets, position = [], offset
-        for entry in entries:
-            offsets.append(position)
-            position += len(entry.token)
-        return {
-            "tokens": [entry.token for entry in entries],
-            "token_logprobs": [entry.logprob for entry in entries],
-            "top_logprobs": [dict(entry.top) for entry in entries],
-            "text_offset": offsets,
-        }
-
-    def choice(self, index: int, choice: _Choice, options: GenerationOptions) -> dict:
-        return {
-            "index": index,
-            "text": "".join(choice.text),
-            "logprobs": self.logprobs(choice.logprobs, options),
-            "finish_reason": choice.finish_reason,
-        }
-
-    def opening_chunks(self, options: GenerationOptions) -> list[dict]:
-        return []
-
-    def chunk_choice(self, delta: ChoiceDelta, options: GenerationOptions) -> dict:
-        return {
-            "index": delta.index,
-            "text": delta.text,
-            "logprobs": self.logprobs(delta.logprobs, options),
-            "finish_reason": delta.finish_reason,
-        }
-
-
-Format = ChatFormat | CompletionFormat
-
-
-class DisconnectAwareStreamingResponse(StreamingResponse):
-    """Streams while listening for the client leaving; then closes the body iterator, which cancels generation.
-
-    Starlette's own response stops listening under ASGI 2.4 and leaves the iterator for the garbage collector.
+    `aclose()` (or leaving it as an async context manager) stops the engine's work if it is not done and writes the
+    request's record, once. Reading it to the end records 200; an engine failure on the way raises
+    `GenerationFailed` (recorded 500); a reader that stops early (cancelled, or closing the stream) leaves 499.
     """
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    def __init__(
+        self, record: _Record, first: ChoiceDelta, deltas: AsyncIterator[ChoiceDelta], n: int, rows: RowWriter
+    ) -> None:
+        self._record, self._first, self._deltas, self._rows = record, first, deltas, rows
+        self.n = n
+        self._tokens = [0] * n
+        self._closed = False
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self._record.prompt_tokens
+
+    @property
+    def completion_tokens(self) -> int:
+        return self._record.completion_tokens
+
+    async def deltas(self) -> AsyncIterator[ChoiceDelta]:
+        """The choices' deltas, interleaved, as the engine releases them."""
+        record, tokens = self._record, self._tokens
+        record.status_code = CLIENT_CLOSED_REQUEST  # until the last delta is read
         try:
-            async with anyio.create_task_group() as tasks:
+            delta: ChoiceDelta | None = self._first
+            while delta is not None:
+                tokens[delta.index] = delta.completion_tokens
+                record.completion_tokens = sum(tokens)
+                yield delta
+                delta = await anext(self._deltas, None)
+        except EngineError as error:
+            record.status_code = 500
+            raise GenerationFailed(error.message) from error
+        record.status_code = 200
 
-                async def stream() -> None:
-                    with contextlib.suppress(OSError):  # the client left mid-send
-                        await self.stream_response(send)
-                    tasks.cancel_scope.cancel()
+    async def collect(self) -> list[FinishedChoice]:
+        """Every choice, once all are finished."""
+        texts: list[list[str]] = [[] for _ in range(self.n)]
+        choices = [FinishedChoice(index, "", [], None) for index in range(self.n)]
+        async for delta in self.deltas():
+            choice = choices[delta.index]
+            texts[delta.index].append(delta.text)
+            choice.logprobs.extend(delta.logprobs)
+            choice.finish_reason = delta.finish_reason or choice.finish_reason
+        for choice, text in zip(choices, texts, strict=True):
+            choice.text = "".join(text)
+        return choices
 
-                tasks.start_soon(stream)
-                await self.listen_for_disconnect(receive)
-                tasks.cancel_scope.cancel()
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()
+    async def __aenter__(self) -> Generation:
+        return self
 
+    async def __aexit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        await self.aclose()
 
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            await self._deltas.aclose()
+            await self._rows.execute(INSERT_RECORD, self._record.row())
 
 
 def _import_model_libraries() -> None:
@@ -238,11 +245,13 @@ class InferenceService:
         settings: Settings,
         reads: RequestReads,
         rows: RowWriter,
+        budget: TokenBudget,
+        *,
         engine: Engine | None = None,
         engine_factory: Callable[[Settings], Engine] = create_engine,
     ) -> None:
-        """`reads` resolve models, `rows` writes the inference records."""
-        self.settings, self.reads, self.rows = settings, reads, rows
+        """`reads` resolve models, `rows` writes the inference records, `budget` charges each request's tokens."""
+        self.settings, self.reads, self.rows, self.budget = settings, reads, rows, budget
         self._engine = engine
         self._engine_factory = engine_factory
         self._engine_state: EngineState = "ready" if engine is not None else "not_started"
@@ -312,61 +321,51 @@ class InferenceService:
         return report
 
     # --- the request flow -------------------------------------------------------------------------------------
-    async def complete(
-        self, request: Request, principal: Principal, model: str, fmt: Format, options: GenerationOptions
-    ) -> JSONResponse | StreamingResponse:
-        record = _Record(principal.key_id, fmt.endpoint, model)
+    async def start_generation(
+        self, key_id: str, model: str, prompt: Prompt, options: GenerationOptions
+    ) -> Generation:
+        """Resolve `model`, check and charge the request, and start generating; refusals are recorded and raised."""
+        record = _Record(key_id, prompt.endpoint, model)
         try:
             servable = await self.reads.run(resolve, model)
             record.model_version_id = servable.version_id
-            prompt, params = await self._prepare(servable, fmt, options)
-            record.prompt_tokens = len(prompt)
-            request.app.state.rate_limits.charge_tokens(
-                principal.key_id, len(prompt) + params.max_tokens * params.n, param=options.max_tokens_param
+            prompt_ids, params = await self._prepare(servable, prompt, options)
+            record.prompt_tokens = len(prompt_ids)
+            self.budget.charge_tokens(
+                key_id, len(prompt_ids) + params.max_tokens * params.n, param=options.max_tokens_param
             )
-            deltas = self.engine.generate(servable.base, prompt, params, adapter=servable.adapter)
+            deltas = self.engine.generate(servable.base, prompt_ids, params, adapter=servable.adapter)
             first = await _first_delta(deltas)
         except APIError as error:
             record.status_code = error.status_code
-            await self._save(record)
+            await self.rows.execute(INSERT_RECORD, record.row())
             raise
-        response_id = f"{fmt.id_prefix}{secrets.token_hex(12)}"
-        if options.stream:
-            events = self._stream(response_id, model, fmt, options, first, deltas, record)
-            return DisconnectAwareStreamingResponse(events, media_type="text/event-stream")
-        try:
-            body = await self._collect(request, response_id, model, fmt, options, first, deltas, record)
-        finally:
-            await self._save(record)
-        return JSONResponse(body)
-
-    async def _save(self, record: _Record) -> None:
-        await self.rows.execute(INSERT_RECORD, record.row())
+        return Generation(record, first, deltas, options.n, self.rows)
 
     async def _prepare(
-        self, servable: ServableModel, fmt: Format, options: GenerationOptions
+        self, servable: ServableModel, prompt: Prompt, options: GenerationOptions
     ) -> tuple[list[int], SamplingParams]:
         try:
             tokenizer = await self.engine.tokenizer(servable.base)
             context = await self.engine.context_length(servable.base)
         except ModelLoadError as error:
             raise ServiceUnavailable(error.message, code="model_unavailable") from error
-        prompt = fmt.prompt_token_ids(tokenizer)
-        if not prompt:
-            raise InvalidRequest(f"{fmt.prompt_param}: the prompt is empty.", param=fmt.prompt_param)
-        if len(prompt) >= context:
+        prompt_ids = prompt.token_ids(tokenizer)
+        if not prompt_ids:
+            raise InvalidRequest(f"{prompt.param}: the prompt is empty.", param=prompt.param)
+        if len(prompt_ids) >= context:
             raise InvalidRequest(
-                f"This model's maximum context length is {context} tokens; your {fmt.prompt_param} use "
-                f"{len(prompt)} tokens, leaving no room for a completion.",
-                param=fmt.prompt_param,
+                f"This model's maximum context length is {context} tokens; your {prompt.param} use "
+                f"{len(prompt_ids)} tokens, leaving no room for a completion.",
+                param=prompt.param,
                 code="context_length_exceeded",
             )
-        max_tokens = options.max_tokens if options.max_tokens is not None else context - len(prompt)
-        if len(prompt) + max_tokens > context:
+        max_tokens = options.max_tokens if options.max_tokens is not None else context - len(prompt_ids)
+        if len(prompt_ids) + max_tokens > context:
             raise InvalidRequest(
-                f"This model's maximum context length is {context} tokens; you requested {len(prompt) + max_tokens} "
-                f"({len(prompt)} in the {fmt.prompt_param}, {max_tokens} for the completion). Lower "
-                f"{options.max_tokens_param} or shorten the {fmt.prompt_param}.",
+                f"This model's maximum context length is {context} tokens; you requested "
+                f"{len(prompt_ids) + max_tokens} ({len(prompt_ids)} in the {prompt.param}, {max_tokens} for the "
+                f"completion). Lower {options.max_tokens_param} or shorten the {prompt.param}.",
                 param=options.max_tokens_param,
                 code="context_length_exceeded",
             )
@@ -380,159 +379,11 @@ class InferenceService:
             logprobs=options.logprobs,
             top_logprobs=options.top_logprobs,
         )
-        return prompt, params
-
-    async def _collect(
-        self,
-        request: Request,
-        response_id: str,
-        model: str,
-        fmt: Format,
-        options: GenerationOptions,
-        first: ChoiceDelta,
-        deltas: AsyncIterator[ChoiceDelta],
-        record: _Record,
-    ) -> dict:
-        choices = [_Choice() for _ in range(options.n)]
-
-        async def consume() -> None:
-            delta = first
-            while True:
-                _add(choices[delta.index], delta)
-                delta = await anext(deltas, None)
-                if delta is None:
-                    return
-
-        async def wait_for_disconnect() -> None:
-            # `request.is_disconnected()` misses disconnects behind an HTTP middleware; a blocking receive does not.
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-
-        consumer = asyncio.ensure_future(consume())
-        watcher = asyncio.ensure_future(wait_for_disconnect())
-        try:
-            await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if not consumer.done():
-                # Nobody will read the answer: stop generating now.
-                record.status_code = CLIENT_CLOSED_REQUEST
-                consumer.cancel()
-                await asyncio.gather(consumer, return_exceptions=True)
-            if not consumer.cancelled():
-                consumer.result()
-        except EngineError as error:
-            record.status_code = 500
-            raise GenerationFailed(error.message) from error
-        finally:
-            for task in (consumer, watcher):
-                if not task.done():
-                    task.cancel()
-            await asyncio.gather(consumer, watcher, return_exceptions=True)
-            await deltas.aclose()
-            record.completion_tokens = sum(choice.tokens for choice in choices)
-        usage = _usage(record)
-        return {
-            "id": response_id,
-            "object": fmt.object_name,
-            "created": int(time.time()),
-            "model": model,
-            "choices": [fmt.choice(i, choice, options) for i, choice in enumerate(choices)],
-            "usage": usage,
-            "system_fingerprint": None,
-        }
-
-    async def _stream(
-        self,
-        response_id: str,
-        model: str,
-        fmt: Format,
-        options: GenerationOptions,
-        first: ChoiceDelta,
-        deltas: AsyncIterator[ChoiceDelta],
-        record: _Record,
-    ) -> AsyncIterator[str]:
-        created = int(time.time())
-        tokens = [0] * options.n
-
-        def chunk(choices: list[dict], usage: dict | None = None) -> str:
-            payload = {
-                "id": response_id,
-                "object": fmt.chunk_object_name,
-                "created": created,
-                "model": model,
-                "choices": choices,
-                "system_fingerprint": None,
-            }
-            if options.include_usage:
-                payload["usage"] = usage
-            return _sse(payload)
-
-        record.status_code = CLIENT_CLOSED_REQUEST  # until the stream completes
-        try:
-            for opening in fmt.opening_chunks(options):
-                yield chunk([opening])
-            delta: ChoiceDelta | None = first
-            while delta is not None:
-                tokens[delta.index] = delta.completion_tokens
-                record.completion_tokens = sum(tokens)
-                yield chunk([fmt.chunk_choice(delta, options)])
-                delta = await anext(deltas, None)
-            if options.include_usage:
-                yield chunk([], _usage(record))
-            yield "data: [DONE]\n\n"
-            record.status_code = 200
-        except EngineError as error:
-            # Headers are gone already: report the failure in the stream, as OpenAI does.
-            record.status_code = 500
-            yield _sse({"error": {"message": error.message, "type": "server_error", "param": None, "code": None}})
-        finally:
-            with anyio.CancelScope(shield=True):
-                await deltas.aclose()
-                await self._save(record)
-
-
-@dataclass
-class _Record:
-    api_key_id: str
-    endpoint: str
-    requested_model: str
-    model_version_id: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    status_code: int = 200
-    started: float = field(default_factory=time.perf_counter)
-
-    def row(self) -> dict:
-        """The `inference_records` row, timed now."""
-        return {
-            "created_at": utcnow(),
-            "api_key_id": self.api_key_id,
-            "endpoint": self.endpoint,
-            "requested_model": self.requested_model[:256],
-            "model_version_id": self.model_version_id,
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "latency_ms": (time.perf_counter() - self.started) * 1000,
-            "status_code": self.status_code,
-        }
-
-
-def _add(choice: _Choice, delta: ChoiceDelta) -> None:
-    choice.text.append(delta.text)
-    choice.logprobs.extend(delta.logprobs)
-    choice.tokens = delta.completion_tokens
-    choice.finish_reason = delta.finish_reason or choice.finish_reason
-
-
-def _usage(record: _Record) -> dict:
-    return {
-        "prompt_tokens": record.prompt_tokens,
-        "completion_tokens": record.completion_tokens,
-        "total_tokens": record.prompt_tokens + record.completion_tokens,
-    }
+        return prompt_ids, params
 
 
 async def _first_delta(deltas: AsyncIterator[ChoiceDelta]) -> ChoiceDelta:
-    """Start generating and wait for the first output, so refusals still become proper HTTP errors."""
+    """Start generating and wait for the first output, so refusals still become proper errors."""
     try:
         return await anext(deltas)
     except EngineOverloaded as error:

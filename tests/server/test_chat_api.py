@@ -12,6 +12,7 @@ import pytest
 from sqlalchemy import event, select
 
 from finetune.bootstrap import build_tiny_model
+from server.api.completion_schemas import ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk
 from server.db.models import AuditLog, File, FineTuningJob, InferenceRecord, JobStatus, ModelAlias, ModelVersion
 
 MESSAGES = [{"role": "user", "content": "Summarise case CASE-7 for the investigations queue."}]
@@ -81,6 +82,53 @@ def test_streaming_matches_the_whole_answer_and_reports_usage_last(client):
     assert finishes == [whole.choices[0].finish_reason]
     assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
     assert all(chunk.usage is None for chunk in chunks[:-1])
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "whole", "chunk"),
+    [
+        ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 2}, ChatCompletion,
+         ChatCompletionChunk),
+        ("/v1/completions", {"prompt": "Case", "logprobs": 2}, Completion, CompletionChunk),
+    ],
+)
+def test_answers_and_streamed_events_are_exactly_the_declared_schemas(
+    live_server, keys, version_id, path, fields, whole, chunk
+):
+    """The stream is written without building its models: every event must still parse as the declared chunk, with
+    no field the schema lacks."""
+    url, headers = f"{live_server}{path}", {"Authorization": f"Bearer {keys['analyst']}"}
+    body = {"model": "zaya-tiny", "max_tokens": 5, "n": 2, "temperature": 0, **fields}
+    answer = httpx.post(url, json=body, headers=headers).json()
+    assert whole.model_validate(answer).model_dump(mode="json", exclude_unset=True) == answer
+
+    stream_body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", url, json=stream_body, headers=headers) as response:
+        lines = [line.removeprefix("data: ") for line in response.iter_lines() if line]
+    assert lines[-1] == "[DONE]"
+    events = [json.loads(line) for line in lines[:-1]]
+    for line, payload in zip(lines, events, strict=False):
+        assert chunk.model_validate_json(line).model_dump(mode="json", exclude_unset=True) == payload
+    assert events[-1]["choices"] == [] and events[-1]["usage"] == answer["usage"]
+    for whole_choice in answer["choices"]:
+        index = whole_choice["index"]
+        parts = [choice for payload in events for choice in payload["choices"] if choice["index"] == index]
+        if chunk is ChatCompletionChunk:
+            assert "".join(part["delta"].get("content", "") for part in parts) == whole_choice["message"]["content"]
+        else:
+            assert "".join(part["text"] for part in parts) == whole_choice["text"]
+
+
+def test_openapi_declares_the_answers_and_the_streamed_chunks(live_server, keys):
+    document = httpx.get(f"{live_server}/openapi.json", headers={"Authorization": f"Bearer {keys['analyst']}"}).json()
+    for path, whole, chunk in (
+        ("/v1/chat/completions", "ChatCompletion", "ChatCompletionChunk"),
+        ("/v1/completions", "Completion", "CompletionChunk"),
+    ):
+        content = document["paths"][path]["post"]["responses"]["200"]["content"]
+        assert content["application/json"]["schema"] == {"$ref": f"#/components/schemas/{whole}"}
+        assert content["text/event-stream"]["schema"] == {"$ref": f"#/components/schemas/{chunk}"}
+        assert {whole, chunk} <= set(document["components"]["schemas"])
 
 
 def test_concurrent_requests_reuse_the_read_pool_and_each_leaves_its_record_and_audit_entry(

@@ -53,7 +53,7 @@ def test_503_while_the_engine_is_loading_then_ready(settings, sessions, auth, ti
 
     app = create_app(settings)
     state = app.state
-    state.inference = InferenceService(settings, state.reads, state.rows, engine_factory=slow_engine)
+    state.inference = InferenceService(settings, state.reads, state.rows, state.rate_limits, engine_factory=slow_engine)
     with TestClient(app) as client:
         status, body = health(client)
         assert status == 503
@@ -80,7 +80,9 @@ def test_503_when_the_engine_failed_to_start(settings, sessions, auth, tiny_mode
 
     app = create_app(settings)
     state = app.state
-    state.inference = InferenceService(settings, state.reads, state.rows, engine_factory=engine_out_of_memory)
+    state.inference = InferenceService(
+        settings, state.reads, state.rows, state.rate_limits, engine_factory=engine_out_of_memory
+    )
     with TestClient(app) as client:
         deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
         status, body = health(client)

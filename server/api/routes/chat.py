@@ -1,14 +1,17 @@
-"""OpenAI `POST /v1/chat/completions`: the request schema; the work is `server.services.inference`."""
+"""OpenAI `POST /v1/chat/completions`: the request schema and the route; the work is `server.services.inference`."""
 
 from __future__ import annotations
 
+import secrets
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Request
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
-from server.api.deps import AnalystDep
-from server.services.inference import ChatFormat, GenerationOptions
+from server.api.completion_schemas import ChatCompletion, ChatCompletionChunk, event_stream
+from server.api.deps import AnalystDep, InferenceDep
+from server.api.generation import answer
+from server.services.inference import ChatPrompt, GenerationOptions
 
 router = APIRouter(tags=["inference"])
 
@@ -89,6 +92,11 @@ class SamplingFields(BaseModel):
             raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed")
         return stop
 
+    @property
+    def include_usage(self) -> bool:
+        """A streamed answer ends with a usage chunk."""
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
     def stop_sequences(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
@@ -114,13 +122,27 @@ class ChatCompletionRequest(SamplingFields):
             stop=self.stop_sequences(),
             logprobs=self.logprobs,
             top_logprobs=self.top_logprobs or 0,
-            stream=self.stream,
-            include_usage=bool(self.stream and self.stream_options and self.stream_options.include_usage),
         )
 
 
-@router.post("/v1/chat/completions", name="chat.completions")
-async def create_chat_completion(body: ChatCompletionRequest, request: Request, principal: AnalystDep):
-    service = request.app.state.inference
-    fmt = ChatFormat([message.as_template_input() for message in body.messages])
-    return await service.complete(request, principal, body.model, fmt, body.options())
+@router.post(
+    "/v1/chat/completions",
+    name="chat.completions",
+    response_model=ChatCompletion,
+    responses={200: event_stream(ChatCompletionChunk)},
+)
+async def create_chat_completion(
+    body: ChatCompletionRequest, request: Request, principal: AnalystDep, service: InferenceDep
+):
+    prompt = ChatPrompt([message.as_template_input() for message in body.messages])
+    generation = await service.start_generation(principal.key_id, body.model, prompt, body.options())
+    return await answer(
+        request,
+        generation,
+        kind=ChatCompletion,
+        response_id=f"chatcmpl-{secrets.token_hex(12)}",
+        model=body.model,
+        stream=body.stream,
+        include_usage=body.include_usage,
+        logprobs=body.logprobs,
+    )

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import secrets
+
 from fastapi import APIRouter, Request
 from pydantic import Field, field_validator
 
-from server.api.deps import AnalystDep
+from server.api.completion_schemas import Completion, CompletionChunk, event_stream
+from server.api.deps import AnalystDep, InferenceDep
+from server.api.generation import answer
 from server.api.routes.chat import SamplingFields, Text
-from server.services.inference import CompletionFormat, GenerationOptions
+from server.services.inference import GenerationOptions, TextPrompt
 
 router = APIRouter(tags=["inference"])
 
@@ -50,12 +54,24 @@ class CompletionRequest(SamplingFields):
             stop=self.stop_sequences(),
             logprobs=self.logprobs is not None,
             top_logprobs=self.logprobs or 0,
-            stream=self.stream,
-            include_usage=bool(self.stream and self.stream_options and self.stream_options.include_usage),
         )
 
 
-@router.post("/v1/completions", name="completions")
-async def create_completion(body: CompletionRequest, request: Request, principal: AnalystDep):
-    service = request.app.state.inference
-    return await service.complete(request, principal, body.model, CompletionFormat(body.prompt), body.options())
+@router.post(
+    "/v1/completions",
+    name="completions",
+    response_model=Completion,
+    responses={200: event_stream(CompletionChunk)},
+)
+async def create_completion(body: CompletionRequest, request: Request, principal: AnalystDep, service: InferenceDep):
+    generation = await service.start_generation(principal.key_id, body.model, TextPrompt(body.prompt), body.options())
+    return await answer(
+        request,
+        generation,
+        kind=Completion,
+        response_id=f"cmpl-{secrets.token_hex(12)}",
+        model=body.model,
+        stream=body.stream,
+        include_usage=body.include_usage,
+        logprobs=body.logprobs is not None,
+    )

@@ -1,0 +1,125 @@
+"""The inference service on its own, without HTTP: typed requests in, deltas or whole choices out, one
+`inference_records` row per request, with the real local engine and database."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import aclosing
+
+import pytest
+from sqlalchemy import select
+
+from server.api.ratelimit import RateLimits
+from server.db.models import InferenceRecord, ModelVersion
+from server.db.row_writer import RowWriter
+from server.db.session import RequestReads, make_engine
+from server.errors import NotFound, RateLimited
+from server.services.inference import (
+    ChatPrompt,
+    GenerationOptions,
+    InferenceService,
+    TextPrompt,
+)
+
+MESSAGES = [{"role": "user", "content": "Summarise case CASE-7."}]
+
+
+@pytest.fixture
+def version_id(sessions, tiny_model_dir) -> str:
+    with sessions() as session:
+        version = ModelVersion(name="tiny", version=1, kind="full", path=str(tiny_model_dir))
+        session.add(version)
+        session.commit()
+        return version.id
+
+
+@pytest.fixture
+def run_with_service(settings, version_id):
+    """Run `scenario(service)` on an event loop of its own, with the service's engine and writer closed after."""
+
+    def run(scenario: Callable[[InferenceService], Awaitable], service_settings=settings):
+        async def main():
+            database = make_engine(service_settings.database_url)
+            rows = RowWriter(database)
+            service = InferenceService(service_settings, RequestReads(database), rows, RateLimits(service_settings))
+            try:
+                return await scenario(service)
+            finally:
+                await service.close()
+                await asyncio.to_thread(rows.close)
+                database.dispose()
+
+        return asyncio.run(main())
+
+    return run
+
+
+def records(sessions) -> list[InferenceRecord]:
+    with sessions() as session:
+        return list(session.scalars(select(InferenceRecord).order_by(InferenceRecord.id)))
+
+
+def greedy(max_tokens: int, n: int = 1) -> GenerationOptions:
+    return GenerationOptions(max_tokens=max_tokens, max_tokens_param="max_tokens", n=n, temperature=0.0)
+
+
+def test_a_whole_answer_has_every_choice_and_leaves_its_record(run_with_service, make_key, sessions, version_id):
+    key_id, _ = make_key("analyst")
+
+    async def scenario(service: InferenceService):
+        generation = await service.start_generation(key_id, "tiny", ChatPrompt(MESSAGES), greedy(6, n=2))
+        async with generation:
+            choices = await generation.collect()
+        return generation, choices
+
+    generation, choices = run_with_service(scenario)
+    assert [choice.index for choice in choices] == [0, 1]
+    assert choices[0].text == choices[1].text  # greedy: n choices agree
+    assert all(choice.finish_reason in ("stop", "length") for choice in choices)
+    [record] = records(sessions)
+    assert (record.endpoint, record.status_code, record.model_version_id) == ("chat.completions", 200, version_id)
+    assert record.prompt_tokens == generation.prompt_tokens > 5
+    assert 2 <= record.completion_tokens == generation.completion_tokens <= 12
+
+
+def test_a_reader_that_stops_early_stops_the_generation_and_is_recorded_499(
+    run_with_service, make_key, sessions, version_id
+):
+    key_id, _ = make_key("analyst")
+
+    async def scenario(service: InferenceService):
+        generation = await service.start_generation(key_id, "tiny", TextPrompt("Case"), greedy(200))
+        async with generation, aclosing(generation.deltas()) as deltas:
+            for _ in range(2):
+                await anext(deltas)
+        stats = service.engine.stats(version_id)
+        deadline = time.monotonic() + 10
+        while stats.running and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return stats
+
+    stats = run_with_service(scenario)
+    assert stats.running == 0 and stats.decoded_tokens < 100
+    [record] = records(sessions)
+    assert record.status_code == 499 and 2 <= record.completion_tokens < 100
+
+
+def test_refusals_come_before_any_output_and_are_recorded(run_with_service, make_key, sessions, settings):
+    key_id, _ = make_key("analyst")
+    small_budget = settings.model_copy(update={"rate_limit_tokens_per_minute": 50})
+
+    async def scenario(service: InferenceService):
+        with pytest.raises(NotFound):
+            await service.start_generation(key_id, "no-such-model", TextPrompt("Case"), greedy(4))
+        with pytest.raises(RateLimited) as refused:
+            await service.start_generation(key_id, "tiny", TextPrompt("Case"), greedy(60))
+        return refused.value
+
+    refused = run_with_service(scenario, small_budget)
+    assert refused.param == "max_tokens"
+    assert [(record.requested_model, record.status_code) for record in records(sessions)] == [
+        ("no-such-model", 404),
+        ("tiny", 429),
+    ]
