@@ -84,7 +84,11 @@ class File(Base):
 
 class FineTuningJob(Base):
     __tablename__ = "fine_tuning_jobs"
-    __table_args__ = (Index("ix_fine_tuning_jobs_status_created_at", "status", "created_at"),)
+    __table_args__ = (
+        Index("ix_fine_tuning_jobs_status_created_at", "status", "created_at"),
+        # Listing, newest first, a page at a time (`server.services.jobs.list_jobs`).
+        Index("ix_fine_tuning_jobs_created_at_id", "created_at", "id"),
+    )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("ftjob-"))
     model: Mapped[str] = mapped_column(String(256))

@@ -15,7 +15,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import delete, select, tuple_, update
+from sqlalchemy import ColumnElement, delete, exists, func, select, tuple_, update
 from sqlalchemy.orm import Session
 
 from server.db.base import utcnow
@@ -138,19 +138,28 @@ def get_job(session: Session, job_id: str) -> FineTuningJob:
 def list_jobs(
     session: Session, *, after: str | None, limit: int, metadata: dict[str, str] | None = None
 ) -> tuple[list[FineTuningJob], bool]:
-    """Newest first, OpenAI-style: `after` is the last job id of the previous page."""
+    """A page of jobs, newest first, and whether more follow; OpenAI-style: `after` is the last job id of the
+    previous page, `metadata` keeps jobs with all of these key-value pairs. Filtered and cut in the query."""
     columns = (FineTuningJob.created_at, FineTuningJob.id)
-    query = select(FineTuningJob).order_by(*(column.desc() for column in columns))
+    query = select(FineTuningJob).order_by(*(column.desc() for column in columns)).limit(limit + 1)
     if after is not None:
         cursor = session.get(FineTuningJob, after)
         if cursor is None:
             raise InvalidRequest(f"No such fine-tuning job for 'after': {after}", param="after")
         query = query.where(tuple_(*columns) < (cursor.created_at, cursor.id))
+    for key, value in (metadata or {}).items():
+        query = query.where(_has_metadata(session.get_bind().dialect.name, key, value))
     rows = list(session.scalars(query))
-    if metadata:
-        # Metadata is a small JSON object; filtering here keeps the query portable across SQLite and PostgreSQL.
-        rows = [job for job in rows if all((job.user_metadata or {}).get(k) == v for k, v in metadata.items())]
     return rows[:limit], len(rows) > limit
+
+
+def _has_metadata(dialect: str, key: str, value: str) -> ColumnElement[bool]:
+    """`metadata[key] == value`, for any key: PostgreSQL's `->>` takes the key as a parameter; SQLite's JSON paths
+    cannot name a key with a double quote, so there the object's entries are searched."""
+    if dialect == "postgresql":
+        return FineTuningJob.user_metadata[key].as_string() == value
+    entries = func.json_each(FineTuningJob.user_metadata).table_valued("key", "value")
+    return exists().where(entries.c.key == key, entries.c.value == value)
 
 
 def _refuse(job: FineTuningJob, action: str) -> Conflict:
