@@ -1,51 +1,62 @@
-"""Response bodies. The OpenAI ones mirror OpenAI's objects field for field, so the official client parses them."""
+"""Response bodies. The OpenAI ones mirror OpenAI's objects field for field, so the official client parses them.
+
+Objects that show a database row are `RowObject`s, read from the ORM object's attributes
+(`FileObject.model_validate(file)`); `ListResponse` is every list's envelope.
+"""
 
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Generic, Literal, TypeVar
+from typing import Annotated, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from server.db.models import ApiKey, AuditLog, File, Role
+from server.db.models import Role
 
 T = TypeVar("T")
 
 
-def unix(moment: datetime | None) -> int | None:
-    return int(moment.timestamp()) if moment is not None else None
+def _unix(moment: datetime | int | None) -> int | None:
+    return int(moment.timestamp()) if isinstance(moment, datetime) else moment
+
+
+# A moment as OpenAI's objects give it: Unix seconds (read from the database's datetimes).
+UnixTime = Annotated[int, BeforeValidator(_unix)]
+
+
+class RowObject(BaseModel):
+    """A response object read from a database row's attributes."""
+
+    model_config = ConfigDict(from_attributes=True)
 
 
 class ListResponse(BaseModel, Generic[T]):
+    """OpenAI's list: a page of `data` (response objects, or rows they are read from), the ids at its ends and
+    whether more follow (ask for them with `after=<last_id>`)."""
+
     object: Literal["list"] = "list"
     data: list[T]
     first_id: str | int | None = None
     last_id: str | int | None = None
     has_more: bool = False
 
+    @model_validator(mode="after")
+    def _name_the_ends(self) -> ListResponse[T]:
+        if self.data and self.first_id is None and self.last_id is None:
+            self.first_id, self.last_id = getattr(self.data[0], "id", None), getattr(self.data[-1], "id", None)
+        return self
 
-class FileObject(BaseModel):
+
+class FileObject(RowObject):
     id: str
     object: Literal["file"] = "file"
     bytes: int
-    created_at: int
-    expires_at: int | None = None
+    created_at: UnixTime
+    expires_at: UnixTime | None = None
     filename: str
     purpose: str
     status: Literal["uploaded", "processed", "error"]
     status_details: str | None = None
-
-    @classmethod
-    def of(cls, file: File) -> FileObject:
-        return cls(
-            id=file.id,
-            bytes=file.bytes,
-            created_at=unix(file.created_at),
-            filename=file.filename,
-            purpose=file.purpose,
-            status=file.status,
-            status_details=file.status_details,
-        )
 
 
 class FileDeleted(BaseModel):
@@ -57,33 +68,20 @@ class FileDeleted(BaseModel):
 class ModelObject(BaseModel):
     id: str
     object: Literal["model"] = "model"
-    created: int
+    created: UnixTime
     owned_by: str
 
 
-class ApiKeyObject(BaseModel):
+class ApiKeyObject(RowObject):
     id: str
     object: Literal["api_key"] = "api_key"
     name: str
     role: Role
     prefix: str
-    created_at: int
+    created_at: UnixTime
     created_by: str | None
-    last_used_at: int | None
-    revoked_at: int | None
-
-    @classmethod
-    def of(cls, key: ApiKey) -> ApiKeyObject:
-        return cls(
-            id=key.id,
-            name=key.name,
-            role=Role(key.role),
-            prefix=key.prefix,
-            created_at=unix(key.created_at),
-            created_by=key.created_by,
-            last_used_at=unix(key.last_used_at),
-            revoked_at=unix(key.revoked_at),
-        )
+    last_used_at: UnixTime | None
+    revoked_at: UnixTime | None
 
 
 class ApiKeyCreated(ApiKeyObject):
@@ -95,10 +93,10 @@ class ApiKeyCreate(BaseModel):
     role: Role
 
 
-class AuditEntry(BaseModel):
+class AuditEntry(RowObject):
     id: int
     object: Literal["audit_log.entry"] = "audit_log.entry"
-    created_at: int
+    created_at: UnixTime
     actor_key_id: str | None
     action: str
     method: str
@@ -107,18 +105,3 @@ class AuditEntry(BaseModel):
     status_code: int
     outcome: str
     client_address: str | None
-
-    @classmethod
-    def of(cls, entry: AuditLog) -> AuditEntry:
-        return cls(
-            id=entry.id,
-            created_at=unix(entry.created_at),
-            actor_key_id=entry.actor_key_id,
-            action=entry.action,
-            method=entry.method,
-            path=entry.path,
-            target=entry.target,
-            status_code=entry.status_code,
-            outcome=entry.outcome,
-            client_address=entry.client_address,
-        )

@@ -9,18 +9,18 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request, Response
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, computed_field
 
 from server.api.deps import AdminDep, SessionDep, SettingsDep, set_audit_target
-from server.api.schemas import ListResponse, unix
-from server.db.models import AliasApproval, AliasHistory, ApprovalStatus, ModelAlias, ModelVersion
+from server.api.schemas import ListResponse, RowObject, UnixTime
+from server.db.models import AliasApproval, AliasHistory, ApprovalStatus
 from server.services import approvals, registry
 from server.services.model_resolution import find_version
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"])
 
 
-class ModelVersionObject(BaseModel):
+class ModelVersionObject(RowObject):
     id: str
     object: Literal["model_version"] = "model_version"
     name: str
@@ -34,53 +34,27 @@ class ModelVersionObject(BaseModel):
     evaluation: dict[str, Any] | None
     lineage: dict[str, Any] | None
     description: str | None
-    created_at: int
+    created_at: UnixTime
     created_by: str | None
-    archived_at: int | None
-
-    @classmethod
-    def of(cls, version: ModelVersion) -> ModelVersionObject:
-        return cls(
-            id=version.id,
-            name=version.name,
-            version=version.version,
-            kind=version.kind,
-            path=version.path,
-            status=version.status,
-            base_version_id=version.base_version_id,
-            job_id=version.job_id,
-            metrics=version.metrics,
-            evaluation=version.evaluation,
-            lineage=version.lineage,
-            description=version.description,
-            created_at=unix(version.created_at),
-            created_by=version.created_by,
-            archived_at=unix(version.archived_at),
-        )
+    archived_at: UnixTime | None
 
 
-class AliasObject(BaseModel):
+class AliasObject(RowObject):
     object: Literal["model_alias"] = "model_alias"
     model_name: str
     alias: str
-    model: str  # what a request passes as `model`
     version_id: str
-    updated_at: int
+    updated_at: UnixTime
     updated_by: str | None
 
-    @classmethod
-    def of(cls, alias: ModelAlias) -> AliasObject:
-        return cls(
-            model_name=alias.model_name,
-            alias=alias.alias,
-            model=f"{alias.model_name}@{alias.alias}",
-            version_id=alias.version_id,
-            updated_at=unix(alias.updated_at),
-            updated_by=alias.updated_by,
-        )
+    @computed_field
+    @property
+    def model(self) -> str:
+        """What a request passes as `model`."""
+        return f"{self.model_name}@{self.alias}"
 
 
-class AliasMoveObject(BaseModel):
+class AliasMoveObject(RowObject):
     id: int
     object: Literal["model_alias.move"] = "model_alias.move"
     model_name: str
@@ -92,30 +66,12 @@ class AliasMoveObject(BaseModel):
     actor_key_id: str | None
     approved_by_key_id: str | None
     approval_id: str | None
-    requested_at: int | None
+    requested_at: UnixTime | None
     evaluation: dict[str, Any] | None
-    created_at: int
-
-    @classmethod
-    def of(cls, entry: AliasHistory) -> AliasMoveObject:
-        return cls(
-            id=entry.id,
-            model_name=entry.model_name,
-            alias=entry.alias,
-            action=entry.action,
-            from_version_id=entry.from_version_id,
-            to_version_id=entry.to_version_id,
-            reason=entry.reason,
-            actor_key_id=entry.actor_key_id,
-            approved_by_key_id=entry.approved_by_key_id,
-            approval_id=entry.approval_id,
-            requested_at=unix(entry.requested_at),
-            evaluation=entry.evaluation,
-            created_at=unix(entry.created_at),
-        )
+    created_at: UnixTime
 
 
-class ApprovalObject(BaseModel):
+class ApprovalObject(RowObject):
     id: str
     object: Literal["model_alias.approval"] = "model_alias.approval"
     model_name: str
@@ -127,31 +83,18 @@ class ApprovalObject(BaseModel):
     force: bool
     status: str
     requested_by: str | None
-    created_at: int
+    created_at: UnixTime
     decided_by: str | None
-    decided_at: int | None
+    decided_at: UnixTime | None
     decision_reason: str | None
-    move: AliasMoveObject | None  # the alias history entry, once approved
+    move: AliasMoveObject | None = None  # the alias history entry, once approved
 
     @classmethod
     def of(cls, approval: AliasApproval, move: AliasHistory | None = None) -> ApprovalObject:
-        return cls(
-            id=approval.id,
-            model_name=approval.model_name,
-            alias=approval.alias,
-            action=approval.action,
-            from_version_id=approval.from_version_id,
-            to_version_id=approval.to_version_id,
-            reason=approval.reason,
-            force=approval.force,
-            status=approval.status,
-            requested_by=approval.requested_by,
-            created_at=unix(approval.created_at),
-            decided_by=approval.decided_by,
-            decided_at=unix(approval.decided_at),
-            decision_reason=approval.decision_reason,
-            move=AliasMoveObject.of(move) if move is not None else None,
-        )
+        """The request, with the alias move it made once approved."""
+        response = cls.model_validate(approval)
+        response.move = AliasMoveObject.model_validate(move) if move is not None else None
+        return response
 
 
 class Body(BaseModel):
@@ -182,13 +125,9 @@ class DecisionBody(Body):
     reason: str | None = None
 
 
-def _page(items: list) -> ListResponse:
-    return ListResponse(data=items)
-
-
 @router.get("/models", name="admin_models.list")
 def list_versions(session: SessionDep, _: AdminDep, name: str | None = None) -> ListResponse[ModelVersionObject]:
-    return _page([ModelVersionObject.of(version) for version in registry.list_versions(session, name=name)])
+    return ListResponse[ModelVersionObject](data=registry.list_versions(session, name=name))
 
 
 @router.post("/models", name="admin_models.register")
@@ -206,12 +145,12 @@ def register_version(
     )
     session.commit()
     set_audit_target(request, version.id)
-    return ModelVersionObject.of(version)
+    return ModelVersionObject.model_validate(version)
 
 
 @router.get("/models/{version_id}", name="admin_models.get")
 def get_version(version_id: str, session: SessionDep, _: AdminDep) -> ModelVersionObject:
-    return ModelVersionObject.of(registry.get_version(session, version_id))
+    return ModelVersionObject.model_validate(registry.get_version(session, version_id))
 
 
 @router.get("/models/{version_id}/lineage", name="admin_models.lineage")
@@ -224,7 +163,7 @@ def get_lineage(version_id: str, session: SessionDep, _: AdminDep) -> dict:
 def archive_version(version_id: str, session: SessionDep, _: AdminDep) -> ModelVersionObject:
     version = registry.archive_version(session, registry.get_version(session, version_id))
     session.commit()
-    return ModelVersionObject.of(version)
+    return ModelVersionObject.model_validate(version)
 
 
 def _moved_or_requested(
@@ -236,7 +175,7 @@ def _moved_or_requested(
         set_audit_target(request, outcome.id)
         return ApprovalObject.of(outcome)
     set_audit_target(request, target)
-    return AliasMoveObject.of(outcome)
+    return AliasMoveObject.model_validate(outcome)
 
 
 # With the four-eyes rule on, a promotion or rollback is filed for approval instead of made.
@@ -265,15 +204,14 @@ def promote_version(
 
 @router.get("/model_aliases", name="admin_models.aliases")
 def list_aliases(session: SessionDep, _: AdminDep, model_name: str | None = None) -> ListResponse[AliasObject]:
-    return _page([AliasObject.of(alias) for alias in registry.list_aliases(session, model_name=model_name)])
+    return ListResponse[AliasObject](data=registry.list_aliases(session, model_name=model_name))
 
 
 @router.get("/model_aliases/history", name="admin_models.alias_history")
 def alias_history(
     session: SessionDep, _: AdminDep, model_name: str | None = None, alias: str | None = None
 ) -> ListResponse[AliasMoveObject]:
-    entries = registry.alias_history(session, model_name=model_name, alias=alias)
-    return _page([AliasMoveObject.of(entry) for entry in entries])
+    return ListResponse[AliasMoveObject](data=registry.alias_history(session, model_name=model_name, alias=alias))
 
 
 @router.post("/model_aliases/rollback", name="admin_models.rollback", responses=FILED_FOR_APPROVAL)
@@ -299,7 +237,8 @@ def list_approvals(
     session: SessionDep, _: AdminDep, status: ApprovalStatus | None = None, model_name: str | None = None
 ) -> ListResponse[ApprovalObject]:
     rows = approvals.list_approvals(session, status=status, model_name=model_name)
-    return _page([ApprovalObject.of(row, approvals.history_entry(session, row)) for row in rows])
+    data = [ApprovalObject.of(row, approvals.history_entry(session, row)) for row in rows]
+    return ListResponse[ApprovalObject](data=data)
 
 
 @router.get("/model_aliases/approvals/{approval_id}", name="admin_models.approval")

@@ -32,10 +32,4 @@ def list_audit(
     entries = audit_service.list_entries(
         session, actor=actor, action=action, since=since, until=until, after=after, limit=limit + 1
     )
-    data = [AuditEntry.of(entry) for entry in entries[:limit]]
-    return ListResponse[AuditEntry](
-        data=data,
-        first_id=data[0].id if data else None,
-        last_id=data[-1].id if data else None,
-        has_more=len(entries) > limit,
-    )
+    return ListResponse[AuditEntry](data=entries[:limit], has_more=len(entries) > limit)

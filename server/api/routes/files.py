@@ -52,7 +52,7 @@ async def create_file(request: Request, session: SessionDep, settings: SettingsD
         created_by=principal.key_id,
     )
     set_audit_target(request, file.id)
-    return FileObject.of(file)
+    return FileObject.model_validate(file)
 
 
 @router.get("", name="files.list")
@@ -65,15 +65,12 @@ def list_files(
     after: str | None = None,
 ) -> ListResponse[FileObject]:
     files, has_more = file_service.list_files(session, purpose=purpose, limit=limit, order=order, after=after)
-    data = [FileObject.of(file) for file in files]
-    return ListResponse[FileObject](
-        data=data, first_id=data[0].id if data else None, last_id=data[-1].id if data else None, has_more=has_more
-    )
+    return ListResponse[FileObject](data=files, has_more=has_more)
 
 
 @router.get("/{file_id}", name="files.get")
 def get_file(file_id: str, session: SessionDep, _: DataDep) -> FileObject:
-    return FileObject.of(file_service.get_file(session, file_id))
+    return FileObject.model_validate(file_service.get_file(session, file_id))
 
 
 @router.get("/{file_id}/content", name="files.content")

@@ -11,13 +11,13 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 from starlette.concurrency import run_in_threadpool
 
 from finetune.settings import FineTuneSettings, Hyperparameters, SupervisedSettings
 from server.api.deps import DataDep, SessionDep, set_audit_target
-from server.api.schemas import unix
-from server.db.models import Checkpoint, FineTuningJob, JobEvent, ModelVersion
+from server.api.schemas import ListResponse, RowObject, UnixTime
+from server.db.models import Checkpoint, FineTuningJob, ModelVersion
 from server.errors import InvalidRequest
 from server.services import jobs as job_service
 from server.services import training
@@ -65,78 +65,56 @@ class JobError(BaseModel):
     param: str | None = None
 
 
-class JobObject(BaseModel):
+class JobObject(RowObject):
     id: str
     object: Literal["fine_tuning.job"] = "fine_tuning.job"
-    created_at: int
+    created_at: UnixTime
     error: JobError | None
     fine_tuned_model: str | None
-    finished_at: int | None
-    hyperparameters: dict[str, Any]
+    finished_at: UnixTime | None
+    # OpenAI's three, read from the method's block ("auto" where the job left them to us).
+    hyperparameters: dict[str, Any] = Field(validation_alias="method")
     model: str
-    organization_id: str
-    result_files: list[str]
+    organization_id: str = job_service.ORGANIZATION
+    result_files: list[str] = []
     seed: int
     status: str
     trained_tokens: int | None
-    training_file: str
-    validation_file: str | None
+    training_file: str = Field(validation_alias="training_file_id")
+    validation_file: str | None = Field(validation_alias="validation_file_id")
     estimated_finish: int | None = None
     integrations: list[dict[str, Any]] | None = None
-    metadata: dict[str, str] | None
+    metadata: dict[str, str] | None = Field(validation_alias="user_metadata")
     method: dict[str, Any]
-    user_provided_suffix: str | None
+    user_provided_suffix: str | None = Field(validation_alias="suffix")
 
+    @field_validator("hyperparameters", mode="before")
     @classmethod
-    def of(cls, job: FineTuningJob) -> JobObject:
-        method = job.method.get(job.method.get("type", "supervised")) or {}
-        hyper = method.get("hyperparameters") or {}
-        return cls(
-            id=job.id,
-            created_at=unix(job.created_at),
-            error=JobError(**job.error) if job.error else None,
-            fine_tuned_model=job.fine_tuned_model,
-            finished_at=unix(job.finished_at),
-            hyperparameters={key: hyper.get(key, "auto") for key in OPENAI_HYPERPARAMETERS},
-            model=job.model,
-            organization_id=job_service.ORGANIZATION,
-            result_files=[],
-            seed=job.seed,
-            status=job.status,
-            trained_tokens=job.trained_tokens,
-            training_file=job.training_file_id,
-            validation_file=job.validation_file_id,
-            metadata=job.user_metadata,
-            method=job.method,
-            user_provided_suffix=job.suffix,
-        )
+    def _openai_hyperparameters(cls, method: dict[str, Any]) -> dict[str, Any]:
+        block = method.get(method.get("type", "supervised")) or {}
+        hyper = block.get("hyperparameters") or {}
+        return {key: hyper.get(key, "auto") for key in OPENAI_HYPERPARAMETERS}
 
 
-class EventObject(BaseModel):
+class EventObject(RowObject):
     id: str
     object: Literal["fine_tuning.job.event"] = "fine_tuning.job.event"
-    created_at: int
+    created_at: UnixTime
     level: str
     message: str
     data: dict[str, Any] | None
     type: str
 
+    @field_validator("id", mode="before")
     @classmethod
-    def of(cls, event: JobEvent) -> EventObject:
-        return cls(
-            id=f"{EVENT_ID_PREFIX}{event.id}",
-            created_at=unix(event.created_at),
-            level=event.level,
-            message=event.message,
-            data=event.data,
-            type=event.type,
-        )
+    def _event_id(cls, row_id: int | str) -> str:
+        return f"{EVENT_ID_PREFIX}{row_id}" if isinstance(row_id, int) else row_id
 
 
 class CheckpointObject(BaseModel):
     id: str
     object: Literal["fine_tuning.job.checkpoint"] = "fine_tuning.job.checkpoint"
-    created_at: int
+    created_at: UnixTime
     fine_tuned_model_checkpoint: str
     fine_tuning_job_id: str
     metrics: dict[str, Any]
@@ -146,18 +124,12 @@ class CheckpointObject(BaseModel):
     def of(cls, checkpoint: Checkpoint, job: FineTuningJob, model_name: str) -> CheckpointObject:
         return cls(
             id=checkpoint.id,
-            created_at=unix(checkpoint.created_at),
+            created_at=checkpoint.created_at,
             fine_tuned_model_checkpoint=f"{model_name}:ckpt-step-{checkpoint.step}",
             fine_tuning_job_id=job.id,
             metrics={"step": checkpoint.step, **(checkpoint.metrics or {})},
             step_number=checkpoint.step,
         )
-
-
-class Page(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[Any]
-    has_more: bool
 
 
 # --- routes -------------------------------------------------------------------------------------------------------
@@ -183,7 +155,7 @@ def _create(session, body: JobCreate, created_by: str) -> FineTuningJob:
 async def create_job(body: JobCreate, request: Request, session: SessionDep, principal: DataDep) -> JobObject:
     job = await run_in_threadpool(_create, session, body, principal.key_id)
     set_audit_target(request, job.id)
-    return JobObject.of(job)
+    return JobObject.model_validate(job)
 
 
 @router.get("", name="fine_tuning.jobs.list")
@@ -193,7 +165,7 @@ def list_jobs(
     _: DataDep,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
-) -> Page:
+) -> ListResponse[JobObject]:
     # OpenAI filters by metadata with `metadata[key]=value` query parameters.
     metadata = {
         key[len("metadata[") : -1]: value
@@ -201,27 +173,27 @@ def list_jobs(
         if key.startswith("metadata[") and key.endswith("]")
     }
     rows, has_more = job_service.list_jobs(session, after=after, limit=limit, metadata=metadata or None)
-    return Page(data=[JobObject.of(job) for job in rows], has_more=has_more)
+    return ListResponse[JobObject](data=rows, has_more=has_more)
 
 
 @router.get("/{fine_tuning_job_id}", name="fine_tuning.jobs.get")
 def get_job(fine_tuning_job_id: str, session: SessionDep, _: DataDep) -> JobObject:
-    return JobObject.of(job_service.get_job(session, fine_tuning_job_id))
+    return JobObject.model_validate(job_service.get_job(session, fine_tuning_job_id))
 
 
 @router.post("/{fine_tuning_job_id}/cancel", name="fine_tuning.jobs.cancel")
 def cancel_job(fine_tuning_job_id: str, session: SessionDep, _: DataDep) -> JobObject:
-    return JobObject.of(job_service.cancel_job(session, job_service.get_job(session, fine_tuning_job_id)))
+    return JobObject.model_validate(job_service.cancel_job(session, job_service.get_job(session, fine_tuning_job_id)))
 
 
 @router.post("/{fine_tuning_job_id}/pause", name="fine_tuning.jobs.pause")
 def pause_job(fine_tuning_job_id: str, session: SessionDep, _: DataDep) -> JobObject:
-    return JobObject.of(job_service.pause_job(session, job_service.get_job(session, fine_tuning_job_id)))
+    return JobObject.model_validate(job_service.pause_job(session, job_service.get_job(session, fine_tuning_job_id)))
 
 
 @router.post("/{fine_tuning_job_id}/resume", name="fine_tuning.jobs.resume")
 def resume_job(fine_tuning_job_id: str, session: SessionDep, _: DataDep) -> JobObject:
-    return JobObject.of(job_service.resume_job(session, job_service.get_job(session, fine_tuning_job_id)))
+    return JobObject.model_validate(job_service.resume_job(session, job_service.get_job(session, fine_tuning_job_id)))
 
 
 @router.get("/{fine_tuning_job_id}/events", name="fine_tuning.jobs.events")
@@ -231,7 +203,7 @@ def list_events(
     _: DataDep,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 20,
-) -> Page:
+) -> ListResponse[EventObject]:
     job = job_service.get_job(session, fine_tuning_job_id)
     cursor = None
     if after is not None:
@@ -240,7 +212,7 @@ def list_events(
             raise InvalidRequest(f"No such event for 'after': {after}", param="after")
         cursor = int(number)
     rows, has_more = job_service.list_events(session, job, after=cursor, limit=limit)
-    return Page(data=[EventObject.of(event) for event in rows], has_more=has_more)
+    return ListResponse[EventObject](data=rows, has_more=has_more)
 
 
 @router.get("/{fine_tuning_job_id}/checkpoints", name="fine_tuning.jobs.checkpoints")
@@ -250,7 +222,7 @@ def list_checkpoints(
     _: DataDep,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 10,
-) -> Page:
+) -> ListResponse[CheckpointObject]:
     job = job_service.get_job(session, fine_tuning_job_id)
     rows, has_more = job_service.list_checkpoints(session, job, after=after, limit=limit)
     base = session.get(ModelVersion, job.base_version_id) if job.base_version_id else None
@@ -258,4 +230,4 @@ def list_checkpoints(
         job_service.fine_tuned_model_name(job, base) if base is not None else f"ft:{job.model}"
     )
     data = [CheckpointObject.of(checkpoint, job, name) for checkpoint in rows]
-    return Page(data=data, has_more=has_more)
+    return ListResponse[CheckpointObject](data=data, has_more=has_more)

@@ -18,15 +18,12 @@ def create_key(body: ApiKeyCreate, request: Request, session: SessionDep, princi
     created = key_service.create_key(session, name=body.name, role=body.role, created_by=principal.key_id)
     session.commit()
     set_audit_target(request, created.key.id)
-    return ApiKeyCreated(**ApiKeyObject.of(created.key).model_dump(), secret=created.secret)
+    return ApiKeyCreated(**ApiKeyObject.model_validate(created.key).model_dump(), secret=created.secret)
 
 
 @router.get("", name="keys.list")
 def list_keys(session: SessionDep, _: AdminDep) -> ListResponse[ApiKeyObject]:
-    data = [ApiKeyObject.of(key) for key in key_service.list_keys(session)]
-    return ListResponse[ApiKeyObject](
-        data=data, first_id=data[0].id if data else None, last_id=data[-1].id if data else None
-    )
+    return ListResponse[ApiKeyObject](data=key_service.list_keys(session))
 
 
 @router.post("/{key_id}/revoke", name="keys.revoke")
@@ -36,4 +33,4 @@ def revoke_key(key_id: str, session: SessionDep, _: AdminDep) -> ApiKeyObject:
         raise NotFound(f"No such API key: {key_id}", param="key_id")
     key_service.revoke_key(session, key)
     session.commit()
-    return ApiKeyObject.of(key)
+    return ApiKeyObject.model_validate(key)

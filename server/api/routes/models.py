@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from server.api.deps import AnalystDep, SessionDep
-from server.api.schemas import ListResponse, ModelObject, unix
+from server.api.schemas import ListResponse, ModelObject
 from server.services import models as model_service
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
@@ -16,7 +16,7 @@ OWNER = "zaya"
 @router.get("", name="models.list")
 def list_models(session: SessionDep, _: AnalystDep) -> ListResponse[ModelObject]:
     data = [
-        ModelObject(id=name, created=unix(created), owned_by=OWNER)
+        ModelObject(id=name, created=created, owned_by=OWNER)
         for name, created in model_service.list_model_ids(session)
     ]
     return ListResponse[ModelObject](data=data)
@@ -25,4 +25,4 @@ def list_models(session: SessionDep, _: AnalystDep) -> ListResponse[ModelObject]
 @router.get("/{model}", name="models.get")
 def get_model(model: str, session: SessionDep, _: AnalystDep) -> ModelObject:
     name, created = model_service.get_model_id(session, model)
-    return ModelObject(id=name, created=unix(created), owned_by=OWNER)
+    return ModelObject(id=name, created=created, owned_by=OWNER)
