@@ -19,7 +19,7 @@ def test_quick_run_checks_and_measures_every_row(tmp_path):
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
-        timeout=900,  # ~1.5 min on an idle 2-core machine
+        timeout=540,  # ~1 min on an idle 2-core machine; under pytest-timeout's 600 s
     )
     print(f"--quick took {time.monotonic() - start:.1f} s")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -1,5 +1,5 @@
 """Smoke test of `benchmarks/pretrain_bench.py --quick`: it runs end to end and reports every metric, upstream
-`transformers` `zaya` under the same Trainer and issue 3's targets included."""
+`transformers` `zaya` under the same Trainer, eager/eager and best/best ratios and the targets included."""
 
 import json
 import math
@@ -36,14 +36,20 @@ def test_quick_pretrain_benchmark_reports_speed_mfu_and_checkpoint_stall(tmp_pat
     assert [entry["dtype"] for entry in report["results"]] == dtypes
     for entry in report["results"]:
         for impl in ("ours", "ours_compiled", "trainer", "upstream"):
-            assert len(entry["tokens_per_s"][impl]) >= 2 and all(map(_positive, entry["tokens_per_s"][impl]))
+            # --quick times 3 steps after the 2 untimed ones, each between two readings of the benchmark's clock
+            assert len(entry["tokens_per_s"][impl]) == 3 and all(map(_positive, entry["tokens_per_s"][impl]))
             assert _positive(entry["gflops"][impl]) and 0 < entry["mfu_vs_matmul"][impl] < 1
-        for ratio in ("ours_over_trainer", "ours_over_upstream", "ours_compiled_over_upstream",
-                      "trainer_ours_over_upstream", "flops_per_token"):
+        assert "upstream_compiled" in entry["not_measured"] and "upstream_compiled" not in entry["tokens_per_s"]
+        for ratio in ("ours_over_trainer", "ours_over_upstream", "best_over_best", "trainer_ours_over_upstream",
+                      "flops_per_token"):
             assert _positive(entry[ratio])
-        expected = {"mfu_vs_matmul_ours", "mfu_vs_matmul_ours_compiled"}
+        median = entry["median_tokens_per_s"]
+        assert math.isclose(entry["ours_over_upstream"], median["ours"] / median["upstream"])
+        ours_best = max(median["ours"], median["ours_compiled"])
+        assert math.isclose(entry["best_over_best"], ours_best / median["upstream"])
+        expected = {"best_over_best", "mfu_vs_matmul_ours", "mfu_vs_matmul_ours_compiled"}
         if entry["dtype"] == "fp32":
-            expected |= {"ours_over_upstream", "ours_compiled_over_upstream"}
+            expected |= {"ours_over_upstream"}
         assert set(entry["targets"]) == expected
         for name, target in entry["targets"].items():
             value = entry["mfu_vs_matmul"][name.removeprefix("mfu_vs_matmul_")] if "mfu" in name else entry[name]
@@ -58,4 +64,4 @@ def test_quick_pretrain_benchmark_reports_speed_mfu_and_checkpoint_stall(tmp_pat
         assert 0 <= timing["waiting_for_previous_write_s"] <= timing["stall_s"]
         assert _positive(timing["background_write_s"]) and _positive(timing["sync_save_pretrained_s"])
     assert "| micro | fp32 |" in done.stdout and "| micro | sharded_dcp |" in done.stdout
-    assert "micro fp32 ours_over_upstream:" in done.stdout
+    assert "micro fp32 ours_over_upstream:" in done.stdout and "micro fp32 best_over_best:" in done.stdout
