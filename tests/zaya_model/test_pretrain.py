@@ -21,7 +21,7 @@ from zaya_model.pretrain.plot import read_losses
 from zaya_model.pretrain.tokenizer import train_tokenizer
 from zaya_model.pretrain.train import Pretrainer, PretrainError
 from zaya_model.training.callbacks import TrainingHooks
-from zaya_model.training.checkpointing import CheckpointManager, load_training_state
+from zaya_model.training.checkpointing import Checkpointer, latest_checkpoint, load_training_state
 
 
 @pytest.mark.parametrize("sharding", ["none", "fsdp"])  # save_pretrained + torch.save, or DCP checkpoints
@@ -62,7 +62,7 @@ def test_cli_trains_a_loadable_model_and_rerun_resumes(corpus, tmp_path):
     with torch.no_grad():
         assert torch.allclose(ours(ids).logits, stock(ids).logits, atol=1e-5)
     trained = load_training_state(output / "checkpoints" / "checkpoint-4")
-    assert trained["step"] == 4
+    assert trained["trainer"]["step"] == 4
     assert (output / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the loss curve, redrawn per checkpoint
     train_losses, val_losses = read_losses(output / "metrics.jsonl")
     assert sorted(train_losses) == [1, 2, 3, 4] and sorted(val_losses) == [2, 4]
@@ -99,9 +99,9 @@ def test_sigterm_saves_a_checkpoint_and_exits_for_a_restart(corpus, tokenizer_di
     assert process.exitcode == 143
     assert "rerun the same command to resume" in (tmp_path / "stdout").read_text()
     last_step = max(step_losses(output))
-    saved = CheckpointManager(output / "checkpoints", keep_last=2).latest()
+    saved = latest_checkpoint(output / "checkpoints")
     assert saved.name == f"checkpoint-{last_step}"
-    assert load_training_state(saved)["step"] == last_step
+    assert load_training_state(saved)["trainer"]["step"] == last_step
     assert any(e.get("event") == "stopped" and e["reason"] == "sigterm" for e in metrics(output))
 
 
@@ -164,7 +164,7 @@ def test_non_finite_step_rolls_back_and_skips_the_batch(corpus, tokenizer_dir, t
     # Step 3 is redone from the checkpoint on the same batch: same loss as before the rollback.
     step3 = [m["loss"] for m in events if m.get("step") == 3 and "loss" in m]
     assert len(step3) == 2 and abs(step3[0] - step3[1]) <= 1e-6
-    assert load_training_state(tmp_path / "run" / "checkpoints" / "checkpoint-6")["skipped_batches"] == [3]
+    assert load_training_state(tmp_path / "run" / "checkpoints" / "checkpoint-6")["trainer"]["skipped_batches"] == [3]
 
 
 def test_repeated_failures_stop_the_run(corpus, tokenizer_dir, tmp_path):
@@ -176,48 +176,86 @@ def test_repeated_failures_stop_the_run(corpus, tokenizer_dir, tmp_path):
     assert sum(e.get("event") == "rollback" for e in metrics(tmp_path / "run")) == 2
 
 
-def test_keeps_the_last_k_and_the_best_checkpoint(tiny_model, tmp_path):
+class Value:
+    """A minimal `Stateful`: one value, anything `torch.save` holds."""
 
-    tokenizer = train_tokenizer(["a few words to learn merges from"] * 4, vocab_size=300)
-    manager = CheckpointManager(tmp_path, keep_last=2)
+    def __init__(self, value=None):
+        self.value = value
+
+    def state_dict(self):
+        return {"value": self.value}
+
+    def load_state_dict(self, state):
+        self.value = state["value"]
+
+
+def _tokenizer():
+    return train_tokenizer(["a few words to learn merges from"] * 4, vocab_size=300)
+
+
+def test_keeps_the_last_k_and_the_best_checkpoint(tiny_model, tmp_path):
+    counter, tokenizer = Value(), _tokenizer()
+    checkpointer = Checkpointer(tmp_path, tiny_model, [], {"counter": counter}, tokenizer, keep_last=2)
     for step, val_loss in zip(range(1, 6), [3.0, 1.0, 2.0, 4.0, None], strict=True):
-        manager.save(step, tiny_model, tokenizer, {"step": step}, val_loss=val_loss)
-    manager.wait()
-    assert manager.steps() == [2, 4, 5]
-    assert manager.best().name == "checkpoint-2"
+        counter.value = step
+        checkpointer.save(step, val_loss=val_loss)
+    checkpointer.wait()
+    assert checkpointer.steps() == [2, 4, 5]
+    assert checkpointer.best().name == "checkpoint-2"
     assert not list(tmp_path.glob(".tmp-*"))
-    reopened = CheckpointManager(tmp_path, keep_last=2)
-    assert reopened.best().name == "checkpoint-2"
-    assert ZayaForCausalLM.from_pretrained(manager.path(2)).config.hidden_size == tiny_model.config.hidden_size
-    timings = manager.completed_writes
+    reopened = Checkpointer(tmp_path, tiny_model, [], {"counter": counter}, tokenizer, keep_last=2)
+    assert reopened.best().name == "checkpoint-2" and reopened.latest().name == "checkpoint-5"
+    reopened.load(reopened.best())
+    assert counter.value == 2
+    assert ZayaForCausalLM.from_pretrained(checkpointer.path(2)).config.hidden_size == tiny_model.config.hidden_size
+    timings = checkpointer.completed_writes
     assert len(timings) == 5 and all(t["stall_s"] >= 0 and t["save_pretrained_s"] > 0 for t in timings)
 
 
+def test_checkpointer_refuses_a_state_named_like_the_optimizers_entry(tiny_model, tmp_path):
+    with pytest.raises(ValueError, match="'optimizers' names"):
+        Checkpointer(tmp_path, tiny_model, [], {"optimizers": Value()}, _tokenizer(), keep_last=1)
+
+
+def test_loading_a_checkpoint_without_a_state_names_it(tiny_model, tmp_path):
+    tokenizer = _tokenizer()
+    writer = Checkpointer(tmp_path, tiny_model, [], {"counter": Value(1)}, tokenizer, keep_last=1)
+    writer.save(1, block=True)
+    reader = Checkpointer(tmp_path, tiny_model, [], {"counter": Value(), "data": Value()}, tokenizer, keep_last=1)
+    with pytest.raises(ValueError, match=r"holds no state for \['data'\]"):
+        reader.load(reader.latest())
+
+
 def test_each_checkpoint_holds_its_own_step_though_the_cpu_copy_is_refilled(tiny_model, tmp_path):
-    tokenizer = train_tokenizer(["a few words to learn merges from"] * 4, vocab_size=300)
-    manager = CheckpointManager(tmp_path, keep_last=3)
+    tokenizer = _tokenizer()
+    optimizer = torch.optim.AdamW(tiny_model.parameters(), lr=1e-2)
+    moments = Value()
+    checkpointer = Checkpointer(tmp_path, tiny_model, [optimizer], {"moments": moments}, tokenizer, keep_last=3)
     expected = {}
     for step in (1, 2, 3):
-        with torch.no_grad():
-            for parameter in tiny_model.parameters():
-                parameter.add_(0.01 * step)
-        moments = {"exp_avg": torch.full((4,), float(step))}
-        manager.save(step, tiny_model, tokenizer, {"step": step, "optimizer": moments})
+        tiny_model(input_ids=torch.tensor([[3, 4, 5, 6]]), labels=torch.tensor([[3, 4, 5, 6]])).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        moments.value = {"exp_avg": torch.full((4,), float(step))}
+        checkpointer.save(step)
         expected[step] = {name: value.clone() for name, value in tiny_model.state_dict().items()}
         # Changed at once, while the writer has barely started: a write reading live state would show it.
         with torch.no_grad():
             for parameter in tiny_model.parameters():
                 parameter.add_(100.0)
-            moments["exp_avg"].add_(100.0)
+            moments.value["exp_avg"].add_(100.0)
         if step == 2:
-            manager.release()  # as training's end does: the next save copies into new memory
-    manager.wait()
+            checkpointer.release()  # as training's end does: the next save copies into new memory
+    checkpointer.wait()
     for step, state in expected.items():
-        loaded = ZayaForCausalLM.from_pretrained(manager.path(step)).state_dict()
+        loaded = ZayaForCausalLM.from_pretrained(checkpointer.path(step)).state_dict()
         for name, value in state.items():
             assert torch.equal(loaded[name], value), (step, name)
-        saved = load_training_state(manager.path(step))
-        assert saved["step"] == step and torch.equal(saved["optimizer"]["exp_avg"], torch.full((4,), float(step)))
+        checkpointer.load(checkpointer.path(step))  # model, optimizer and states, in place
+        assert torch.equal(moments.value["exp_avg"], torch.full((4,), float(step)))
+        assert float(optimizer.state_dict()["state"][0]["step"]) == step
+        for name, value in tiny_model.state_dict().items():
+            assert torch.equal(value, state[name]), (step, name)
 
 
 def test_cpu_copy_refills_an_earlier_copy_where_shapes_match():

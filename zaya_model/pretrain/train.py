@@ -19,6 +19,11 @@ batch's real token count, so accumulation equals one large batch), clips the gra
 for 2-D hidden weights + AdamW for the rest) under a warmup + cosine schedule, then updates the routers' balancing
 biases and logs per-layer expert load, skip rate and load imbalance to `metrics.jsonl`.
 
+One `Checkpointer` (`training/checkpointing.py`) saves and loads the run: the model, the optimizers and every other
+object with `state_dict()` / `load_state_dict()`: the schedulers, the balancing-bias updater, the data stream's
+position and the trainer itself (its step counter, the batches it skips and the RNG). The sharding setting chooses its
+backend once.
+
 A non-finite loss or gradient norm reloads the last checkpoint (model, optimizer, scheduler, biases, RNG, data
 position), marks the offending batch to be skipped, and continues; more than `max_rollbacks` failures without a new
 checkpoint in between stop the run. A step running longer than `step_timeout_s` dumps every thread's stack and exits
@@ -30,9 +35,9 @@ its slice of each global batch; routing counts are summed across ranks, and so a
   alone writes `save_pretrained` checkpoints.
 - `sharding="fsdp"` (FSDP2, ZeRO-3-style, `training/sharding.py`): parameters, gradients and AdamW state are sharded
   over the ranks; every rank writes its own shard of each checkpoint in parallel with `torch.distributed.checkpoint`
-  (`training/distributed_checkpoint.py`), asynchronously, and the final model is gathered into a `save_pretrained`
-  export. DCP reshards on load, so a checkpoint written by N processes resumes on M (1 included). Muon is refused
-  here: it orthogonalises whole matrices and FSDP gives it row shards.
+  (the checkpointer's sharded backend, `training/distributed_checkpoint.py`), asynchronously, and the final model is
+  gathered into a `save_pretrained` export. DCP reshards on load, so a checkpoint written by N processes resumes on
+  M (1 included). Muon is refused here: it orthogonalises whole matrices and FSDP gives it row shards.
 Either way a run may resume on a different number of processes with the same global batch (batch_size x processes);
 rank 0 alone writes metrics, the loss plot and the tokenizer. Multi-node launch, e.g. 128 nodes x 8 MI300X (ROCm
 torch; "nccl" maps to RCCL):
@@ -67,9 +72,8 @@ from ..atomic_io import fsync_tree
 from ..modeling_zaya import ZayaForCausalLM, ZayaRouter, require_cpp_compiler
 from ..training.balancing import BalancingBiasUpdater
 from ..training.callbacks import COMPILING_MESSAGE, STOP_REASONS, TrainingHooks
-from ..training.checkpointing import CheckpointManager, load_model_weights, load_training_state
+from ..training.checkpointing import Checkpointer, latest_checkpoint
 from ..training.distributed import DistributedContext
-from ..training.distributed_checkpoint import ShardedCheckpointManager, load_sharded
 from ..training.sharding import is_sharded, local_scalar, shard_model
 from .corpus import (
     CorpusError,
@@ -207,17 +211,7 @@ class Pretrainer:
                 raise PretrainError(f"--compile: {error}") from None
         self.files = corpus_files(data)
         self._prepare_output()
-        self.sharded_checkpoints = settings.sharding == "fsdp"
-        plot = self._write_loss_plot if self.dist.is_main else None
-        if self.sharded_checkpoints:
-            self.checkpoints = ShardedCheckpointManager(
-                self.output / CHECKPOINTS_DIR, settings.keep_last, is_main=self.dist.is_main, after_write=plot
-            )
-        else:
-            self.checkpoints = CheckpointManager(
-                self.output / CHECKPOINTS_DIR, settings.keep_last, clean=self.dist.is_main, after_write=plot
-            )
-        resume_from = self.checkpoints.latest()
+        resume_from = latest_checkpoint(self.output / CHECKPOINTS_DIR)
         self._check_run_file(resumed=resume_from is not None)
         if resume_from is None and self.dist.is_main:
             scan_corpus(self.files, settings.seed, settings.validation_fraction)
@@ -226,7 +220,8 @@ class Pretrainer:
         torch.manual_seed(settings.seed)
         self.model = ZayaForCausalLM(self.config).to(self.device).train()
         self.model.enable_compiled_layers(settings.compile)
-        if self.sharded_checkpoints and self.dist.enabled:  # one process has nothing to shard
+        sharded = settings.sharding == "fsdp"
+        if sharded and self.dist.enabled:  # one process has nothing to shard
             shard_model(self.model)
         self.optimizers = build_optimizers(self.model, settings)
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, warmup_cosine(settings)) for o in self.optimizers]
@@ -242,8 +237,23 @@ class Pretrainer:
         self.stream = PackedStream(self.files, self.tokenizer, spec, shuffle_buffer=settings.shuffle_buffer)
         self.validation = validation_rows(self.files, self.tokenizer, spec, settings.eval_rows)
         self.step = 0
-        self.saved_step: int | None = None
         self.skipped_batches: set[int] = set()
+        # What a resume needs besides the model and optimizers, each with state_dict() / load_state_dict(); the
+        # trainer's own entry (step, skipped batches, RNG) is loaded last, so its RNG state is the one that holds.
+        states = {f"scheduler{i}": scheduler for i, scheduler in enumerate(self.schedulers)}
+        states |= {"balancing": self.balancing, "data": self.stream, "trainer": self}
+        self.checkpointer = Checkpointer(
+            self.output / CHECKPOINTS_DIR,
+            self.model,
+            self.optimizers,
+            states,
+            self.tokenizer,
+            settings.keep_last,
+            sharded=sharded,
+            is_main=self.dist.is_main,
+            after_write=self._write_loss_plot if self.dist.is_main else None,
+        )
+        self.saved_step: int | None = None
         self.failures_since_checkpoint = 0
         self.last_val_loss: float | None = None
         self.checkpoint_timings: list[dict[str, float]] = []  # stall vs. save_pretrained time of each write
@@ -320,65 +330,32 @@ class Pretrainer:
 
     # ----- checkpoints -----
 
-    def _training_state(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
+        """The trainer's own state in a checkpoint: its step counter, the batches it skips, and the RNG."""
         rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
-        state = {
-            "step": self.step,
-            "schedulers": [s.state_dict() for s in self.schedulers],
-            "balancing": self.balancing.state_dict(),
-            "data": self.stream.state_dict(),
-            "rng": rng,
-            "skipped_batches": sorted(self.skipped_batches),
-            "settings": self.settings.model_dump(),
-        }
-        if not self.sharded_checkpoints:  # sharded runs keep the optimizer state in the per-rank shards
-            state["optimizers"] = [o.state_dict() for o in self.optimizers]
-        return state
+        return {"step": self.step, "skipped_batches": sorted(self.skipped_batches), "rng": rng}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = state["step"]
+        self.skipped_batches = set(state["skipped_batches"])
+        random.setstate(_python_rng_state(state["rng"]["python"]))
+        torch.set_rng_state(state["rng"]["torch"])
+        if "cuda" in state["rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
 
     def _save(self, val_loss: float | None = None, block: bool = False) -> None:
         """Checkpoint (rank 0 writes, or every rank its shard); `block` waits until it is on disk."""
         self.failures_since_checkpoint = 0
         self.saved_step = self.step
-        if self.sharded_checkpoints:
-            training_state = self._training_state() if self.dist.is_main else {}
-            stall_s = self.checkpoints.save(
-                self.step, self.model, self.optimizers, self.tokenizer, training_state, val_loss, block
-            )
-            if block:
-                self.dist.barrier()  # rank 0 has renamed the checkpoint into place
-            self._log({"event": "checkpoint", "step": self.step, "stall_s": round(stall_s, 4), "val_loss": val_loss})
-            return
-        if not self.dist.is_main:
-            if block:
-                self.dist.barrier()
-            return
-        stall_s = self.checkpoints.save(
-            self.step, self.model, self.tokenizer, self._training_state(), val_loss=val_loss, block=block
-        )
+        stall_s = self.checkpointer.save(self.step, val_loss, block)
         if block:
-            self.dist.barrier()
+            self.dist.barrier()  # rank 0 has renamed the checkpoint into place
         self._log({"event": "checkpoint", "step": self.step, "stall_s": round(stall_s, 4), "val_loss": val_loss})
 
     def _load(self, directory: Path) -> None:
-        state = load_training_state(directory)
-        if self.sharded_checkpoints:
-            load_sharded(directory, self.model, self.optimizers)
-        else:
-            load_model_weights(self.model, directory)
-            for optimizer, saved in zip(self.optimizers, state["optimizers"], strict=True):
-                optimizer.load_state_dict(saved)
-        for scheduler, saved in zip(self.schedulers, state["schedulers"], strict=True):
-            scheduler.load_state_dict(saved)
-        self.balancing.load_state_dict(state["balancing"])
-        self.stream.load_state_dict(state["data"])
-        random.setstate(_python_rng_state(state["rng"]["python"]))
-        torch.set_rng_state(state["rng"]["torch"])
-        if "cuda" in state["rng"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-        self.skipped_batches = set(state["skipped_batches"])
-        self.step = state["step"]
+        self.checkpointer.load(directory)
         self.saved_step = self.step
         for router in self._routers():
             router.routed_token_counts = None
@@ -460,9 +437,9 @@ class Pretrainer:
                 f"{self.failures_since_checkpoint} non-finite steps since the last checkpoint "
                 f"(latest at step {self.step}, loss {loss}, grad norm {grad_norm}); stopping"
             )
-        self.checkpoints.wait()
+        self.checkpointer.wait()
         self.dist.barrier()  # rank 0's last checkpoint is on disk
-        checkpoint = self.checkpoints.latest()
+        checkpoint = self.checkpointer.latest()
         skipped = self.skipped_batches | {batch_index}
         failures = self.failures_since_checkpoint
         failed_step = self.step + 1
@@ -554,14 +531,14 @@ class Pretrainer:
                 self.last_val_loss = self.evaluate()
                 self._log({"event": "eval", "step": self.step, "val_loss": self.last_val_loss})
                 self._save(val_loss=self.last_val_loss)
-            self.checkpoints.wait()
+            self.checkpointer.wait()
             self._drain_checkpoint_timings()
             if self.step >= settings.max_steps:
                 self._export_final()
             return PretrainResult(self.step, "completed", metrics["loss"] if metrics else None, self.last_val_loss)
         finally:
             faulthandler.cancel_dump_traceback_later()
-            self.checkpoints.release()
+            self.checkpointer.release()
             if bar is not None:
                 bar.close()
             if previous_handler is not None:
@@ -570,7 +547,7 @@ class Pretrainer:
     def _export_final(self) -> None:
         """Put the final model and tokenizer in the output directory itself (config.json last; rank 0 writes)."""
         temporary = self.output / ".tmp-final"
-        if self.sharded_checkpoints:
+        if self.settings.sharding == "fsdp":
             # Collective: every rank sends its shards, rank 0 receives the full state (in CPU memory).
             full_state = get_model_state_dict(
                 self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -584,7 +561,7 @@ class Pretrainer:
             return
         if not self.dist.is_main:
             return
-        source = self.checkpoints.path(self.step)
+        source = self.checkpointer.path(self.step)
         shutil.rmtree(temporary, ignore_errors=True)
         temporary.mkdir()
         for path in source.iterdir():
@@ -636,11 +613,11 @@ class Pretrainer:
         write_loss_plot(self.output / METRICS_FILE, self.output / LOSS_PLOT_FILE)
 
     def _drain_checkpoint_timings(self) -> None:
-        while self.checkpoints.completed_writes:
-            timing = self.checkpoints.completed_writes.pop(0)
+        while self.checkpointer.completed_writes:
+            timing = self.checkpointer.completed_writes.pop(0)
             self.checkpoint_timings.append(timing)
             self._log({"event": "checkpoint_written", **timing})
-            self.hooks.on_checkpoint(timing["step"], str(self.checkpoints.path(timing["step"])), timing)
+            self.hooks.on_checkpoint(timing["step"], str(self.checkpointer.path(timing["step"])), timing)
 
     def _log(self, record: dict[str, Any]) -> None:
         if not self.dist.is_main:

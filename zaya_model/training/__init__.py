@@ -1,6 +1,6 @@
 """Training pieces shared by pretraining and fine-tuning."""
 
 from .balancing import BalancingBiasUpdater
-from .checkpointing import CheckpointManager
+from .checkpointing import Checkpointer
 
-__all__ = ["BalancingBiasUpdater", "CheckpointManager"]
+__all__ = ["BalancingBiasUpdater", "Checkpointer"]

@@ -1,8 +1,16 @@
-"""Atomic, asynchronous training checkpoints: keep the last K and the best by validation loss.
+"""One checkpointer for a training run: `Stateful` objects written atomically in the background, the last K and the
+best by validation loss kept.
 
-A checkpoint is a directory `checkpoint-<step>` holding the model in the upstream `zaya` layout
-(`save_pretrained`, so `from_pretrained` and stock transformers read it), its tokenizer and `training_state.pt`
-(optimizer, scheduler, RNG, balancing-bias optimizer, data position, anything else the trainer passes).
+A run builds one `Checkpointer` from its model, its optimizers and every other object whose state a resume needs,
+each `Stateful` (`state_dict()` and `load_state_dict()`, the protocol of `torch.distributed.checkpoint`): the
+schedulers, the balancing-bias updater, the data stream's position, the trainer's own counters and RNG. The storage
+of the model and optimizers is chosen once, by the backend:
+- `SingleFileBackend`: the model as `save_pretrained` writes it (the upstream `zaya` layout, so `from_pretrained` and
+  stock transformers read a checkpoint), the optimizers' state in `training_state.pt`; one process writes;
+- `ShardedBackend` (`distributed_checkpoint.py`): model and optimizers through `torch.distributed.checkpoint`, every
+  rank writing its own shard; a checkpoint written by N processes loads into M.
+Either way `checkpoint-<step>/` also holds the tokenizer and `training_state.pt`, where every other object's state
+sits under its name.
 
 Saving stalls training only while the state is copied to CPU memory (into the previous save's copy, whose pages are
 already mapped, so that copy stays allocated between saves until `release`; the peak is the same); a background thread
@@ -11,8 +19,9 @@ a crash never leaves a half-written `checkpoint-<step>`. `index.json` (written t
 validation loss and which one is best. One write runs at a time: a save waits for the previous one.
 
 Each finished write appends its timings to `completed_writes`: `stall_s` (training paused: `wait_s` waiting for the
-previous write, plus the CPU copy), `save_pretrained_s` (what the same `save_pretrained` would have stalled training
-for had it run synchronously) and `write_s` (the whole background write).
+previous write, plus the CPU copy), the backend's own (`save_pretrained_s`: what the same `save_pretrained` would have
+stalled training for had it run synchronously; `shards_s`: until every rank's shard was on disk) and `write_s` (the
+whole background write).
 """
 
 from __future__ import annotations
@@ -23,11 +32,13 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file
+from torch.distributed.checkpoint.stateful import Stateful
 
 from ..atomic_io import fsync_path, fsync_tree, write_json_atomic
 
@@ -81,21 +92,94 @@ def load_model_weights(model: torch.nn.Module, directory: Path) -> None:
         raise ValueError(f"checkpoint {directory} does not match the model: missing {missing}, unexpected {unexpected}")
 
 
-class CheckpointManager:
+def checkpoint_steps(directory: Path) -> list[int]:
+    """The steps of the finished checkpoints in `directory`, in order."""
+    return sorted(
+        int(path.name.removeprefix(CHECKPOINT_PREFIX))
+        for path in directory.glob(f"{CHECKPOINT_PREFIX}*")
+        if path.is_dir() and path.name.removeprefix(CHECKPOINT_PREFIX).isdigit()
+    )
+
+
+def latest_checkpoint(directory: Path) -> Path | None:
+    """The newest finished checkpoint in `directory`, if any."""
+    steps = checkpoint_steps(directory) if directory.is_dir() else []
+    return directory / f"{CHECKPOINT_PREFIX}{steps[-1]}" if steps else None
+
+
+@dataclass
+class Staged:
+    """A backend's part of one save, staged: `write()` (run on the writer thread) puts the model and optimizers
+    into the temporary directory and returns its timings; `training_state` is what it adds to `training_state.pt`."""
+
+    write: Callable[[], dict[str, float]]
+    training_state: dict[str, Any] = field(default_factory=dict)
+
+
+class SingleFileBackend:
+    """The model as `save_pretrained` writes it, the optimizers' state in `training_state.pt`; rank 0 writes (the
+    other ranks hold the same replicated state)."""
+
+    every_rank_writes = False
+
+    def __init__(self):
+        self._model_copy: dict[str, torch.Tensor] | None = None  # the last save's, refilled by the next
+
+    def stage(self, temporary: Path, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> Staged:
+        model_state = cpu_copy(model.state_dict(), self._model_copy)
+        self._model_copy = model_state
+
+        def write() -> dict[str, float]:
+            started = time.perf_counter()
+            temporary.mkdir()
+            model.save_pretrained(temporary, state_dict=model_state)
+            return {"save_pretrained_s": time.perf_counter() - started}
+
+        return Staged(write, {"optimizers": [optimizer.state_dict() for optimizer in optimizers]})
+
+    def load(self, directory: Path, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], state: dict):
+        load_model_weights(model, directory)
+        for optimizer, saved in zip(optimizers, state["optimizers"], strict=True):
+            optimizer.load_state_dict(saved)
+
+    def release(self) -> None:
+        self._model_copy = None
+
+
+class Checkpointer:
+    """Saves and loads a run's state (`model`, `optimizers` and the named `states`) as `checkpoint-<step>` in
+    `directory`. `save` is collective when every rank writes (the sharded backend); `load` is collective there too."""
+
     def __init__(
         self,
         directory: str | Path,
+        model: torch.nn.Module,
+        optimizers: list[torch.optim.Optimizer],
+        states: dict[str, Stateful],
+        tokenizer,
         keep_last: int,
-        clean: bool = True,
+        sharded: bool = False,
+        is_main: bool = True,
         after_write: Callable[[int], None] | None = None,
     ):
-        """`after_write(step)` runs on the writer thread once a checkpoint is in place (e.g. to redraw a plot)."""
+        """`sharded` chooses the backend; `is_main`: this process writes what is not sharded (rank 0);
+        `after_write(step)` runs on the writer thread once a checkpoint is in place (e.g. to redraw a plot)."""
         if keep_last < 1:
             raise ValueError("keep_last must be at least 1")
+        if "optimizers" in states:
+            raise ValueError("'optimizers' names the optimizers' own entry of the training state")
         self.directory = Path(directory)
+        self.model, self.optimizers, self.states, self.tokenizer = model, optimizers, states, tokenizer
         self.keep_last = keep_last
+        self.is_main = is_main
+        if sharded:
+            from .distributed_checkpoint import ShardedBackend  # torch.distributed.checkpoint only where used
+
+            self.backend: SingleFileBackend | ShardedBackend = ShardedBackend()
+        else:
+            self.backend = SingleFileBackend()
         self.directory.mkdir(parents=True, exist_ok=True)
-        for stale in self.directory.glob(".tmp-*") if clean else ():  # a write interrupted by a crash
+        for stale in self.directory.glob(".tmp-*") if is_main else ():  # a write interrupted by a crash
             shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
         index_path = self.directory / INDEX_FILE
         self.index: dict[str, Any] = json.loads(index_path.read_text()) if index_path.is_file() else {}
@@ -105,47 +189,39 @@ class CheckpointManager:
         self.after_write = after_write
         self._writer: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._staged: tuple[Any, Any] = (None, None)  # the last save's CPU copies, refilled by the next save
+        self._state_copy: dict[str, Any] | None = None  # the last save's training state, refilled by the next
 
     def steps(self) -> list[int]:
-        return sorted(
-            int(path.name.removeprefix(CHECKPOINT_PREFIX))
-            for path in self.directory.glob(f"{CHECKPOINT_PREFIX}*")
-            if path.is_dir() and path.name.removeprefix(CHECKPOINT_PREFIX).isdigit()
-        )
+        return checkpoint_steps(self.directory)
 
     def path(self, step: int) -> Path:
         return self.directory / f"{CHECKPOINT_PREFIX}{step}"
 
     def latest(self) -> Path | None:
-        steps = self.steps()
-        return self.path(steps[-1]) if steps else None
+        return latest_checkpoint(self.directory)
 
     def best(self) -> Path | None:
         step = self.index["best_step"]
         return self.path(step) if step is not None and self.path(step).is_dir() else None
 
-    def save(
-        self,
-        step: int,
-        model,
-        tokenizer,
-        training_state: dict[str, Any],
-        val_loss: float | None = None,
-        block: bool = False,
-    ) -> float:
+    def save(self, step: int, val_loss: float | None = None, block: bool = False) -> float:
         """Snapshot the state and write it in the background; returns the seconds training was stalled."""
         started = time.perf_counter()
         self.wait()
         wait_s = time.perf_counter() - started
-        # The previous write has finished (waited for above): its copies can be refilled.
-        model_state = cpu_copy(model.state_dict(), self._staged[0])
-        training_state = cpu_copy(training_state, self._staged[1])
-        self._staged = (model_state, training_state)
+        if not (self.is_main or self.backend.every_rank_writes):
+            return time.perf_counter() - started
+        temporary = self.directory / f".tmp-{CHECKPOINT_PREFIX}{step}"
+        staged = self.backend.stage(temporary, self.model, self.optimizers)
+        training_state = None
+        if self.is_main:
+            # The previous write has finished (waited for above): its copy can be refilled.
+            live = {name: state.state_dict() for name, state in self.states.items()} | staged.training_state
+            training_state = self._state_copy = cpu_copy(live, self._state_copy)
         stall_s = time.perf_counter() - started
         self._writer = threading.Thread(
             target=self._write_guarded,
-            args=(step, model, tokenizer, model_state, training_state, val_loss, (stall_s, wait_s)),
+            args=(step, temporary, staged, training_state, val_loss, (stall_s, wait_s)),
             name=f"checkpoint-{step}",
             daemon=False,
         )
@@ -153,6 +229,18 @@ class CheckpointManager:
         if block:
             self.wait()
         return stall_s
+
+    def load(self, directory: Path) -> None:
+        """Load a checkpoint into the model, the optimizers and every state, in place."""
+        state = load_training_state(directory)
+        missing = sorted(set(self.states) - set(state))
+        if missing:
+            raise ValueError(
+                f"checkpoint {directory} holds no state for {missing}: another trainer or version wrote it"
+            )
+        self.backend.load(directory, self.model, self.optimizers, state)
+        for name, stateful in self.states.items():
+            stateful.load_state_dict(state[name])
 
     def wait(self) -> None:
         """Block until the write in flight (if any) is on disk; re-raise its error."""
@@ -164,9 +252,10 @@ class CheckpointManager:
             raise CheckpointWriteError(f"writing a checkpoint failed: {error}") from error
 
     def release(self) -> None:
-        """Wait for the write in flight, then free the CPU copy kept for the next save (training is over)."""
+        """Wait for the write in flight, then free the CPU copies kept for the next save (training is over)."""
         self.wait()
-        self._staged = (None, None)
+        self._state_copy = None
+        self.backend.release()
 
     def _write_guarded(self, *args) -> None:
         try:
@@ -174,18 +263,12 @@ class CheckpointManager:
         except BaseException as error:  # surfaced on the training thread by wait()
             self._error = error
 
-    def _write(self, step, model, tokenizer, model_state, training_state, val_loss, stalls) -> None:
+    def _write(self, step, temporary, staged, training_state, val_loss, stalls) -> None:
         started = time.perf_counter()
-        temporary = self.directory / f".tmp-{CHECKPOINT_PREFIX}{step}"
-        temporary.mkdir()
-        model.save_pretrained(temporary, state_dict=model_state)
-        save_pretrained_s = time.perf_counter() - started
-        timing = {"step": step, "stall_s": stalls[0], "wait_s": stalls[1], "save_pretrained_s": save_pretrained_s}
-        self._publish(step, temporary, tokenizer, training_state, val_loss, timing, started)
-
-    def _publish(self, step, temporary, tokenizer, training_state, val_loss, timing, started) -> None:
-        """Add the tokenizer and training state to `temporary`, fsync it, rename it to `checkpoint-<step>`."""
-        tokenizer.save_pretrained(temporary)
+        timing = {"step": step, "stall_s": stalls[0], "wait_s": stalls[1], **staged.write()}
+        if not self.is_main:  # this rank's shard is on disk; rank 0 puts the checkpoint in place
+            return
+        self.tokenizer.save_pretrained(temporary)
         torch.save(training_state, temporary / TRAINING_STATE_FILE)
         fsync_tree(temporary)
         final = self.path(step)
