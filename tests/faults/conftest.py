@@ -1,4 +1,5 @@
-"""Fault-injection fixtures: a real stack (`zaya serve` / `zaya worker` processes) on a fresh data dir per test."""
+"""Fault-injection fixtures: a real stack (`zaya serve` / `zaya worker` processes) on a fresh data dir and database
+per test."""
 
 from __future__ import annotations
 
@@ -19,9 +20,12 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def stack(tmp_path, model_dir) -> Iterator[Stack]:
-    """A migrated SQLite stack with the model registered and a key per role; processes are started by the test."""
-    with Stack(tmp_path / "data", log_dir=tmp_path) as prepared:
+def stack(tmp_path, model_dir, fresh_database) -> Iterator[Stack]:
+    """A migrated stack with the model registered and a key per role; processes are started by the test."""
+    with (
+        fresh_database(tmp_path) as database_url,
+        Stack(tmp_path / "data", database_url=database_url, log_dir=tmp_path) as prepared,
+    ):
         prepared.prepare(model_dir)
         yield prepared
     assert_no_secret_logged(prepared)

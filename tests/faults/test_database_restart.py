@@ -1,81 +1,34 @@
 """PostgreSQL stopped and started again under load: requests fail cleanly (503 + an OpenAI error body) while it is
 down, and the server and a worker reconnect by themselves.
 
-The test runs its own PostgreSQL (initdb + pg_ctl in a temp dir, on a free port) so it can stop it; the shared
-server on 5432 is never touched.
+The test runs its own PostgreSQL (`private_services.PrivatePostgres`: initdb + pg_ctl in a temp dir, on a free port)
+so it can stop it; the shared server is never touched.
 """
 
 from __future__ import annotations
 
-import glob
-import os
-import shutil
-import subprocess
-import tempfile
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
+from private_services import PrivatePostgres
 from sqlalchemy import func, select
 
-from benchmarks.load_test.stack import Stack, free_port
+from benchmarks.load_test.stack import Stack
 from server.db.models import JobEvent, ModelVersion
 
 from .processes import DATASET, assert_no_secret_logged, logs, wait_for
 
 pytestmark = pytest.mark.slow
 
-PG_BIN_DIRS = sorted(glob.glob("/usr/lib/postgresql/*/bin"))
-
-
-class PrivatePostgres:
-    """A throwaway PostgreSQL cluster. As root it runs as the `postgres` user (initdb refuses root)."""
-
-    def __init__(self, directory: Path) -> None:
-        self.bin = Path(PG_BIN_DIRS[-1])
-        self.directory = directory
-        self.data = directory / "data"
-        self.port = free_port()
-        self.as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
-        if self.as_user:
-            shutil.chown(directory, user="postgres")
-
-    def _run(self, *arguments: str) -> None:
-        subprocess.run([*self.as_user, *arguments], check=True, capture_output=True, timeout=120)
-
-    def init(self) -> None:
-        self._run(str(self.bin / "initdb"), "-D", str(self.data), "-U", "postgres", "-A", "trust", "--no-sync")
-
-    def start(self) -> None:
-        options = f"-p {self.port} -k {self.directory} -c listen_addresses=127.0.0.1 -c fsync=off"
-        log = str(self.directory / "postgres.log")
-        self._run(str(self.bin / "pg_ctl"), "-D", str(self.data), "-o", options, "-l", log, "-w", "start")
-
-    def stop(self, mode: str = "fast") -> None:
-        self._run(str(self.bin / "pg_ctl"), "-D", str(self.data), "-m", mode, "-w", "stop")
-
-    @property
-    def url(self) -> str:
-        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
-
 
 @pytest.fixture
 def postgres() -> Iterator[PrivatePostgres]:
-    if not PG_BIN_DIRS:
-        pytest.skip("needs the PostgreSQL server binaries (initdb, pg_ctl) under /usr/lib/postgresql/*/bin")
-    directory = Path(tempfile.mkdtemp(prefix="zaya-pg-"))  # not under pytest's 0700 tmp: postgres must reach it
-    server = PrivatePostgres(directory)
-    server.init()
-    server.start()
-    try:
+    with PrivatePostgres.running() as server:
         yield server
-    finally:
-        subprocess.run([*server.as_user, str(server.bin / "pg_ctl"), "-D", str(server.data), "-m", "immediate", "stop"])
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 class Load:
@@ -117,7 +70,7 @@ class Load:
 
 
 def test_requests_fail_cleanly_while_postgres_is_down_and_everything_reconnects(tmp_path, postgres, model_dir):
-    with Stack(tmp_path / "data", database_url=postgres.url, log_dir=tmp_path) as stack:
+    with Stack(tmp_path / "data", database_url=postgres.url(), log_dir=tmp_path) as stack:
         stack.prepare(model_dir)
         stack.start_server()
         worker = stack.start_worker()

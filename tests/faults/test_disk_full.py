@@ -55,10 +55,13 @@ def fill(directory: Path, leave: int = 0) -> Path:
 
 
 @pytest.fixture(scope="module")
-def disk_stack(tmp_path_factory, small_disk, model_dir) -> Iterator[Stack]:
+def disk_stack(tmp_path_factory, small_disk, model_dir, fresh_database) -> Iterator[Stack]:
     """One server for both tests (each start costs seconds); the tests free the space they filled."""
     elsewhere = tmp_path_factory.mktemp("not-on-the-small-disk")
-    with Stack(small_disk / "data", database_url=f"sqlite:///{elsewhere / 'zaya.db'}", log_dir=elsewhere) as stack:
+    with (
+        fresh_database(elsewhere) as database_url,
+        Stack(small_disk / "data", database_url=database_url, log_dir=elsewhere) as stack,
+    ):
         stack.prepare(model_dir)
         stack.start_server()
         yield stack

@@ -9,13 +9,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import spacy  # the `pii` extra, which `make install` installs
 from finetune_helpers import chat
 
 from finetune.datasets.person_names import PersonModelError, load_person_finder
 from finetune.datasets.pii import find_pii, scan_file
 from zaya_cli.main import main
-
-spacy = pytest.importorskip("spacy", reason="needs spaCy, the optional `pii` extra (make install installs it)")
 
 NAMES = [["Maria", "Okafor"], ["James", "Novak"]]
 

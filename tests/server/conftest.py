@@ -1,15 +1,14 @@
-"""Server test fixtures: a migrated database (SQLite by default, PostgreSQL when ZAYA_TEST_DATABASE_URL says so),
-an app per test on a clean database, API keys for every role, and a real uvicorn server for the `openai` client.
+"""Server test fixtures: a migrated database (SQLite by default, PostgreSQL when ZAYA_TEST_DATABASE_URL says so; see
+`fresh_database` in tests/conftest.py), an app per test on a clean database, API keys for every role, and a real
+uvicorn server for the `openai` client.
 """
 
 from __future__ import annotations
 
-import os
 import socket
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -22,12 +21,10 @@ from server.app import create_app
 from server.db.base import Base
 from server.db.migrations import upgrade
 from server.db.models import Role
-from server.db.scratch import scratch_database
 from server.db.session import make_engine, make_sessionmaker, session_scope
 from server.services.keys import create_key
 from server.settings import Settings
 
-TEST_DATABASE_URL_ENV = "ZAYA_TEST_DATABASE_URL"
 MAX_UPLOAD_BYTES = 256 * 1024
 
 VALID_DATASET = b"".join(
@@ -37,21 +34,8 @@ VALID_DATASET = b"".join(
 )
 
 
-@contextmanager
-def fresh_database(directory: Path) -> Iterator[str]:
-    """An empty database: a new SQLite file, or a new schema in the PostgreSQL named by ZAYA_TEST_DATABASE_URL."""
-    with scratch_database(directory, os.environ.get(TEST_DATABASE_URL_ENV)) as url:
-        yield url
-
-
-@pytest.fixture(name="fresh_database")
-def fresh_database_fixture():
-    """The `fresh_database` context manager, for tests that need a database of their own (migration tests)."""
-    return fresh_database
-
-
 @pytest.fixture(scope="session")
-def database_url(tmp_path_factory) -> Iterator[str]:
+def database_url(tmp_path_factory, fresh_database) -> Iterator[str]:
     """One migrated database for the session; each test leaves it empty again (see `settings`)."""
     with fresh_database(tmp_path_factory.mktemp("db")) as url:
         upgrade(url)

