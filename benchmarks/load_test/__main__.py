@@ -70,6 +70,7 @@ def run_locust(stack: Stack, classes: list[str], users: int, seconds: int, workd
         "ZAYA_LOAD_MODEL": MODEL_NAME,
         "ZAYA_LOAD_MODEL_DIR": str(stack.data_dir / "models" / MODEL_NAME),
         "ZAYA_LOAD_SAMPLES": str(samples_path),
+        "ZAYA_LOAD_PHASE": name,  # which refusals are load shedding (see the locustfile)
     }
     command = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", stack.url]
     command += ["-u", str(users), "-r", str(users), "--run-time", f"{seconds}s", "--stop-timeout", "5"]

@@ -3,8 +3,9 @@
 Analysts stream chat, data users upload files and create and poll fine-tuning jobs, an admin promotes model
 versions; `FloodUser` only streams long chats with no pause, to overload the engine. Every request is recorded by
 the listener at the bottom (status, latency, time to first token, whether a refusal carried `Retry-After`), and the
-samples are written as JSON to `$ZAYA_LOAD_SAMPLES` when locust quits. A 429/503 with `Retry-After` and an
-OpenAI error body is load shedding, which is what the server should do: it counts as shed, not as an error.
+samples are written as JSON to `$ZAYA_LOAD_SAMPLES` when locust quits. Load shedding, which is what the server should
+do, counts as shed, not as an error: a 429 with `Retry-After` and an OpenAI error body, and a 503 with both only in the
+overload phase (`$ZAYA_LOAD_PHASE`; see `shedding.py`).
 """
 
 from __future__ import annotations
@@ -18,12 +19,15 @@ from collections import defaultdict
 
 from locust import HttpUser, between, constant, events, task
 
+from benchmarks.load_test.shedding import refusal_problem, shed_statuses
+
 KEYS: dict[str, str] = json.loads(os.environ.get("ZAYA_LOAD_KEYS", "{}"))
 MODEL = os.environ.get("ZAYA_LOAD_MODEL", "zaya-tiny")
 MODEL_DIR = os.environ.get("ZAYA_LOAD_MODEL_DIR", "")
 MAX_TOKENS = int(os.environ.get("ZAYA_LOAD_MAX_TOKENS", "16"))
 FLOOD_MAX_TOKENS = int(os.environ.get("ZAYA_LOAD_FLOOD_MAX_TOKENS", "64"))
-SHED_STATUSES = (429, 503)
+PHASE = os.environ.get("ZAYA_LOAD_PHASE", "")
+SHED_STATUSES = shed_statuses(PHASE)
 
 DATASET = b"".join(
     b'{"messages": [{"role": "user", "content": "Summarise case %d."}, '
@@ -42,21 +46,20 @@ def _auth(role: str) -> dict[str, str]:
 
 
 def _judge(response) -> None:
-    """Success, load shedding (429/503 + Retry-After + error body), or a failure with the reason."""
+    """Success, load shedding, or a failure with the reason."""
     status = response.status_code
     if 200 <= status < 300:
         response.success()
-    elif status in SHED_STATUSES:
-        try:
-            has_error_body = "error" in response.json()
-        except ValueError:
-            has_error_body = False
-        if response.headers.get("Retry-After") and has_error_body:
-            response.success()
-        else:
-            response.failure(f"{status} without Retry-After or OpenAI error body")
+        return
+    try:
+        has_error_body = "error" in response.json()
+    except ValueError:
+        has_error_body = False
+    problem = refusal_problem(status, response.headers.get("Retry-After"), has_error_body, PHASE)
+    if problem is None:
+        response.success()
     else:
-        response.failure(f"HTTP {status}")
+        response.failure(problem)
 
 
 class ChatMixin:

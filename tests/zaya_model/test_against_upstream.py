@@ -8,6 +8,7 @@ from tiny_models import TINY_ZAYA, randomize_zaya
 from zaya_model import ZayaConfig, ZayaForCausalLM
 
 TOLERANCE = 1e-5
+ROUNDING = 1e-6
 
 
 @pytest.fixture(scope="module")
@@ -83,13 +84,44 @@ def test_checkpoints_move_both_ways(model_pair, tmp_path):
 
 
 @torch.no_grad()
-def test_skip_mode_zero_routes_skip_tokens_to_zero():
-    """Force every token to the skip class: upstream and our `zero` mode output exactly the residual path."""
+def test_skip_mode_zero_gives_upstreams_logits_and_exactly_the_residual_path(tmp_path):
+    """Force every token to the skip class. In `zero` mode the MoE half of each block then adds nothing: a block is its
+    attention half and the residual merge of a zero output. Ours equals that path, computed here from the blocks'
+    parts, and upstream's logits. Our experts are then filled with NaN, which would poison any token that reached one;
+    upstream keeps the random ones (it runs expert 0 on skipped tokens with weight 0, where NaN would poison)."""
     torch.manual_seed(0)
     config = ZayaConfig(**TINY_ZAYA)
+    assert config.skip_expert_mode == "zero"
     model = randomize_zaya(ZayaForCausalLM(config)).eval()
     for layer in model.model.layers:
-        layer.mlp.experts.gate_up_proj.fill_(float("nan"))  # would poison any token that reached an expert
         layer.mlp.gate.balancing_biases.copy_(torch.tensor([-5.0] * config.num_experts + [5.0]))
-    logits = model(torch.randint(3, 128, (2, 9))).logits
+    model.save_pretrained(tmp_path)
+    upstream = transformers.ZayaForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
+    for layer in model.model.layers:
+        layer.mlp.experts.gate_up_proj.fill_(float("nan"))
+    input_ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(5))
+
+    attention = {}  # layer index -> (the attention half's input, its output) in our forward
+
+    def record(index):
+        return lambda module, args, output: attention.__setitem__(index, (args[0], output))
+
+    hooks = [layer.self_attn.register_forward_hook(record(i)) for i, layer in enumerate(model.model.layers)]
+    try:
+        logits = model(input_ids).logits
+    finally:
+        for hook in hooks:
+            hook.remove()
     assert torch.isfinite(logits).all()
+
+    inner = model.model
+    residual = (inner.embed_tokens(input_ids) + inner.input_hidden_states_bias) * inner.input_hidden_states_scale
+    for index, layer in enumerate(inner.layers):
+        attention_input, attention_output = attention[index]
+        # This path is what fed the attention half (to float rounding: the model merges in another order).
+        assert max_diff(attention_input, layer.input_layernorm(residual)) < ROUNDING
+        residual = layer.post_attention_residual_scale(attention_output, residual)
+        residual = layer.post_mlp_residual_scale(torch.zeros_like(residual), residual)
+    residual_path = model.lm_head(inner.norm(residual))
+    assert max_diff(logits, residual_path) < ROUNDING  # an expert's output would be ~0.1
+    assert max_diff(upstream(input_ids).logits, logits) < TOLERANCE
