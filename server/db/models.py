@@ -192,7 +192,11 @@ class AliasHistory(Base):
     """Immutable record of every alias move: who, when, why, and who approved it."""
 
     __tablename__ = "alias_history"
-    __table_args__ = (Index("ix_alias_history_model_name_alias", "model_name", "alias"),)
+    # Each alias's moves are numbered 1, 2, ...: of two concurrent moves from one holder only one can commit.
+    __table_args__ = (
+        Index("ix_alias_history_model_name_alias", "model_name", "alias"),
+        UniqueConstraint("model_name", "alias", "sequence"),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     model_name: Mapped[str] = mapped_column(String(200))
@@ -209,6 +213,8 @@ class AliasHistory(Base):
     requested_at: Mapped[datetime | None]
     # The evaluation gate's inputs for a promotion: both held-out losses and whether `force` was used.
     evaluation: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    # This move's number among the alias's moves (1 for its first).
+    sequence: Mapped[int] = mapped_column(Integer)
 
 
 class ApprovalStatus(enum.StrEnum):

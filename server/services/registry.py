@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from server.db.base import utcnow
@@ -347,10 +348,22 @@ def apply_move(
     approval: AliasApproval | None = None,
     approved_by: str | None = None,
 ) -> AliasHistory:
-    """Move the alias and append the history entry. Flushes; the caller commits."""
+    """Move the alias and append the history entry. Flushes; the caller commits.
+
+    Two moves of one alias racing (two API servers, two admins) cannot both win: each history entry carries the
+    alias's move number, read here before its holder, and (model name, alias, number) is unique. Of two moves that
+    read the same holder, the second to write collides with the first's entry and is refused."""
+    label = f"{move.model_name}@{move.alias}"
+    sequence = 1 + (
+        session.scalar(
+            select(func.max(AliasHistory.sequence)).where(
+                AliasHistory.model_name == move.model_name, AliasHistory.alias == move.alias
+            )
+        )
+        or 0
+    )
     current = find_alias(session, move.model_name, move.alias)
     previous_id = current.version_id if current else None
-    label = f"{move.model_name}@{move.alias}"
     if previous_id != move.from_version_id:
         raise Conflict(
             f"{label} points to {previous_id or 'nothing'} now, not {move.from_version_id or 'nothing'} as when this "
@@ -377,9 +390,16 @@ def apply_move(
         approval_id=approval.id if approval is not None else None,
         requested_at=approval.created_at if approval is not None else None,
         evaluation=move.evaluation,
+        sequence=sequence,
     )
     session.add(entry)
-    session.flush()
+    try:
+        session.flush()
+    except IntegrityError as error:  # the unique move number (or, for a new alias, the alias itself) was taken
+        raise Conflict(
+            f"{label} was moved by a concurrent request while this move was being made; look at it again.",
+            code="alias_moved",
+        ) from error
     return entry
 
 

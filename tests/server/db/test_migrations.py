@@ -5,7 +5,7 @@ from __future__ import annotations
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import inspect
+from sqlalchemy import inspect, text
 
 from server.db.base import Base
 from server.db.migrations import alembic_config, head_revision, schema_is_current, upgrade
@@ -57,3 +57,28 @@ def test_downgrade_removes_everything_and_upgrade_rebuilds_it(tmp_path, fresh_da
 
 def test_there_is_a_single_head():
     assert head_revision() is not None
+
+
+def test_alias_moves_made_before_move_numbers_are_numbered_in_order(tmp_path, fresh_database):
+    with fresh_database(tmp_path) as url:
+        command.upgrade(alembic_config(url), "0005")
+        engine = make_engine(url)
+        try:
+            moves = [("zaya", "production"), ("zaya", "staging"), ("zaya", "production"), ("zaya", "production")]
+            with engine.begin() as connection:
+                for name, alias in moves:
+                    connection.execute(
+                        text(
+                            "INSERT INTO alias_history (model_name, alias, action, created_at)"
+                            " VALUES (:name, :alias, 'promote', CURRENT_TIMESTAMP)"
+                        ),
+                        {"name": name, "alias": alias},
+                    )
+            upgrade(url)
+            with engine.connect() as connection:
+                numbered = connection.execute(text("SELECT alias, sequence FROM alias_history ORDER BY id")).all()
+            assert [tuple(row) for row in numbered] == [
+                ("production", 1), ("staging", 1), ("production", 2), ("production", 3)
+            ]
+        finally:
+            engine.dispose()
