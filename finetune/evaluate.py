@@ -4,6 +4,8 @@ Two kinds of scores:
 
 - teacher-forced: `loss` and `token_accuracy`, token-weighted over the trained tokens that `tokenize_example` marks
   (assistant turns), exactly the tokens fine-tuning trains on;
+- for preference (DPO) data, `preference`: the mean log-probability margin of the preferred over the non-preferred
+  answer, and the share of pairs where it is positive;
 - generated (`task_evaluation`, the task a user cares about): the model answers each held-out prompt greedily,
   stopping at the end of its turn, and the answer is compared with the reference: `exact_match` (the whole answer,
   whitespace at line ends aside) and, for references made of `Field: value` lines (`Disposition: FILE_SAR` /
@@ -120,7 +122,36 @@ def task_examples(examples: list[Example], tokenizer: Any) -> list[TaskExample]:
             tasks.append(TaskExample(list(prompt["input_ids"]), example.messages[-1]["content"]))
         elif example.format is DatasetFormat.PROMPT_COMPLETION:
             tasks.append(TaskExample(tokenizer.encode(example.prompt, add_special_tokens=False), example.completion))
+        elif example.format is DatasetFormat.PREFERENCE:  # the preferred answer is the reference
+            context = [{"role": m["role"], "content": m["content"]} for m in example.messages]
+            prompt = tokenizer.apply_chat_template(context, add_generation_prompt=True, tokenize=True, return_dict=True)
+            tasks.append(TaskExample(list(prompt["input_ids"]), example.preferred))
     return tasks
+
+
+@torch.no_grad()
+def preference_margins(model: Any, tokenizer: Any, examples: list[Example]) -> list[float]:
+    """For each preference example, log p(preferred answer) - log p(non-preferred answer) given its input: the
+    log-probabilities of the answers' tokens (their end of turn included) summed, as DPO compares them."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    margins = []
+    try:
+        for example in examples:
+            if example.format is not DatasetFormat.PREFERENCE:
+                continue
+            log_probabilities = []
+            for conversation in example.conversations():
+                features = labelled_features(conversation, tokenizer)
+                input_ids = torch.tensor([features["input_ids"]], device=device)
+                labels = torch.tensor([features["labels"]], device=device)
+                logits = model(input_ids=input_ids, use_cache=False).logits
+                log_probabilities.append(-float(token_statistics(logits, labels)[..., 0].sum()))
+            margins.append(log_probabilities[0] - log_probabilities[1])
+    finally:
+        model.train(was_training)
+    return margins
 
 
 @torch.no_grad()
@@ -171,8 +202,16 @@ def task_evaluation(model: Any, tokenizer: Any, examples: list[Example]) -> Task
 def evaluate_file(model: Any, tokenizer: Any, data_file: str) -> dict[str, Any]:
     """The task evaluation of a (validated) JSONL file as it is stored and reported: the scores and the file's
     SHA-256, since two models' scores compare only on the same data."""
-    scores = task_evaluation(model, tokenizer, read_examples(data_file))
-    return {**scores.to_dict(), "data_sha256": _sha256(data_file)}
+    examples = read_examples(data_file)
+    evaluation = {**task_evaluation(model, tokenizer, examples).to_dict(), "data_sha256": _sha256(data_file)}
+    margins = preference_margins(model, tokenizer, examples)
+    if margins:  # preference data: how far the preferred answers are ahead
+        evaluation["preference"] = {
+            "n_pairs": len(margins),
+            "mean_margin": sum(margins) / len(margins),
+            "accuracy": sum(margin > 0 for margin in margins) / len(margins),
+        }
+    return evaluation
 
 
 def evaluate_model(model_dir: str, data_file: str, adapter_dir: str | None = None, *, batch_size: int = 8) -> dict:

@@ -189,6 +189,18 @@ class FineTuneSettings(Strict):
     def lora(self) -> LoraSettings:
         return self.method.lora
 
+    def dataset_format_problem(self, found: str | None) -> str | None:
+        """Why a dataset in format `found` (a validation report's) cannot train these settings, or None: a dpo run
+        needs preference data, a supervised run any other format."""
+        if self.type == "dpo" and found != "preference":
+            return (
+                f"is in {found} format; a dpo job needs preference data "
+                "(input, preferred_output and non_preferred_output on each line)"
+            )
+        if self.type == "supervised" and found == "preference":
+            return "is preference data; train on it with method type dpo"
+        return None
+
     def setting(self, *names: str) -> str:
         """The full name of a setting of the chosen block: ("lora", "r") -> "method.supervised.lora.r"."""
         return ".".join(("method", self.type, *names))

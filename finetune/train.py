@@ -20,13 +20,13 @@ that many checkpoints and the best by validation loss stay on disk (`finetune.ro
 from __future__ import annotations
 
 import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from peft import LoraConfig, get_peft_model
 from transformers import (
     AutoTokenizer,
     EarlyStoppingCallback,
@@ -46,7 +46,6 @@ from zaya_model.training.callbacks import (
     NonFiniteLossCallback,
     TrainingHooks,
     WallTimeCallback,
-    rename_metrics,
 )
 
 from .artifacts import (
@@ -55,7 +54,6 @@ from .artifacts import (
     METRICS_FILE,
     atomic_directory,
     base_model_fingerprint,
-    publish_directory,
     save_generation_files,
 )
 from .auto import ResolvedHyperparameters, resolve_hyperparameters
@@ -63,11 +61,10 @@ from .balancing import BalancingBiasCallback
 from .data import IGNORE_INDEX, TokenizedDataset, make_collator, read_examples, token_statistics
 from .datasets.validation import ValidationReport, validate_dataset
 from .evaluate import describe, evaluate_file, stop_token_ids
-from .rotation import rotate_checkpoints
 from .settings import DEFAULT_LORA_TARGET_MODULES, FinetuneError, FineTuneSettings
+from .trainer import CheckpointedTraining, CheckpointWriteError, FinalCheckpointCallback, final_metrics
 
 MAX_PROBLEMS_SHOWN = 10
-CHECKPOINT_METRICS = ("train_loss", "valid_loss", "valid_mean_token_accuracy")
 LORA_EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 __all__ = [
@@ -80,10 +77,6 @@ __all__ = [
     "check_run",
     "run_finetune",
 ]
-
-
-class CheckpointWriteError(OSError):
-    """A checkpoint could not be written (full disk, permissions); earlier checkpoints are intact."""
 
 
 @dataclass(frozen=True)
@@ -137,12 +130,12 @@ def run_finetune(
     config = ZayaConfig.from_pretrained(run.model_dir)
     max_seq_len = hyperparameters.max_seq_len or config.max_position_embeddings
 
-    train_report = _validated(run.train_file, "train_file", tokenizer, max_seq_len, run.validation_file)
+    train_report = _validated(run.train_file, "train_file", tokenizer, max_seq_len, run.validation_file, settings)
     if run.validation_file is not None:
-        _validated(run.validation_file, "validation_file", tokenizer, max_seq_len, None)
-    train_set = TokenizedDataset(read_examples(run.train_file), tokenizer)
-    eval_set = TokenizedDataset(read_examples(run.validation_file), tokenizer) if run.validation_file else None
-    resolved = resolve_hyperparameters(settings, len(train_set), config)
+        _validated(run.validation_file, "validation_file", tokenizer, max_seq_len, None, settings)
+    train_examples = read_examples(run.train_file)
+    eval_examples = read_examples(run.validation_file) if run.validation_file else None
+    resolved = resolve_hyperparameters(settings, train_report.n_examples, config)
     hooks.on_event(
         "info",
         f"dataset valid: {train_report.n_examples} examples, {train_report.n_trained_tokens} trained tokens",
@@ -165,35 +158,56 @@ def run_finetune(
             raise FinetuneError(settings.setting("hyperparameters", "compile"), str(error)) from None
     fingerprint = base_model_fingerprint(base)
     is_lora = settings.adapter == "lora"
-    model = _with_adapter(base, settings) if is_lora else base
+    lora_config = _lora_config(base, settings) if is_lora else None
 
     stop = HooksCallback(hooks)
-    callbacks: list[TrainerCallback] = [stop, NonFiniteLossCallback(), _FinalCheckpointCallback(stop)]
+    callbacks: list[TrainerCallback] = [stop, NonFiniteLossCallback(), FinalCheckpointCallback(stop)]
     if hyperparameters.max_seconds is not None:
         callbacks.insert(1, WallTimeCallback(hyperparameters.max_seconds, hooks))
     balancing = None
     if not is_lora and hyperparameters.balancing_bias_lr > 0:
-        balancing = BalancingBiasCallback(model, hyperparameters.balancing_bias_lr)
+        balancing = BalancingBiasCallback(base, hyperparameters.balancing_bias_lr)
         if resume_from is not None:
             balancing.load(Path(resume_from))
         callbacks.append(balancing)  # runs at every step end, before any checkpoint of that step is saved
     if hyperparameters.early_stopping_patience is not None:
         callbacks.append(EarlyStoppingCallback(early_stopping_patience=hyperparameters.early_stopping_patience))
-    trainer = _FinetuneTrainer(
-        model=model,
-        args=_training_arguments(run, resolved, has_validation=eval_set is not None),
-        train_dataset=train_set,
-        eval_dataset=eval_set,
-        data_collator=make_collator(tokenizer, hyperparameters.packing),
-        processing_class=tokenizer,
-        compute_metrics=_compute_metrics if eval_set is not None else None,
-        preprocess_logits_for_metrics=_logits_to_token_statistics if eval_set is not None else None,
-        callbacks=callbacks,
-        hooks=hooks,
-        fingerprint=fingerprint if is_lora else None,
-        balancing=balancing,
-        keep_checkpoints=hyperparameters.keep_checkpoints,
-    )
+    arguments = _training_arguments(run, resolved, has_validation=eval_examples is not None)
+    trainer_options = {
+        "callbacks": callbacks,
+        "hooks": hooks,
+        "fingerprint": fingerprint if is_lora else None,
+        "balancing": balancing,
+        "keep_checkpoints": hyperparameters.keep_checkpoints,
+    }
+    if settings.type == "dpo":
+        from .preference import preference_trainer  # TRL: only preference runs import it
+
+        trainer = preference_trainer(
+            model=base,
+            lora_config=lora_config,
+            reference_dir=run.model_dir,
+            arguments=arguments,
+            beta=resolved.beta,
+            max_length=max_seq_len,
+            train_examples=train_examples,
+            eval_examples=eval_examples,
+            tokenizer=tokenizer,
+            **trainer_options,
+        )
+    else:
+        has_validation = eval_examples is not None
+        trainer = _SupervisedTrainer(
+            model=get_peft_model(base, lora_config) if is_lora else base,
+            args=TrainingArguments(**arguments, label_names=["labels"]),
+            train_dataset=TokenizedDataset(train_examples, tokenizer),
+            eval_dataset=TokenizedDataset(eval_examples, tokenizer) if has_validation else None,
+            data_collator=make_collator(tokenizer, hyperparameters.packing),
+            processing_class=tokenizer,
+            compute_metrics=_compute_metrics if has_validation else None,
+            preprocess_logits_for_metrics=_logits_to_token_statistics if has_validation else None,
+            **trainer_options,
+        )
     trainer.remove_callback(PrinterCallback)  # progress goes to the hooks, not to stdout
     if resume_from is not None:
         hooks.on_event("info", f"resuming from {resume_from}", {"path": resume_from})
@@ -201,7 +215,7 @@ def run_finetune(
         hooks.on_event("info", COMPILING_MESSAGE)
     output = trainer.train(resume_from_checkpoint=resume_from)
 
-    metrics = _final_metrics(trainer, output.metrics)
+    metrics = final_metrics(trainer, output.metrics)
     kind = "adapter" if is_lora else "full"
     if stop.stop_reason is not None:
         status = "cancelled" if stop.stop_reason == "cancel" else "paused"
@@ -210,7 +224,7 @@ def run_finetune(
 
     evaluation = None
     if run.validation_file is not None:
-        hooks.on_event("info", f"task evaluation: answering the {len(eval_set)} validation examples (greedy)")
+        hooks.on_event("info", f"task evaluation: answering the {len(eval_examples)} validation examples (greedy)")
         evaluation = evaluate_file(trainer.model, tokenizer, run.validation_file)
         hooks.on_event("info", f"task evaluation: {describe(evaluation)}", {"task_evaluation": evaluation})
     try:
@@ -258,113 +272,19 @@ def _write_scores(directory: Path, metrics: dict, evaluation: dict | None) -> No
         write_json_atomic(directory / EVALUATION_FILE, evaluation)
 
 
-class _FinetuneTrainer(Trainer):
-    """Trainer whose checkpoints are written atomically, carry metrics.json and are reported to the hooks."""
-
-    def __init__(
-        self,
-        *args: Any,
-        hooks: TrainingHooks,
-        fingerprint: str | None,
-        balancing: BalancingBiasCallback | None,
-        keep_checkpoints: int | None,
-        **kwargs: Any,
-    ):
-        super().__init__(*args, **kwargs)
-        self.hooks = hooks
-        self.fingerprint = fingerprint
-        self.balancing = balancing
-        self.keep_checkpoints = keep_checkpoints
-        self.checkpoints: dict[int, dict] = {}
-        self._staging_root: str | None = None
-
+class _SupervisedTrainer(CheckpointedTraining, Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         # A training step needs only the loss: the LM head then runs on the trained (assistant) positions alone.
         if not return_outputs and "labels" in inputs and self.label_smoother is None and self.compute_loss_func is None:
             inputs = {**inputs, "skip_logits": True}
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
-    def _get_output_dir(self, trial: Any) -> str:
-        return self._staging_root or super()._get_output_dir(trial)
 
-    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
-        run_dir = super()._get_output_dir(trial)
-        name = f"checkpoint-{self.state.global_step}"
-        os.makedirs(run_dir, exist_ok=True)
-        self._staging_root = os.path.join(run_dir, f".{name}.partial")
-        try:
-            super()._save_checkpoint(model, trial)  # writes into the staging root
-            staging = Path(self._staging_root) / name
-            # The Trainer looked for the best checkpoint in the staging root; point it at the published one.
-            best_step = self.state.best_global_step
-            best = os.path.join(run_dir, f"checkpoint-{best_step}")
-            if best_step and (best_step == self.state.global_step or os.path.isdir(best)):
-                self.state.best_model_checkpoint = best
-            self.state.save_to_json(str(staging / "trainer_state.json"))
-            save_generation_files(staging, self.model, self.processing_class)
-            if self.fingerprint:
-                write_json_atomic(staging / BASE_MODEL_FILE, {"fingerprint": self.fingerprint})
-            if self.balancing is not None:
-                self.balancing.save(staging)
-            metrics = self._checkpoint_metrics()
-            write_json_atomic(staging / METRICS_FILE, metrics)
-            publish_directory(staging, Path(run_dir) / name)
-        except Exception as error:  # torch, safetensors and json each raise their own type for a full disk
-            raise CheckpointWriteError(f"could not write checkpoint {name} in {run_dir}: {error}") from error
-        finally:
-            shutil.rmtree(self._staging_root, ignore_errors=True)
-            self._staging_root = None
-        path = os.path.join(run_dir, name)
-        self.checkpoints[self.state.global_step] = {"step": self.state.global_step, "path": path, "metrics": metrics}
-        self.hooks.on_checkpoint(self.state.global_step, path, metrics)
-        if self.keep_checkpoints is not None:
-            self._rotate(run_dir)
-
-    def _rotate(self, run_dir: str) -> None:
-        """Keep the newest `keep_checkpoints` and the best (which `load_best_model_at_end` reloads at the end)."""
-        for step in rotate_checkpoints(run_dir, self.keep_checkpoints, self.state.best_global_step or None):
-            record = self.checkpoints.pop(step, None)
-            self.hooks.on_checkpoint_deleted(
-                step, record["path"] if record else os.path.join(run_dir, f"checkpoint-{step}")
-            )
-
-    def _checkpoint_metrics(self) -> dict:
-        """OpenAI's checkpoint metrics: step, the latest train loss, the latest validation loss and token accuracy."""
-        metrics: dict[str, Any] = {"step": self.state.global_step}
-        for entry in self.state.log_history:
-            if entry.get("step", 0) <= self.state.global_step:
-                metrics.update({k: v for k, v in rename_metrics(entry).items() if k in CHECKPOINT_METRICS})
-        return metrics
-
-    def checkpoint_records(self) -> list[dict]:
-        return [self.checkpoints[step] for step in sorted(self.checkpoints)]
-
-
-class _FinalCheckpointCallback(TrainerCallback):
-    """One checkpoint, with a fresh evaluation, when training ends early or on a step the schedule would skip.
-
-    With per-epoch evaluation the Trainer evaluates and saves at the end of the (possibly cut) epoch, so the save it
-    also asks for at the last step is dropped; with per-step evaluation the last step gets both. A pause saves at
-    once and a cancel saves nothing (`HooksCallback` also drops their end-of-epoch evaluation and save).
-    """
-
-    def __init__(self, stop: HooksCallback):
-        self.stop = stop
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if self.stop.stop_reason is not None or not control.should_training_stop:
-            return
-        if args.save_strategy == "epoch":
-            control.should_save = False
-        elif state.global_step % args.save_steps != 0:
-            control.should_evaluate = args.eval_strategy != "no"
-            control.should_save = True
-
-
-def _training_arguments(run: FineTuneRun, resolved: ResolvedHyperparameters, has_validation: bool) -> TrainingArguments:
+def _training_arguments(run: FineTuneRun, resolved: ResolvedHyperparameters, has_validation: bool) -> dict[str, Any]:
+    """The `TrainingArguments` every run uses (a preference run's `DPOConfig` adds its own)."""
     hyperparameters = run.settings.hyperparameters
     strategy = "steps" if hyperparameters.eval_every else "epoch"
-    return TrainingArguments(
+    return dict(
         output_dir=os.path.join(run.output_dir, "checkpoints"),
         per_device_train_batch_size=resolved.batch_size,
         per_device_eval_batch_size=resolved.batch_size,
@@ -386,7 +306,6 @@ def _training_arguments(run: FineTuneRun, resolved: ResolvedHyperparameters, has
         seed=run.seed,
         data_seed=run.seed,
         remove_unused_columns=False,
-        label_names=["labels"],
         report_to="none",
         disable_tqdm=True,
         dataloader_num_workers=0,
@@ -397,9 +316,7 @@ def _training_arguments(run: FineTuneRun, resolved: ResolvedHyperparameters, has
     )
 
 
-def _with_adapter(model: ZayaForCausalLM, settings: FineTuneSettings) -> torch.nn.Module:
-    from peft import LoraConfig, get_peft_model
-
+def _lora_config(model: ZayaForCausalLM, settings: FineTuneSettings) -> LoraConfig:
     lora = settings.lora
     targets = list(lora.target_modules or DEFAULT_LORA_TARGET_MODULES)
     # PEFT ignores an unmatched name when target_parameters match, so check every name here.
@@ -408,7 +325,7 @@ def _with_adapter(model: ZayaForCausalLM, settings: FineTuneSettings) -> torch.n
     if missing:
         message = f"no module named {', '.join(map(repr, missing))} in this model"
         raise FinetuneError(settings.setting("lora", "target_modules"), message)
-    config = LoraConfig(
+    return LoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
@@ -416,7 +333,6 @@ def _with_adapter(model: ZayaForCausalLM, settings: FineTuneSettings) -> torch.n
         target_parameters=LORA_EXPERT_PARAMETERS if lora.target_experts else None,
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, config)
 
 
 def _logits_to_token_statistics(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -434,25 +350,24 @@ def _compute_metrics(prediction: EvalPrediction) -> dict[str, float]:
     }
 
 
-def _final_metrics(trainer: _FinetuneTrainer, train_output_metrics: dict) -> dict:
-    metrics = trainer._checkpoint_metrics()
-    metrics["train_runtime"] = train_output_metrics.get("train_runtime")
-    metrics["epoch"] = trainer.state.epoch
-    if trainer.state.best_metric is not None:
-        metrics["best_valid_loss"] = trainer.state.best_metric
-        metrics["best_step"] = trainer.state.best_global_step
-    return metrics
-
-
 def _validated(
-    path: str, field_name: str, tokenizer: Any, max_seq_len: int, other_path: str | None
+    path: str,
+    field_name: str,
+    tokenizer: Any,
+    max_seq_len: int,
+    other_path: str | None,
+    settings: FineTuneSettings,
 ) -> ValidationReport:
+    """The file's validation report; FinetuneError when it has problems or is not in a format the run can use."""
     report = validate_dataset(
         path, tokenizer=tokenizer, max_seq_len=max_seq_len, other_path=other_path, max_problems=MAX_PROBLEMS_SHOWN
     )
     if not report.is_valid:
         problems = "; ".join(report.problem_lines())
         raise FinetuneError(field_name, f"{report.n_problems} problem(s) in {path}: {problems}")
+    problem = settings.dataset_format_problem(report.format)
+    if problem:
+        raise FinetuneError(field_name, f"{path}: {problem}")
     return report
 
 

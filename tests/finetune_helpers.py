@@ -21,6 +21,17 @@ def chat(user="Summarise case 1.", answer="Disposition: CLOSE", **extra):
     }
 
 
+def preference(user="Summarise case 1.", preferred="Disposition: CLOSE", non_preferred="Disposition: SAR"):
+    """One line of OpenAI's preference (DPO) format."""
+    return {
+        "input": {
+            "messages": [{"role": "system", "content": "You are an investigator."}, {"role": "user", "content": user}]
+        },
+        "preferred_output": [{"role": "assistant", "content": preferred}],
+        "non_preferred_output": [{"role": "assistant", "content": non_preferred}],
+    }
+
+
 LABELS = ("CLOSE", "ESCALATE", "SAR")
 
 

@@ -3,6 +3,9 @@
 - chat: `{"messages": [{"role": "system"|"user"|"assistant", "content": str, "weight": 0|1 (assistant only)}]}`
 - prompt/completion: `{"prompt": str, "completion": str}` (trained on the completion)
 - text: `{"text": str}` for continued pretraining (trained on all of it)
+- preference (DPO): `{"input": {"messages": [...]}, "preferred_output": [{"role": "assistant", "content": str}],
+  "non_preferred_output": [{"role": "assistant", "content": str}]}`: the conversation so far, ending with a user
+  message, and a better and a worse next assistant message
 
 `parse_record` never raises on bad data: it returns the example (or None) and a list of `FieldProblem`s that name
 the offending field as a path such as `messages[2].role`.
@@ -22,24 +25,30 @@ class DatasetFormat(enum.StrEnum):
     CHAT = "chat"
     PROMPT_COMPLETION = "prompt_completion"
     TEXT = "text"
+    PREFERENCE = "preference"
 
 
 FORMAT_KEYS = {
     DatasetFormat.CHAT: {"messages"},
     DatasetFormat.PROMPT_COMPLETION: {"prompt", "completion"},
     DatasetFormat.TEXT: {"text"},
+    DatasetFormat.PREFERENCE: {"input", "preferred_output", "non_preferred_output"},
 }
+PREFERENCE_OUTPUTS = ("preferred_output", "non_preferred_output")
 
 
 @dataclass(frozen=True)
 class Example:
-    """One valid record. `messages` holds chat messages; the other fields are set for their format only."""
+    """One valid record. `messages` holds chat messages (a preference example's input); the other fields are set for
+    their format only."""
 
     format: DatasetFormat
     messages: list[dict[str, Any]] = field(default_factory=list)
     prompt: str = ""
     completion: str = ""
     text: str = ""
+    preferred: str = ""
+    non_preferred: str = ""
 
     def strings(self) -> list[tuple[str, str]]:
         """Every user-visible string with its field path, for checks that look at content."""
@@ -47,7 +56,22 @@ class Example:
             return [(f"messages[{i}].content", message["content"]) for i, message in enumerate(self.messages)]
         if self.format is DatasetFormat.PROMPT_COMPLETION:
             return [("prompt", self.prompt), ("completion", self.completion)]
+        if self.format is DatasetFormat.PREFERENCE:
+            context = [(f"input.messages[{i}].content", message["content"]) for i, message in enumerate(self.messages)]
+            answers = zip(PREFERENCE_OUTPUTS, self.outputs(), strict=True)
+            return context + [(f"{key}[0].content", answer) for key, answer in answers]
         return [("text", self.text)]
+
+    def outputs(self) -> tuple[str, str]:
+        """A preference example's (preferred, non-preferred) assistant answers."""
+        return self.preferred, self.non_preferred
+
+    def conversations(self) -> tuple[Example, Example]:
+        """A preference example as the two chat examples it compares: the input followed by each answer."""
+        return tuple(
+            Example(DatasetFormat.CHAT, messages=[*self.messages, {"role": "assistant", "content": answer}])
+            for answer in self.outputs()
+        )
 
 
 @dataclass(frozen=True)
@@ -86,13 +110,78 @@ def parse_record(record: Any) -> tuple[Example | None, list[FieldProblem]]:
         for key in ("prompt", "completion"):
             problems += _check_string(record, key, allow_empty=key == "prompt")
         example = Example(dataset_format, prompt=record.get("prompt"), completion=record.get("completion"))
+    elif dataset_format is DatasetFormat.PREFERENCE:
+        messages, answers, preference_problems = _check_preference(record)
+        problems += preference_problems
+        example = Example(dataset_format, messages=messages, preferred=answers[0], non_preferred=answers[1])
     else:
         problems += _check_string(record, "text", allow_empty=False)
         example = Example(dataset_format, text=record["text"])
     return (None if problems else example), problems
 
 
-def _check_messages(messages: Any) -> list[FieldProblem]:
+def _check_preference(record: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str], list[FieldProblem]]:
+    """OpenAI's preference format: `input.messages` ending with a user message, and each output a list of one
+    assistant message. Returns the input messages, the two answers and the problems."""
+    problems: list[FieldProblem] = []
+    messages: list[dict[str, Any]] = []
+    context = record.get("input")
+    if "input" not in record:
+        problems.append(FieldProblem("missing_key", "input", "missing key 'input'"))
+    elif not isinstance(context, dict):
+        problems.append(FieldProblem("wrong_type", "input", f"must be an object, got {_json_type(context)}"))
+    elif "messages" not in context:
+        problems.append(FieldProblem("missing_key", "input.messages", "missing key 'messages'"))
+    else:
+        problems += [
+            FieldProblem("unknown_key", f"input.{key}", f"unknown key {key!r} (the input holds 'messages')")
+            for key in context
+            if key != "messages"
+        ]
+        messages = context["messages"]
+        input_problems = _check_messages(messages, needs_assistant=False)
+        problems += [FieldProblem(p.code, f"input.{p.field}", p.message) for p in input_problems]
+        if not input_problems and messages[-1]["role"] != "user":
+            message = "must end with a user message (the answers are the assistant's next message)"
+            problems.append(FieldProblem("wrong_role", "input.messages", message))
+        problems += [
+            FieldProblem("unknown_key", f"input.messages[{index}].weight", "weights have no meaning in preference data")
+            for index, message in enumerate(messages)
+            if isinstance(message, dict) and "weight" in message
+        ]
+    answers = []
+    for key in PREFERENCE_OUTPUTS:
+        answer, answer_problems = _check_output(record, key)
+        answers.append(answer)
+        problems += answer_problems
+    if not problems and answers[0] == answers[1]:
+        problems.append(FieldProblem("same_outputs", "non_preferred_output", "is the same as preferred_output"))
+    return messages, answers, problems
+
+
+def _check_output(record: dict[str, Any], key: str) -> tuple[str, list[FieldProblem]]:
+    if key not in record:
+        return "", [FieldProblem("missing_key", key, f"missing key {key!r}")]
+    output = record[key]
+    if not isinstance(output, list) or len(output) != 1:
+        found = f"{len(output)} messages" if isinstance(output, list) else _json_type(output)
+        return "", [FieldProblem("wrong_type", key, f"must be a list of one assistant message, got {found}")]
+    message, path = output[0], f"{key}[0]"
+    if not isinstance(message, dict):
+        return "", [FieldProblem("wrong_type", path, f"must be an object, got {_json_type(message)}")]
+    problems = [
+        FieldProblem("unknown_key", f"{path}.{name}", f"unknown message key {name!r}")
+        for name in message
+        if name not in ("role", "content")
+    ]
+    problems += _check_role(message, path)
+    if not problems and message["role"] != "assistant":
+        problems.append(FieldProblem("wrong_role", f"{path}.role", f"must be 'assistant', got {message['role']!r}"))
+    problems += _check_string(message, "content", allow_empty=False, path=path)
+    return (message.get("content", "") if not problems else ""), problems
+
+
+def _check_messages(messages: Any, *, needs_assistant: bool = True) -> list[FieldProblem]:
     if not isinstance(messages, list):
         return [FieldProblem("wrong_type", "messages", f"must be a list of messages, got {_json_type(messages)}")]
     if not messages:
@@ -114,6 +203,8 @@ def _check_messages(messages: Any) -> list[FieldProblem]:
             problems += _check_weight(message, path)
 
     roles = [message.get("role") for message in messages if isinstance(message, dict)]
+    if not needs_assistant:
+        return problems
     if "assistant" not in roles:
         problems.append(FieldProblem("no_assistant_message", "messages", "the conversation has no assistant message"))
     elif not any(_is_trained(message) for message in messages):

@@ -5,6 +5,8 @@
 - prompt/completion: prompt and completion are encoded separately (as at inference, where the prompt is encoded and
   the completion generated), then EOS; trained: completion + EOS.
 - text: BOS + text + EOS, all trained but BOS.
+- preference: the input followed by the preferred answer, rendered as chat (`Example.conversations` gives both
+  conversations a preference run compares).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ class TokenizedExample:
 def tokenize_example(example: Example, tokenizer: PreTrainedTokenizerBase) -> TokenizedExample:
     if example.format is DatasetFormat.CHAT:
         return _tokenize_chat(example, tokenizer)
+    if example.format is DatasetFormat.PREFERENCE:
+        return _tokenize_chat(example.conversations()[0], tokenizer)
     if example.format is DatasetFormat.PROMPT_COMPLETION:
         prompt = tokenizer.encode(example.prompt, add_special_tokens=False)
         completion = tokenizer.encode(example.completion, add_special_tokens=False) + [_required_id(tokenizer, "eos")]

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .formats import Example, FieldProblem, parse_record
+from .formats import DatasetFormat, Example, FieldProblem, parse_record
 from .rendering import TemplateError, TokenizedExample, tokenize_example
 
 if TYPE_CHECKING:  # transformers is slow to import; only the type is needed here
@@ -133,16 +133,21 @@ def validate_dataset(
             lengths.add(sum(len(text) for _, text in example.strings()))
             report.n_examples += 1
             continue
-        tokenized = _tokenize_checked(example, line_number, tokenizer, special_tokens, report)
-        if tokenized is None:
+        if not _has_no_special_tokens(example, line_number, special_tokens, report):
             continue
-        if max_seq_len is not None and len(tokenized.input_ids) > max_seq_len:
-            message = f"{len(tokenized.input_ids)} tokens after templating, more than max_seq_len {max_seq_len}"
+        # A preference example is two sequences, the input with each answer: both are trained on.
+        sequences = example.conversations() if example.format is DatasetFormat.PREFERENCE else (example,)
+        tokenized = [_tokenized(sequence, line_number, tokenizer, report) for sequence in sequences]
+        if None in tokenized:
+            continue
+        longest = max(len(sequence.input_ids) for sequence in tokenized)
+        if max_seq_len is not None and longest > max_seq_len:
+            message = f"{longest} tokens after templating, more than max_seq_len {max_seq_len}"
             report.add(Problem(line_number, None, "too_long", message))
         report.n_examples += 1
-        n_tokens += len(tokenized.input_ids)
-        n_trained += tokenized.n_trained
-        lengths.add(len(tokenized.input_ids))
+        n_tokens += sum(len(sequence.input_ids) for sequence in tokenized)
+        n_trained += sum(sequence.n_trained for sequence in tokenized)
+        lengths.add(longest)
 
     if report.n_lines == 0:
         report.add(Problem(None, None, "empty_file", "the file has no examples"))
@@ -156,14 +161,10 @@ def validate_dataset(
     return report
 
 
-def _tokenize_checked(
-    example: Example,
-    line_number: int,
-    tokenizer: PreTrainedTokenizerBase,
-    special_tokens: list[str],
-    report: ValidationReport,
-) -> TokenizedExample | None:
-    """Tokenize, reporting the problems only a tokenizer can see; None when the example cannot be used."""
+def _has_no_special_tokens(
+    example: Example, line_number: int, special_tokens: list[str], report: ValidationReport
+) -> bool:
+    """Report every special token written into the content (the tokenizer would read it as a control token)."""
     ok = True
     for field_path, text in example.strings():
         for token in special_tokens:
@@ -171,8 +172,13 @@ def _tokenize_checked(
                 message = f"contains the special token {token!r}, which would be read as a control token"
                 report.add(Problem(line_number, field_path, "special_token_in_content", message))
                 ok = False
-    if not ok:
-        return None
+    return ok
+
+
+def _tokenized(
+    example: Example, line_number: int, tokenizer: PreTrainedTokenizerBase, report: ValidationReport
+) -> TokenizedExample | None:
+    """Tokenize, reporting a template that cannot render the example; None when the example cannot be used."""
     try:
         return tokenize_example(example, tokenizer)
     except TemplateError as error:

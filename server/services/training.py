@@ -59,7 +59,7 @@ def file_error(session: Session, app_settings: Settings, job: FineTuningJob) -> 
     if base is None:
         message = f"The job's base model version {job.base_version_id} does not exist."
         return {"code": "model_not_found", "message": message, "param": "model"}
-    max_seq_len = settings_of(job).hyperparameters.max_seq_len
+    settings = settings_of(job)
     checks = [("training_file", job.training_file_id, job.validation_file_id)]
     if job.validation_file_id is not None:
         checks.append(("validation_file", job.validation_file_id, None))
@@ -68,7 +68,7 @@ def file_error(session: Session, app_settings: Settings, job: FineTuningJob) -> 
             file = jobs.usable_file(session, file_id, param)
             other = content_path(app_settings, session.get(File, other_id)) if other_id else None
             problems = dataset_problems(
-                content_path(app_settings, file), model_dir=Path(base.path), max_seq_len=max_seq_len, other_path=other
+                content_path(app_settings, file), model_dir=Path(base.path), settings=settings, other_path=other
             )
         except APIError as error:
             problems, file = [error.message], None
@@ -82,17 +82,23 @@ def file_error(session: Session, app_settings: Settings, job: FineTuningJob) -> 
     return None
 
 
-def dataset_problems(path: Path, *, model_dir: Path, max_seq_len: int | None, other_path: Path | None) -> list[str]:
-    """The fine-tuning validator's line-numbered problems in a job's file. Empty when valid."""
+def dataset_problems(
+    path: Path, *, model_dir: Path, settings: FineTuneSettings, other_path: Path | None
+) -> list[str]:
+    """The fine-tuning validator's line-numbered problems in a job's file, or why its format does not fit the job's
+    method (preference data for dpo, any other format for supervised). Empty when valid."""
     from transformers import AutoTokenizer
 
     from finetune.datasets.validation import validate_dataset
     from zaya_model import ZayaConfig
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    limit = max_seq_len or ZayaConfig.from_pretrained(model_dir).max_position_embeddings
+    limit = settings.hyperparameters.max_seq_len or ZayaConfig.from_pretrained(model_dir).max_position_embeddings
     report = validate_dataset(path, tokenizer=tokenizer, max_seq_len=limit, other_path=other_path, max_problems=10)
-    return report.problem_lines()
+    if not report.is_valid:
+        return report.problem_lines()
+    problem = settings.dataset_format_problem(report.format)
+    return [f"the file {problem}"] if problem else []
 
 
 def job_run(session: Session, app_settings: Settings, job_id: str, attempt: int) -> tuple[FineTuneRun, str | None]:

@@ -59,6 +59,17 @@ TRAINING = b"".join(chat_line(f"Balance of account {i}?", f"It is {100 + i} EUR.
     "Who opened case 7?", "Analyst jane.doe@example.com opened it."
 )
 VALIDATION = b"".join(chat_line(f"Balance of account {i}?", f"It is {100 + i} EUR.") for i in range(20, 24))
+PREFERENCES = b"".join(
+    json.dumps(
+        {
+            "input": {"messages": [{"role": "user", "content": f"Balance of account {i}?"}]},
+            "preferred_output": [{"role": "assistant", "content": f"It is {100 + i} EUR."}],
+            "non_preferred_output": [{"role": "assistant", "content": "I cannot say."}],
+        }
+    ).encode()
+    + b"\n"
+    for i in range(6)
+)
 INVALID = chat_line("Fine?", "Yes.") + b'{"messages": [{"role": "wizard", "content": "Hi"}]}\n'
 
 
@@ -197,10 +208,14 @@ def create_job(
     max_steps: int,
     eval_every: int,
     epochs: int,
+    dpo_beta: float | None = None,
 ) -> str:
-    """Fill in the new-job form; returns the job id from the job page it opens."""
+    """Fill in the new-job form (a DPO job with `dpo_beta`); returns the job id from the job page it opens."""
     page.goto("/console/jobs")
     page.get_by_label("Base model").select_option(BASE_MODEL)
+    if dpo_beta is not None:
+        page.get_by_label("Training type").select_option("dpo")
+        page.get_by_label("Beta (DPO; empty: auto)").fill(str(dpo_beta))
     page.get_by_label("Training file").select_option(training_file)
     page.get_by_label("Validation file").select_option(validation_file)
     page.get_by_label("Suffix").fill(suffix)
@@ -304,6 +319,13 @@ def test_upload_train_promote_and_chat(signed_in, screenshot):
     data.goto("/console/jobs")
     playwright_api.expect(data.locator("tr", has_text=job_id)).to_contain_text("succeeded")
     screenshot(data, "jobs")
+
+    # A preference (DPO) job from the same form, on preference pairs.
+    data.goto("/console/datasets")
+    pairs = upload(data, "accounts-pairs.jsonl", PREFERENCES)
+    dpo_job = create_job(data, pairs, suffix="pairs", max_steps=3, eval_every=3, epochs=20, dpo_beta=0.2)
+    playwright_api.expect(data.locator("#job-status")).to_have_text("succeeded", timeout=150_000)
+    assert '"beta": 0.2' in data.locator("dd", has_text='"type": "dpo"').inner_text() and dpo_job
 
     # Admin: the version's lineage, a promotion with its reason in the alias history.
     admin.goto("/console/models")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from finetune_helpers import chat
+from finetune_helpers import chat, preference
 from transformers import AutoTokenizer
 
 from finetune.datasets import tokenize_example, validate_dataset
@@ -163,3 +163,42 @@ def test_bad_arguments_are_rejected(write_jsonl):
         validate_dataset(write_jsonl([chat()]), max_seq_len=10)
     with pytest.raises(FileNotFoundError):
         validate_dataset("/nonexistent/data.jsonl")
+
+
+def test_preference_lines_count_both_answers_and_report_problems_at_their_line(tokenizer, write_jsonl):
+    good = preference()
+    user_last = preference(user="Case 5")
+    user_last["input"]["messages"].append({"role": "assistant", "content": "earlier answer"})
+    with_tools = preference(user="Case 6")
+    with_tools["input"]["tools"] = []
+    lines = [
+        good,  # 1
+        {**preference(user="Case 2"), "non_preferred_output": [{"role": "user", "content": "x"}]},  # 2
+        {**preference(user="Case 3"), "preferred_output": "Disposition: CLOSE"},  # 3
+        preference(user="Case 4", non_preferred="Disposition: CLOSE"),  # 4: both the same
+        user_last,  # 5
+        with_tools,  # 6
+        {"preferred_output": good["preferred_output"]},  # 7
+        chat(),  # 8: another format
+        preference(user="Case 9", preferred="long " * 400),  # 9
+    ]
+    report = validate_dataset(write_jsonl(lines), tokenizer=tokenizer, max_seq_len=512)
+    assert report.format == "preference"
+    assert problem_tuples(report) == [
+        (2, "non_preferred_output[0].role", "wrong_role"),
+        (3, "preferred_output", "wrong_type"),
+        (4, "non_preferred_output", "same_outputs"),
+        (5, "input.messages", "wrong_role"),
+        (6, "input.tools", "unknown_key"),
+        (7, "input", "missing_key"),
+        (7, "non_preferred_output", "missing_key"),
+        (8, None, "mixed_formats"),
+        (9, None, "too_long"),
+    ]
+
+    valid = validate_dataset(write_jsonl([good], "good.jsonl"), tokenizer=tokenizer)
+    preferred, non_preferred = parse_record(good)[0].conversations()
+    sequences = [tokenize_example(preferred, tokenizer), tokenize_example(non_preferred, tokenizer)]
+    assert valid.is_valid and valid.n_examples == 1
+    assert valid.n_tokens == sum(len(sequence.input_ids) for sequence in sequences)  # both answers are trained on
+    assert valid.n_trained_tokens == sum(sequence.n_trained for sequence in sequences)

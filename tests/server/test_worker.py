@@ -3,6 +3,7 @@ pause, resume and cancel reach a running job. (Leases and crash recovery: `test_
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -293,3 +294,60 @@ def test_a_worker_shutting_down_checkpoints_its_job_and_puts_it_back_in_the_queu
         assert session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)).first() is not None
         messages = [e.message for e in session.scalars(select(JobEvent).where(JobEvent.job_id == job_id))]
     assert "Worker test-worker shut down; job re-queued." in messages
+
+
+def preference_lines(offset: int, n: int) -> bytes:
+    lines = []
+    for index in range(offset, offset + n):
+        record = {
+            "input": {"messages": [{"role": "user", "content": f"Balance of account {index}?"}]},
+            "preferred_output": [{"role": "assistant", "content": f"It is {100 + index} EUR."}],
+            "non_preferred_output": [{"role": "assistant", "content": "I cannot say."}],
+        }
+        lines.append(json.dumps(record))
+    return ("\n".join(lines) + "\n").encode()
+
+
+def upload(client, auth, name: str, content: bytes):
+    return client.post(
+        "/v1/files", headers=auth("data"), data={"purpose": "fine-tune"}, files={"file": (name, content)}
+    )
+
+
+def test_a_dpo_job_trains_on_preference_pairs_and_each_method_refuses_the_others_data(
+    client, auth, worker, base_model, training_file, sessions
+):
+    broken = preference_lines(0, 2).replace(b'"assistant", "content": "I cannot', b'"user", "content": "I cannot', 1)
+    refused = upload(client, auth, "broken.jsonl", broken)
+    assert refused.status_code == 400 and "line 1: non_preferred_output[0].role" in refused.json()["error"]["message"]
+    pairs = upload(client, auth, "pairs.jsonl", preference_lines(0, 6)).json()["id"]
+    held_out = upload(client, auth, "held-out.jsonl", preference_lines(50, 2)).json()["id"]
+
+    hyperparameters = {"beta": 0.2, "n_epochs": 50, "batch_size": 2, "max_steps": 3, "eval_every": 3}
+    method = {"type": "dpo", "dpo": {"hyperparameters": hyperparameters, "adapter": "lora"}}
+    body = {"model": base_model, "training_file": pairs, "validation_file": held_out, "method": method}
+    created = client.post("/v1/fine_tuning/jobs", headers=auth("data"), json=body)
+    assert created.status_code == 200, created.text
+    assert created.json()["method"]["dpo"]["hyperparameters"]["beta"] == 0.2
+    # A supervised job on preference data, and a dpo job on chat data, fail their file validation.
+    wrong = [
+        {"model": base_model, "training_file": pairs},
+        {"model": base_model, "training_file": training_file, "method": {"type": "dpo"}},
+    ]
+    wrong_ids = [client.post("/v1/fine_tuning/jobs", headers=auth("data"), json=job).json()["id"] for job in wrong]
+
+    assert worker.run_once() is True
+    job = client.get(f"/v1/fine_tuning/jobs/{created.json()['id']}", headers=auth("data")).json()
+    assert job["status"] == "succeeded", job
+    version = next(
+        v for v in client.get("/v1/admin/models", headers=auth("admin")).json()["data"] if v["job_id"] == job["id"]
+    )
+    assert version["kind"] == "adapter" and version["evaluation"]["preference"]["n_pairs"] == 2
+    events = client.get(f"/v1/fine_tuning/jobs/{job['id']}/events?limit=100", headers=auth("data")).json()["data"]
+    assert any("validation loss=" in event["message"] for event in events)  # the DPO loss on the held-out pairs
+
+    reasons = ["train on it with method type dpo", "a dpo job needs preference data"]
+    for job_id, message in zip(wrong_ids, reasons, strict=True):
+        failed = client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=auth("data")).json()
+        assert failed["status"] == "failed" and failed["error"]["param"] == "training_file"
+        assert message in failed["error"]["message"]

@@ -1,0 +1,135 @@
+"""The `transformers.Trainer` behaviour every fine-tuning run shares, supervised (`finetune.train`) and preference
+(`finetune.preference`): atomic checkpoints reported to the hooks and rotated, a last checkpoint when a run ends off
+the schedule, and the run's final metrics."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from zaya_model.atomic_io import write_json_atomic
+from zaya_model.training.callbacks import HooksCallback, TrainingHooks, rename_metrics
+
+from .artifacts import BASE_MODEL_FILE, METRICS_FILE, publish_directory, save_generation_files
+from .balancing import BalancingBiasCallback
+from .rotation import rotate_checkpoints
+
+CHECKPOINT_METRICS = ("train_loss", "valid_loss", "valid_mean_token_accuracy")
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (full disk, permissions); earlier checkpoints are intact."""
+
+
+class CheckpointedTraining:
+    """A `transformers.Trainer` mix-in (listed before the trainer class): checkpoints are written atomically, carry
+    metrics.json, the generation files and the base model's fingerprint, and are reported to the hooks; only the
+    newest `keep_checkpoints` and the best stay on disk."""
+
+    def __init__(
+        self,
+        *args: Any,
+        hooks: TrainingHooks,
+        fingerprint: str | None,
+        balancing: BalancingBiasCallback | None,
+        keep_checkpoints: int | None,
+        **kwargs: Any,
+    ):
+        super().__init__(*args, **kwargs)
+        self.hooks = hooks
+        self.fingerprint = fingerprint
+        self.balancing = balancing
+        self.keep_checkpoints = keep_checkpoints
+        self.checkpoints: dict[int, dict] = {}
+        self._staging_root: str | None = None
+
+    def _get_output_dir(self, trial: Any) -> str:
+        return self._staging_root or super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
+        run_dir = super()._get_output_dir(trial)
+        name = f"checkpoint-{self.state.global_step}"
+        os.makedirs(run_dir, exist_ok=True)
+        self._staging_root = os.path.join(run_dir, f".{name}.partial")
+        try:
+            super()._save_checkpoint(model, trial)  # writes into the staging root
+            staging = Path(self._staging_root) / name
+            # The Trainer looked for the best checkpoint in the staging root; point it at the published one.
+            best_step = self.state.best_global_step
+            best = os.path.join(run_dir, f"checkpoint-{best_step}")
+            if best_step and (best_step == self.state.global_step or os.path.isdir(best)):
+                self.state.best_model_checkpoint = best
+            self.state.save_to_json(str(staging / "trainer_state.json"))
+            save_generation_files(staging, self.model, self.processing_class)
+            if self.fingerprint:
+                write_json_atomic(staging / BASE_MODEL_FILE, {"fingerprint": self.fingerprint})
+            if self.balancing is not None:
+                self.balancing.save(staging)
+            metrics = self.checkpoint_metrics()
+            write_json_atomic(staging / METRICS_FILE, metrics)
+            publish_directory(staging, Path(run_dir) / name)
+        except Exception as error:  # torch, safetensors and json each raise their own type for a full disk
+            raise CheckpointWriteError(f"could not write checkpoint {name} in {run_dir}: {error}") from error
+        finally:
+            shutil.rmtree(self._staging_root, ignore_errors=True)
+            self._staging_root = None
+        path = os.path.join(run_dir, name)
+        self.checkpoints[self.state.global_step] = {"step": self.state.global_step, "path": path, "metrics": metrics}
+        self.hooks.on_checkpoint(self.state.global_step, path, metrics)
+        if self.keep_checkpoints is not None:
+            self._rotate(run_dir)
+
+    def _rotate(self, run_dir: str) -> None:
+        """Keep the newest `keep_checkpoints` and the best (which `load_best_model_at_end` reloads at the end)."""
+        for step in rotate_checkpoints(run_dir, self.keep_checkpoints, self.state.best_global_step or None):
+            record = self.checkpoints.pop(step, None)
+            self.hooks.on_checkpoint_deleted(
+                step, record["path"] if record else os.path.join(run_dir, f"checkpoint-{step}")
+            )
+
+    def checkpoint_metrics(self) -> dict:
+        """OpenAI's checkpoint metrics: step, the latest train loss, the latest validation loss and token accuracy."""
+        metrics: dict[str, Any] = {"step": self.state.global_step}
+        for entry in self.state.log_history:
+            if entry.get("step", 0) <= self.state.global_step:
+                metrics.update({k: v for k, v in rename_metrics(entry).items() if k in CHECKPOINT_METRICS})
+        return metrics
+
+    def checkpoint_records(self) -> list[dict]:
+        return [self.checkpoints[step] for step in sorted(self.checkpoints)]
+
+
+class FinalCheckpointCallback(TrainerCallback):
+    """One checkpoint, with a fresh evaluation, when training ends early or on a step the schedule would skip.
+
+    With per-epoch evaluation the Trainer evaluates and saves at the end of the (possibly cut) epoch, so the save it
+    also asks for at the last step is dropped; with per-step evaluation the last step gets both. A pause saves at
+    once and a cancel saves nothing (`HooksCallback` also drops their end-of-epoch evaluation and save).
+    """
+
+    def __init__(self, stop: HooksCallback):
+        self.stop = stop
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.stop.stop_reason is not None or not control.should_training_stop:
+            return
+        if args.save_strategy == "epoch":
+            control.should_save = False
+        elif state.global_step % args.save_steps != 0:
+            control.should_evaluate = args.eval_strategy != "no"
+            control.should_save = True
+
+
+def final_metrics(trainer: CheckpointedTraining, train_output_metrics: dict) -> dict:
+    metrics = trainer.checkpoint_metrics()
+    metrics["train_runtime"] = train_output_metrics.get("train_runtime")
+    metrics["epoch"] = trainer.state.epoch
+    if trainer.state.best_metric is not None:
+        metrics["best_valid_loss"] = trainer.state.best_metric
+        metrics["best_step"] = trainer.state.best_global_step
+    return metrics
