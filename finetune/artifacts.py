@@ -23,6 +23,7 @@ from zaya_model.atomic_io import fsync_path, fsync_tree
 BASE_MODEL_FILE = "base_model.json"  # in an adapter dir: which base model the adapter was trained on
 METRICS_FILE = "metrics.json"  # in a checkpoint dir: step, train/valid loss, valid token accuracy
 EVALUATION_FILE = "evaluation.json"  # in a fine-tuned model dir: the task evaluation of the validation file
+TRAINED_TOKENS_FILE = "trained_tokens.json"  # in a checkpoint dir: tokens trained (carrying loss) up to its step
 _CONFIG_KEYS_IGNORED = {"_name_or_path", "dtype", "torch_dtype", "transformers_version", "architectures", "use_cache"}
 _FINGERPRINT_ROWS = 1024
 
@@ -68,3 +69,11 @@ def save_generation_files(directory: str | os.PathLike[str], model: torch.nn.Mod
     """Tokenizer and generation config (its `eos_token_id` lists the end-of-turn token) beside the weights."""
     tokenizer.save_pretrained(directory)
     model.generation_config.save_pretrained(directory)
+
+
+def read_json(path: Path) -> Any:
+    """A JSON file's value, or None when it is missing or not JSON."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None

@@ -137,7 +137,8 @@ def run_finetune_command(args: argparse.Namespace) -> int:
     finally:
         hooks.close()
     metrics = ", ".join(f"{key} {value:.4g}" for key, value in result.metrics.items() if isinstance(value, float))
-    print(f"{result.status}: {result.kind} in {result.output_dir} ({metrics})")
+    tokens = "unknown" if result.trained_tokens is None else f"{result.trained_tokens:,}"
+    print(f"{result.status}: {result.kind} in {result.output_dir} ({metrics}); trained tokens {tokens}")
     return 0
 
 

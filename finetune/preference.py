@@ -38,6 +38,10 @@ def preference_dataset(examples: list[Example]) -> Dataset:
 
 
 class PreferenceTrainer(CheckpointedTraining, DPOTrainer):
+    def count_trained_tokens(self, inputs: dict[str, Any]) -> int:
+        # TRL's batch holds each pair's chosen and rejected sequences; the loss reads their completion tokens.
+        return int(inputs["completion_mask"][:, 1:].sum())
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         # The DPO loss on the validation pairs is the run's validation loss (the best checkpoint is chosen by it).
         # TRL adds its metrics to `logs` in place, which is also the dict `evaluate` returns.

@@ -99,6 +99,9 @@ class FinetuneResult:
     metrics: dict = field(default_factory=dict)
     checkpoints: list[dict] = field(default_factory=list)  # each {"step", "path", "metrics": {...}}
     evaluation: dict | None = None  # the task evaluation of the validation file (`finetune.evaluate.TaskScores`)
+    # Tokens that carried loss, over every epoch and every resumed attempt (None: resumed from a checkpoint that did
+    # not record the count)
+    trained_tokens: int | None = None
 
 
 def check_run(run: FineTuneRun) -> None:
@@ -211,6 +214,7 @@ def run_finetune(
     trainer.remove_callback(PrinterCallback)  # progress goes to the hooks, not to stdout
     if resume_from is not None:
         hooks.on_event("info", f"resuming from {resume_from}", {"path": resume_from})
+        trainer.resume_trained_tokens(resume_from)
     if hyperparameters.compile:
         hooks.on_event("info", COMPILING_MESSAGE)
     output = trainer.train(resume_from_checkpoint=resume_from)
@@ -220,7 +224,9 @@ def run_finetune(
     if stop.stop_reason is not None:
         status = "cancelled" if stop.stop_reason == "cancel" else "paused"
         hooks.on_event("info", f"training {status} at step {trainer.state.global_step}")
-        return FinetuneResult(status, None, kind, metrics, trainer.checkpoint_records())
+        return FinetuneResult(
+            status, None, kind, metrics, trainer.checkpoint_records(), trained_tokens=trainer.trained_tokens
+        )
 
     evaluation = None
     if run.validation_file is not None:
@@ -233,7 +239,13 @@ def run_finetune(
         raise CheckpointWriteError(f"could not write the fine-tuned model in {run.output_dir}: {error}") from error
     hooks.on_event("info", f"wrote {kind} to {result_dir}", {"path": str(result_dir)})
     return FinetuneResult(
-        "succeeded", str(result_dir), kind, metrics, trainer.checkpoint_records(), evaluation=evaluation
+        "succeeded",
+        str(result_dir),
+        kind,
+        metrics,
+        trainer.checkpoint_records(),
+        evaluation=evaluation,
+        trained_tokens=trainer.trained_tokens,
     )
 
 

@@ -1,6 +1,10 @@
 """The `transformers.Trainer` behaviour every fine-tuning run shares, supervised (`finetune.train`) and preference
 (`finetune.preference`): atomic checkpoints reported to the hooks and rotated, a last checkpoint when a run ends off
-the schedule, and the run's final metrics."""
+the schedule, the count of trained tokens, and the run's final metrics.
+
+Trained tokens are billed as OpenAI bills them: every token that carries loss, counted each time it is trained (so a
+dataset's trained tokens times the epochs for a run that completes its epochs). Each training step adds its batch's
+count; a checkpoint stores the running total (`TRAINED_TOKENS_FILE`) and a resumed run continues from it."""
 
 from __future__ import annotations
 
@@ -15,8 +19,16 @@ from transformers import TrainerCallback
 from zaya_model.atomic_io import write_json_atomic
 from zaya_model.training.callbacks import HooksCallback, TrainingHooks, rename_metrics
 
-from .artifacts import BASE_MODEL_FILE, METRICS_FILE, publish_directory, save_generation_files
+from .artifacts import (
+    BASE_MODEL_FILE,
+    METRICS_FILE,
+    TRAINED_TOKENS_FILE,
+    publish_directory,
+    read_json,
+    save_generation_files,
+)
 from .balancing import BalancingBiasCallback
+from .data import IGNORE_INDEX
 from .rotation import rotate_checkpoints
 
 CHECKPOINT_METRICS = ("train_loss", "valid_loss", "valid_mean_token_accuracy")
@@ -47,6 +59,28 @@ class CheckpointedTraining:
         self.keep_checkpoints = keep_checkpoints
         self.checkpoints: dict[int, dict] = {}
         self._staging_root: str | None = None
+        # None once unknown: a run resumed from a checkpoint that did not record its count.
+        self.trained_tokens: int | None = 0
+        self.trained_tokens_this_run = 0
+
+    def resume_trained_tokens(self, checkpoint_dir: str) -> None:
+        """Continue the count of the run that wrote `checkpoint_dir`."""
+        recorded = read_json(Path(checkpoint_dir) / TRAINED_TOKENS_FILE)
+        value = recorded.get("trained_tokens") if isinstance(recorded, dict) else None
+        self.trained_tokens = value if isinstance(value, int) and value >= 0 else None
+
+    def count_trained_tokens(self, inputs: dict[str, Any]) -> int:
+        """The tokens of a training batch that carry loss: the labels a position predicts (labels shifted by one,
+        as the causal-LM loss reads them) that are not -100. A preference trainer counts its own way."""
+        return int((inputs["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any):
+        count = self.count_trained_tokens(inputs)
+        loss = super().training_step(model, inputs, *args, **kwargs)
+        self.trained_tokens_this_run += count
+        if self.trained_tokens is not None:
+            self.trained_tokens += count
+        return loss
 
     def _get_output_dir(self, trial: Any) -> str:
         return self._staging_root or super()._get_output_dir(trial)
@@ -70,6 +104,8 @@ class CheckpointedTraining:
                 write_json_atomic(staging / BASE_MODEL_FILE, {"fingerprint": self.fingerprint})
             if self.balancing is not None:
                 self.balancing.save(staging)
+            if self.trained_tokens is not None:
+                write_json_atomic(staging / TRAINED_TOKENS_FILE, {"trained_tokens": self.trained_tokens})
             metrics = self.checkpoint_metrics()
             write_json_atomic(staging / METRICS_FILE, metrics)
             publish_directory(staging, Path(run_dir) / name)
@@ -127,8 +163,13 @@ class FinalCheckpointCallback(TrainerCallback):
 
 def final_metrics(trainer: CheckpointedTraining, train_output_metrics: dict) -> dict:
     metrics = trainer.checkpoint_metrics()
-    metrics["train_runtime"] = train_output_metrics.get("train_runtime")
+    runtime = train_output_metrics.get("train_runtime")
+    metrics["train_runtime"] = runtime
     metrics["epoch"] = trainer.state.epoch
+    metrics["trained_tokens"] = trainer.trained_tokens
+    # This run's throughput (a resumed run's own steps over its own time): what the API's estimates read back.
+    if runtime and trainer.trained_tokens_this_run:
+        metrics["trained_tokens_per_second"] = trainer.trained_tokens_this_run / runtime
     if trainer.state.best_metric is not None:
         metrics["best_valid_loss"] = trainer.state.best_metric
         metrics["best_step"] = trainer.state.best_global_step

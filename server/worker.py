@@ -246,7 +246,7 @@ class Worker:
                     jobs.finish_succeeded,
                     output_dir=result.output_dir,
                     metrics=json_safe(result.metrics),
-                    trained_tokens=None,
+                    trained_tokens=result.trained_tokens,
                 )
             except APIError as error:  # the trainer's output does not load as a model version
                 failure = {"code": "registration_failed", "message": error.message, "param": None}

@@ -11,6 +11,7 @@ import pytest
 from finetune_helpers import LABELS, Recorder, bank_chats, preference, save_tiny_model, spec
 
 from finetune.data import read_examples
+from finetune.datasets.validation import validate_dataset
 from finetune.evaluate import evaluate_file, load_model, preference_margins
 from finetune.train import FinetuneError, run_finetune
 from zaya_cli.main import main
@@ -88,6 +89,17 @@ def test_each_method_refuses_the_other_methods_data(model_dir, pairs, write_json
         run_finetune(spec(model_dir, pairs[0], tmp_path))
     with pytest.raises(FinetuneError, match="^validation_file: .* a dpo job needs preference data"):
         run_finetune(spec(model_dir, pairs[0], tmp_path, type="dpo", validation_file=chats))
+
+
+def test_dpo_bills_both_answers_once_per_epoch(tokenizer, write_jsonl, tmp_path):
+    base = save_tiny_model(tmp_path / "base", tokenizer)
+    train = str(write_jsonl(preference_pairs(6), "pairs.jsonl"))
+    result = run_finetune(spec(base, train, tmp_path, type="dpo", batch_size=3, n_epochs=2, lora_r=2))
+    # The validator counts each pair as its two conversations, the prompt with each answer, trained on the answer up
+    # to its end of turn; TRL's completion is the templated text after the prompt, so it also trains the newline the
+    # chat template writes after each answer's end of turn: one more token per answer.
+    report = validate_dataset(train, tokenizer=tokenizer)
+    assert result.trained_tokens == 2 * (report.n_trained_tokens + 2 * report.n_examples)
 
 
 def test_the_command_line_runs_dpo(model_dir, pairs, tmp_path, capsys):

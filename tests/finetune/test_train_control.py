@@ -12,6 +12,8 @@ import pytest
 import torch
 from finetune_helpers import Recorder, chat, save_tiny_model, spec, write_data
 
+from finetune.data import read_examples
+from finetune.datasets.rendering import tokenize_example
 from finetune.train import CheckpointWriteError, run_finetune
 from zaya_model import ZayaForCausalLM
 
@@ -26,10 +28,16 @@ def data(write_jsonl):
     return write_data(write_jsonl)
 
 
-def test_pause_then_resume_equals_an_uninterrupted_run(model_dir, data, tmp_path):
+def test_pause_then_resume_equals_an_uninterrupted_run(model_dir, data, tmp_path, tokenizer):
     uninterrupted = Recorder()
-    run_finetune(spec(model_dir, data[0], tmp_path / "a", n_epochs=2, learning_rate_multiplier=20), uninterrupted)
+    whole = run_finetune(
+        spec(model_dir, data[0], tmp_path / "a", n_epochs=2, learning_rate_multiplier=20), uninterrupted
+    )
     assert len(uninterrupted.losses) == 8  # two epochs of four steps
+    # Billed as OpenAI bills: the dataset's trained tokens, once per epoch.
+    per_epoch = sum(tokenize_example(example, tokenizer).n_trained for example in read_examples(data[0]))
+    assert whole.trained_tokens == 2 * per_epoch == whole.metrics["trained_tokens"]
+    assert whole.metrics["trained_tokens_per_second"] > 0
 
     paused_hooks = Recorder(stop_at=3, request="pause")
     paused = run_finetune(
@@ -46,6 +54,9 @@ def test_pause_then_resume_equals_an_uninterrupted_run(model_dir, data, tmp_path
         resume_from=checkpoint["path"],
     )
     assert resumed.status == "succeeded"
+    # The resumed run continues the paused run's count: each trained token is billed once per epoch.
+    assert 0 < paused.trained_tokens < whole.trained_tokens
+    assert resumed.trained_tokens == whole.trained_tokens
     combined = {**paused_hooks.losses, **resumed_hooks.losses}
     assert sorted(combined) == sorted(uninterrupted.losses)
     for step, loss in uninterrupted.losses.items():

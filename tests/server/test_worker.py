@@ -11,8 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 from sqlalchemy import select
+from transformers import AutoTokenizer
 
 from finetune.balancing import BALANCING_STATE_FILE
+from finetune.datasets.formats import parse_record
+from finetune.datasets.rendering import tokenize_example
 from server.db.models import Checkpoint, FineTuningJob, JobEvent, JobStatus, ModelVersion
 from server.services import registry
 from server.services.model_resolution import find_version
@@ -134,6 +137,25 @@ def test_a_job_trains_and_registers_exactly_one_model_version(client, auth, work
     lineage = client.get(f"/v1/admin/models/{version.id}/lineage", headers=auth("admin")).json()["chain"]
     assert [entry["name"] for entry in lineage] == [job["fine_tuned_model"], "zaya-tiny"]
     assert lineage[0]["job"]["training_file"]["sha256"]
+
+
+def test_a_succeeded_job_bills_its_trained_tokens_once_per_epoch(
+    client, auth, worker, create_job, sessions, tiny_model_dir, valid_dataset
+):
+    job_id = create_job(max_steps=None, eval_every=None, hyperparameters={"n_epochs": 2, "batch_size": 2})
+    assert worker.run_once() is True
+    job = client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=auth("data")).json()
+    assert job["status"] == "succeeded", job
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    examples = [parse_record(json.loads(line))[0] for line in valid_dataset.splitlines()]
+    per_epoch = sum(tokenize_example(example, tokenizer).n_trained for example in examples)
+    assert job["trained_tokens"] == 2 * per_epoch
+    # The model version records the run's throughput, which later estimates for this base model read.
+    with sessions() as session:
+        version = session.scalars(select(ModelVersion).where(ModelVersion.job_id == job_id)).one()
+    assert version.metrics["trained_tokens"] == job["trained_tokens"]
+    assert version.metrics["trained_tokens_per_second"] > 0
 
 
 @pytest.fixture
