@@ -19,11 +19,14 @@ import os
 import signal
 import socket
 import threading
+import time
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from server.db.base import utcnow
 from server.db.models import FineTuningJob, JobStatus
 from server.errors import APIError
 from server.services import jobs, training
@@ -123,22 +126,42 @@ def metrics_message(step: int, total_steps: int | None, metrics: dict) -> str:
     return f"{where}: {', '.join(values)}" if values else where
 
 
+class Pace:
+    """When training should end, at the pace of this attempt's steps so far (from the trainer's start, so the time
+    of the first step, compilation included, counts)."""
+
+    def __init__(self, first_step: int, total_steps: int, clock=time.monotonic) -> None:
+        self.first_step, self.total_steps, self.clock = first_step, total_steps, clock
+        self.started = clock()
+
+    def estimated_finish(self, step: int) -> datetime | None:
+        done = step - self.first_step
+        if done <= 0 or not self.total_steps:
+            return None
+        seconds_per_step = (self.clock() - self.started) / done
+        return utcnow() + timedelta(seconds=max(self.total_steps - step, 0) * seconds_per_step)
+
+
 def make_hooks(run: JobRun):
-    """The trainer's hooks, writing events, metrics and checkpoints under the job's lease."""
+    """The trainer's hooks, writing events, metrics and checkpoints under the job's lease, and moving the job's
+    estimated finish after each training step."""
     base = training.training_hooks_base()
 
     class JobHooks(base):
         total_steps: int | None = None  # from the trainer's "training from step ... of ..." event
+        pace: Pace | None = None
 
         def on_event(self, level, message, data=None):
             if data and "max_steps" in data:
                 self.total_steps = data["max_steps"]
+                self.pace = Pace(data.get("step") or 0, data["max_steps"])
             run.write(jobs.record_event, message, level=training.LEVELS.get(level, "info"), data=json_safe(data))
 
         def on_metrics(self, step, metrics):
             data = json_safe({"step": step, "total_steps": self.total_steps, **metrics})
             message = metrics_message(step, self.total_steps, metrics)
-            run.write(jobs.record_event, message, type_="metrics", data=data)
+            finish = self.pace.estimated_finish(step) if self.pace and "train_loss" in metrics else None
+            run.write(jobs.record_event, message, type_="metrics", data=data, estimated_finish=finish)
 
         def on_checkpoint(self, step, path, metrics):
             run.write(jobs.record_checkpoint, step=step, path=str(path), metrics=json_safe(metrics))

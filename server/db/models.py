@@ -109,6 +109,8 @@ class FineTuningJob(Base):
     created_by: Mapped[str | None] = mapped_column(ForeignKey("api_keys.id"))
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
+    # While running: when training should end at the pace of its steps so far (updated each step); else null.
+    estimated_finish: Mapped[datetime | None]
     # Worker lease: a job whose lease runs out without a heartbeat is re-queued (attempts counts the claims).
     worker_id: Mapped[str | None] = mapped_column(String(128))
     heartbeat_at: Mapped[datetime | None]

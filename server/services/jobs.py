@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -293,6 +293,7 @@ def claim_next_job(session: Session, *, worker_id: str, lease_seconds: float) ->
             lease_expires_at=now + timedelta(seconds=lease_seconds),
             attempts=FineTuningJob.attempts + 1,
             started_at=now,
+            estimated_finish=None,
         )
         .returning(FineTuningJob.id, FineTuningJob.attempts)
         .execution_options(synchronize_session=False)
@@ -340,10 +341,25 @@ def heartbeat(session: Session, lease: Lease, *, lease_seconds: float) -> str | 
 
 
 def record_event(
-    session: Session, lease: Lease, message: str, *, level: str = "info", type_: str = "message", data=None
+    session: Session,
+    lease: Lease,
+    message: str,
+    *,
+    level: str = "info",
+    type_: str = "message",
+    data=None,
+    estimated_finish: datetime | None = None,
 ) -> None:
+    """Add an event to the running job; with `estimated_finish`, also move the job's estimated finish. Commits."""
     _guard(session, lease)
     add_event(session, lease.job_id, message, level=level, type_=type_, data=data)
+    if estimated_finish is not None:
+        session.execute(
+            update(FineTuningJob)
+            .where(FineTuningJob.id == lease.job_id)
+            .values(estimated_finish=estimated_finish)
+            .execution_options(synchronize_session=False)
+        )
     session.commit()
 
 
@@ -385,6 +401,7 @@ def _end_lease(job: FineTuningJob, status: JobStatus) -> None:
     job.lease_token = None
     job.lease_expires_at = None
     job.requested_action = None
+    job.estimated_finish = None
     if status in FINISHED_STATUSES:
         job.finished_at = utcnow()
 
@@ -486,6 +503,7 @@ def requeue_expired(session: Session, *, max_attempts: int) -> list[str]:
                 lease_token=None,
                 lease_expires_at=None,
                 requested_action=None,
+                estimated_finish=None,
                 finished_at=now if status in FINISHED_STATUSES else None,
                 error=error,
             )

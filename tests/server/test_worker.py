@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -16,10 +17,11 @@ from transformers import AutoTokenizer
 from finetune.balancing import BALANCING_STATE_FILE
 from finetune.datasets.formats import parse_record
 from finetune.datasets.rendering import tokenize_example
+from server.db.base import utcnow
 from server.db.models import Checkpoint, FineTuningJob, JobEvent, JobStatus, ModelVersion
 from server.services import registry
 from server.services.model_resolution import find_version
-from server.worker import Worker, WorkerConfig
+from server.worker import Pace, Worker, WorkerConfig
 
 FAST = WorkerConfig(lease_seconds=20, heartbeat_seconds=0.2, max_attempts=3, poll_seconds=0.1)
 
@@ -151,11 +153,22 @@ def test_a_succeeded_job_bills_its_trained_tokens_once_per_epoch(
     examples = [parse_record(json.loads(line))[0] for line in valid_dataset.splitlines()]
     per_epoch = sum(tokenize_example(example, tokenizer).n_trained for example in examples)
     assert job["trained_tokens"] == 2 * per_epoch
+    assert job["estimated_finish"] is None  # only a running job has one
     # The model version records the run's throughput, which later estimates for this base model read.
     with sessions() as session:
         version = session.scalars(select(ModelVersion).where(ModelVersion.job_id == job_id)).one()
     assert version.metrics["trained_tokens"] == job["trained_tokens"]
     assert version.metrics["trained_tokens_per_second"] > 0
+
+
+def test_the_pace_of_the_steps_so_far_gives_the_estimated_finish():
+    now = [100.0]
+    pace = Pace(first_step=10, total_steps=110, clock=lambda: now[0])
+    assert pace.estimated_finish(10) is None  # no step done yet: no pace
+    now[0] = 120.0  # 20 steps in 20 s: the 80 steps left take 80 s more
+    before = utcnow()
+    finish = pace.estimated_finish(30)
+    assert before + timedelta(seconds=79.9) <= finish <= utcnow() + timedelta(seconds=80.1)
 
 
 @pytest.fixture
@@ -248,12 +261,16 @@ def test_pause_checkpoints_a_running_job_and_resume_continues_it(client, auth, w
     job_id = create_job(max_steps=400, eval_every=1000)
     thread = run_in_thread(worker)
     wait_until(lambda: last_metrics_step(sessions, job_id) >= 2)
+    # While it runs, the job says when it should finish at its pace so far: hundreds of steps ahead, so later.
+    running = client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=auth("data")).json()
+    assert running["status"] == "running"
+    assert time.time() < running["estimated_finish"] < time.time() + 3600, running
 
     paused = client.post(f"/v1/fine_tuning/jobs/{job_id}/pause", headers=auth("data"))
     assert paused.status_code == 200, paused.text
     thread.join(timeout=60)
     job = job_row(sessions, job_id)
-    assert job.status == JobStatus.paused and job.lease_token is None
+    assert job.status == JobStatus.paused and job.lease_token is None and job.estimated_finish is None
     with sessions() as session:
         checkpoint_steps = [c.step for c in session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id))]
     assert len(checkpoint_steps) == 1 and 2 <= checkpoint_steps[0] < 400
@@ -312,6 +329,7 @@ def test_a_worker_shutting_down_checkpoints_its_job_and_puts_it_back_in_the_queu
     thread.join(timeout=60)
     job = job_row(sessions, job_id)
     assert (job.status, job.lease_token, job.lease_expirations) == (JobStatus.queued, None, 0)
+    assert job.estimated_finish is None  # queued again: not running
     with sessions() as session:
         assert session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)).first() is not None
         messages = [e.message for e in session.scalars(select(JobEvent).where(JobEvent.job_id == job_id))]

@@ -82,7 +82,8 @@ class JobObject(RowObject):
     trained_tokens: int | None
     training_file: str = Field(validation_alias="training_file_id")
     validation_file: str | None = Field(validation_alias="validation_file_id")
-    estimated_finish: int | None = None
+    # Unix seconds while running: when training should end at the pace of its steps so far; null otherwise.
+    estimated_finish: UnixTime | None = None
     integrations: list[dict[str, Any]] | None = None
     metadata: dict[str, str] | None = Field(validation_alias="user_metadata")
     method: dict[str, Any]
