@@ -133,6 +133,8 @@ def live_server(app) -> Iterator[str]:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A tiny random ZAYA checkpoint with a tokenizer trained here: a base model the fine-tuning worker can train."""
+    import torch
+
     from finetune.datasets.synthetic import generate_chat_examples
     from zaya_model import ZayaConfig, ZayaForCausalLM
     from zaya_model.pretrain import generation_eos_token_ids, train_tokenizer
@@ -156,6 +158,8 @@ def tiny_model_dir(tmp_path_factory) -> Path:
         eos_token_id=generation_eos_token_ids(tokenizer),
     )
     directory = tmp_path_factory.mktemp("tiny-zaya")
+    # Seeded: the weights (so greedy answers, and whether one ends at once) must not depend on which tests ran first.
+    torch.manual_seed(0)
     ZayaForCausalLM(config).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
