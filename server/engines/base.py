@@ -37,6 +37,9 @@ class SamplingParams:
     # Return each sampled token's log-probability, with this many alternatives (0: just the sampled token).
     logprobs: bool = False
     top_logprobs: int = 0
+    # Generate past the model's end-of-sequence tokens, to exactly max_tokens unless a stop string ends the choice
+    # first (vLLM's `ignore_eos`).
+    ignore_eos: bool = False
 
     @property
     def greedy(self) -> bool:

@@ -258,7 +258,7 @@ class _Scheduler:
             row.next_token = token
             self.stats.decoded_tokens += 1
             text, finish = "", None
-            if token in self.end_ids:
+            if token in self.end_ids and not params.ignore_eos:
                 text, finish = row.detokenizer.flush(), "stop"
             else:
                 if params.logprobs:

@@ -258,7 +258,7 @@ class VLLMEngine(Engine):
                 text, finish = "", None
                 for position, token in enumerate(completion.token_ids):
                     generated += 1
-                    if token in served.end_ids:
+                    if token in served.end_ids and not params.ignore_eos:
                         text, finish = text + detokenizer.flush(), "stop"
                         break
                     if params.logprobs:
@@ -292,7 +292,8 @@ class VLLMEngine(Engine):
             # The same per-choice seeds as the local engine: n choices differ, one seed reproduces them all.
             seed=None if params.seed is None else (params.seed * 1_000_003 + index) % 2**63,
             max_tokens=params.max_tokens,
-            stop_token_ids=sorted(served.end_ids),
+            stop_token_ids=[] if params.ignore_eos else sorted(served.end_ids),
+            ignore_eos=params.ignore_eos,
             logprobs=params.top_logprobs if params.logprobs else None,
             detokenize=False,  # text comes from our detokenizer
             output_kind=RequestOutputKind.DELTA,

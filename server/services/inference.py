@@ -112,6 +112,7 @@ class GenerationOptions:
     stop: tuple[str, ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
+    ignore_eos: bool = False
 
 
 @dataclass
@@ -378,6 +379,7 @@ class InferenceService:
             stop=options.stop,
             logprobs=options.logprobs,
             top_logprobs=options.top_logprobs,
+            ignore_eos=options.ignore_eos,
         )
         return prompt_ids, params
 

