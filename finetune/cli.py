@@ -64,6 +64,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pii.add_argument("--json", action="store_true", help="print the report as JSON")
     pii.set_defaults(func=run_pii)
 
+    sample = commands.add_parser(
+        "sample",
+        help="write a sample chat dataset (and optionally a pretraining corpus) of synthetic bank cases",
+        description="Write OUTPUT/train.jsonl (--cases disposition chats) and OUTPUT/validation.jsonl (10%%, at "
+        "least 3, at most 200, other cases) from the synthetic bank-case generator: each answer is "
+        "'Disposition: CLOSE|ESCALATE|SAR' then 'Reason: ...' from the case's numbers. --corpus N also writes "
+        "OUTPUT/corpus.jsonl, N plain case files for `zaya pretrain --data`.",
+    )
+    sample.add_argument("--cases", required=True, type=_positive_int, metavar="N", help="training chats")
+    sample.add_argument("--output", required=True, metavar="DIR", help="directory to write the files into")
+    sample.add_argument("--validation-cases", type=_positive_int, metavar="N", help="held-out chats (default 10%%)")
+    sample.add_argument("--corpus", type=_positive_int, metavar="N", help="also write N case files for pretraining")
+    sample.add_argument("--seed", type=int, default=0, help="same seed, same files")
+    sample.set_defaults(func=run_sample)
+
     _register_finetune(subparsers)
     _register_evaluate(subparsers)
 
@@ -253,6 +268,20 @@ def run_validate(args: argparse.Namespace) -> int:
                 print(f"{report.path}: {line}")
             print(_summary(report))
     return 0 if all(report.is_valid for report in reports.values()) else 1
+
+
+def run_sample(args: argparse.Namespace) -> int:
+    from finetune.datasets.sample import CORPUS_FILE, write_corpus, write_sample
+
+    if os.path.isfile(args.output):
+        raise CommandError(f"--output: {args.output} is a file")
+    written = write_sample(args.output, args.cases, n_validation=args.validation_cases, seed=args.seed)
+    for info in written.values():
+        print(f"wrote {info['n_examples']} chats to {info['path']}")
+    if args.corpus:
+        path = write_corpus(os.path.join(args.output, CORPUS_FILE), args.corpus)
+        print(f"wrote {args.corpus} case files to {path}")
+    return 0
 
 
 def run_preview(args: argparse.Namespace) -> int:

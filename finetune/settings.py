@@ -22,7 +22,7 @@ from pydantic_core import PydanticCustomError
 from zaya_cli.flags import Cli, Flag, FlagError, flag_error, flag_values, model_flags, set_path
 
 METHOD_TYPES = ("supervised", "dpo")
-# learning rate = base rate of the adapter kind x learning_rate_multiplier
+# learning rate = base rate of the adapter kind, scaled to the model (finetune.auto) x learning_rate_multiplier
 BASE_LEARNING_RATE = {"lora": 2e-4, "full": 2e-5}
 DEFAULT_LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj_current", "v_proj_delayed", "o_proj")
 
@@ -66,7 +66,9 @@ class _Hyperparameters(Strict):
     n_epochs: Epochs = Field("auto", description="passes over the training set, or auto (from the dataset size)")
     batch_size: BatchSize = Field("auto", description="examples per optimizer step, or auto")
     learning_rate_multiplier: Multiplier = Field(
-        "auto", description="x the adapter kind's base learning rate (LoRA 2e-4, full 2e-5), or auto"
+        "auto",
+        description="x the auto learning rate (LoRA 2e-4, full 2e-5, scaled up for models narrower than 2048 and "
+        "by the LoRA rank and alpha), or auto",
     )
     max_steps: Count | None = Field(None, description="stop after this many optimizer steps")
     max_seconds: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = Field(

@@ -29,6 +29,18 @@ def fsync_tree(directory: Path) -> None:
         fsync_path(path)
 
 
+def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
+    """Write UTF-8 text to a temp file beside `path`, fsync it, rename it into place and fsync the directory."""
+    path = Path(path)
+    temporary = path.with_name(f".tmp-{path.name}")
+    with temporary.open("w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+    fsync_path(path.parent)
+
+
 def write_json_atomic(path: str | os.PathLike[str], payload: Any) -> None:
     """Write JSON to a temp file beside `path`, fsync it, rename it into place and fsync the directory."""
     path = Path(path)

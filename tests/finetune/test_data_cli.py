@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from finetune_helpers import chat
 
 from zaya_cli.main import main
@@ -76,3 +77,46 @@ def test_console_script_exit_codes(write_jsonl):
     failed = subprocess.run([zaya, "data", "validate", bad], capture_output=True, text=True, env=env, timeout=120)
     assert failed.returncode == 1
     assert failed.stdout.splitlines()[0].startswith(f"{bad}: line 2: invalid JSON")
+
+
+def test_sample_writes_chats_the_api_accepts_and_a_corpus(tokenizer_dir, tmp_path, capsys):
+    import shutil
+
+    from finetune.datasets.synthetic import parse_disposition
+    from finetune.settings import FineTuneSettings
+    from server.services.training import dataset_problems
+    from zaya_model import ZayaConfig
+
+    out = tmp_path / "sample"
+    assert main(["data", "sample", "--cases", "12", "--output", str(out), "--corpus", "5"]) == 0
+    printed = capsys.readouterr().out
+    assert f"wrote 12 chats to {out / 'train.jsonl'}" in printed and "wrote 3 chats to" in printed
+    train, valid = out / "train.jsonl", out / "validation.jsonl"
+    records = [json.loads(line) for line in train.read_text().splitlines()]
+    assert len(records) == 12 and len(valid.read_text().splitlines()) == 3
+    labels = [parse_disposition(record["messages"][-1]["content"]) for record in records]
+    assert sorted(set(labels)) == ["CLOSE", "ESCALATE", "SAR"] and labels.count("SAR") == 4  # balanced
+    corpus = [json.loads(line)["text"] for line in (out / "corpus.jsonl").read_text().splitlines()]
+    assert len(corpus) == 5 and all(text.startswith("Case CASE-") for text in corpus)
+    assert not any("Disposition:" in text for text in corpus)
+
+    model_dir = tmp_path / "model"  # what the API checks a job's files against: the base model's tokenizer and context
+    shutil.copytree(tokenizer_dir, model_dir)
+    ZayaConfig(max_position_embeddings=2048).save_pretrained(model_dir)
+    assert dataset_problems(train, model_dir=model_dir, settings=FineTuneSettings(), other_path=valid) == []
+    assert dataset_problems(valid, model_dir=model_dir, settings=FineTuneSettings(), other_path=None) == []
+
+    before = train.read_bytes()  # the same seed writes the same bytes
+    assert main(["data", "sample", "--cases", "12", "--output", str(out)]) == 0
+    assert train.read_bytes() == before
+    with pytest.raises(SystemExit) as exit_:
+        main(["data", "sample", "--cases", "0", "--output", str(out)])
+    assert exit_.value.code == 2
+    assert "--cases: must be a positive integer, got 0" in capsys.readouterr().err
+
+
+def test_sample_refuses_a_file_as_output(tmp_path, capsys):
+    target = tmp_path / "file"
+    target.write_text("x")
+    assert main(["data", "sample", "--cases", "3", "--output", str(target)]) == 1
+    assert "--output" in capsys.readouterr().err

@@ -24,7 +24,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--data", required=True, help="corpus: a .txt/.jsonl file or a directory of them")
     parser.add_argument("--output", required=True, help="run directory: checkpoints, metrics, final model")
     # Checked when the command runs: importing the presets here would load torch for every `zaya` command.
-    parser.add_argument("--preset", default="tiny", help="model shape and settings: tiny or zaya1-base")
+    parser.add_argument(
+        "--preset", default="tiny", help="model shape and settings: tiny, cpu (for chat fine-tuning) or zaya1-base"
+    )
     parser.add_argument("--tokenizer", help="use this tokenizer directory instead of training one")
     flags = model_flags(PretrainSettings)
     group = parser.add_argument_group("pretraining settings (each overrides the preset's value)")

@@ -1,6 +1,7 @@
 """Pretraining presets: a model shape plus the training settings that suit it.
 
-`tiny` trains on 2 CPU cores in a minute or two (a few million parameters, short rows); `zaya1-base` is the full
+`tiny` trains on 2 CPU cores in a minute or two (a few million parameters, short rows); `cpu` is smaller but reads
+rows of 512 tokens, long enough for chat fine-tuning on bank case files; `zaya1-base` is the full
 ZAYA1-base shape (`ZayaConfig.zaya1_base()`) with settings in the spirit of its pretraining (Muon + AdamW, long
 warmup, 4k rows), meant for an accelerator cluster. The model's vocabulary follows the tokenizer, so `model` holds
 every `ZayaConfig` field except the token ids and vocabulary size.
@@ -46,6 +47,29 @@ PRESETS: dict[str, PretrainSettings] = {
         ),
         tokenizer_vocab_size=1024,
         seq_len=128,
+        batch_size=4,
+        max_steps=150,
+        lr=3e-3,
+        warmup_steps=15,
+    ),
+    # Sized for 2 CPU cores and chat fine-tuning on short documents: rows of 512 tokens hold a whole bank case file
+    # and its chat wrapping (~250-500 tokens), so the model learns to attend as far back as a fine-tuning example
+    # reaches (`tiny`'s 128-token rows never train attention beyond 128 tokens). `benchmarks/quality_bench.py`
+    # pretrains it on the synthetic bank corpus and fine-tunes it.
+    "cpu": PretrainSettings(
+        model=dict(
+            hidden_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=24,
+            moe_intermediate_size=192,
+            num_experts=4,
+            router_hidden_size=48,
+            max_position_embeddings=1024,
+        ),
+        tokenizer_vocab_size=1024,
+        seq_len=512,
         batch_size=4,
         max_steps=150,
         lr=3e-3,

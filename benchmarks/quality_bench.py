@@ -1,0 +1,182 @@
+"""Does the CPU recipe learn the bank task? Pretrain, fine-tune with default settings, score base and fine-tunes.
+
+Run: `python benchmarks/quality_bench.py [--smoke] [--out benchmarks/results/quality_bench.json]`
+
+1. `zaya data sample`'s corpus: `--corpus` synthetic bank case files (plain text, no dispositions);
+2. `zaya pretrain --preset cpu` on it (a tokenizer, then the model);
+3. `zaya data sample`'s chats: `--train` disposition chats and `--valid` held-out ones (other cases);
+4. the base model, then a LoRA and a full fine-tune with every setting left at its default ("auto" epochs, batch
+   size and learning rate, `finetune.auto`), each scored on the held-out chats by `finetune.evaluate`: teacher-forced
+   loss, greedy answers' exact match and their `Disposition` accuracy.
+
+Prints a table and writes JSON (scores, the hyperparameters the runs resolved, seconds per phase). `--smoke` runs
+every step at toy sizes in seconds (the CI test). Time it on an idle machine: the wall clock of each phase is part of
+the result (target: the whole recipe within 15 minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "quality_bench.json"
+METHODS = ("lora", "full")
+
+
+def run(args: argparse.Namespace, workdir: Path) -> dict:
+    import torch
+
+    from finetune.datasets.sample import write_corpus, write_sample
+    from finetune.evaluate import evaluate_model
+    from finetune.settings import FineTuneSettings
+    from finetune.train import FineTuneRun, run_finetune
+    from zaya_model.pretrain.presets import get_preset
+    from zaya_model.pretrain.train import Pretrainer
+    from zaya_model.training.callbacks import TrainingHooks
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    report: dict = {
+        "date": datetime.date.today().isoformat(),
+        "command": " ".join(["python", "benchmarks/quality_bench.py", *sys.argv[1:]]),
+        "threads": torch.get_num_threads(),
+        "preset": args.preset,
+        "corpus_cases": args.corpus,
+        "n_train": args.train,
+        "n_valid": args.valid,
+        "seconds": {},
+        "models": {},
+    }
+    started = time.monotonic()
+    corpus = write_corpus(workdir / "corpus.jsonl", args.corpus)
+    settings = get_preset(args.preset)
+    if args.pretrain_steps is not None:
+        settings = settings.replace(max_steps=args.pretrain_steps)
+    settings = settings.replace(eval_every=settings.max_steps, save_every=settings.max_steps)
+    report["pretrain_steps"] = settings.max_steps
+    phase = time.monotonic()
+    pretrained = Pretrainer(str(corpus), str(workdir / "base"), settings, progress=False).train()
+    report["seconds"]["pretrain"] = round(time.monotonic() - phase, 1)
+    report["pretrain_val_loss"] = pretrained.val_loss
+    base_dir = str(workdir / "base")
+
+    files = write_sample(workdir / "data", args.train, n_validation=args.valid)
+    train_file, valid_file = files["train.jsonl"]["path"], files["validation.jsonl"]["path"]
+    phase = time.monotonic()
+    report["models"]["base"] = _scores(evaluate_model(base_dir, valid_file))
+    report["seconds"]["evaluate_base"] = round(time.monotonic() - phase, 1)
+
+    class Resolved(TrainingHooks):
+        def __init__(self) -> None:
+            self.hyperparameters: dict = {}
+
+        def on_event(self, level: str, message: str, data: dict | None = None) -> None:
+            if data and "n_epochs" in data:
+                self.hyperparameters = {k: data[k] for k in ("n_epochs", "batch_size", "learning_rate")}
+
+    for method in args.methods:
+        options = {"method": method}
+        if args.max_steps is not None:
+            options["max_steps"] = args.max_steps
+        hooks = Resolved()
+        phase = time.monotonic()
+        run_config = FineTuneRun(
+            base_dir, train_file, str(workdir / method), settings=FineTuneSettings.from_options(**options)
+        )
+        result = run_finetune(run_config, hooks)
+        report["seconds"][f"finetune_{method}"] = round(time.monotonic() - phase, 1)
+        phase = time.monotonic()
+        adapter = result.output_dir if method == "lora" else None
+        scores = evaluate_model(base_dir if adapter else result.output_dir, valid_file, adapter_dir=adapter)
+        report["seconds"][f"evaluate_{method}"] = round(time.monotonic() - phase, 1)
+        report["models"][method] = {
+            **_scores(scores),
+            "hyperparameters": hooks.hyperparameters,
+            "steps": result.metrics.get("step"),
+            "train_loss": result.metrics.get("train_loss"),
+        }
+    report["seconds"]["total"] = round(time.monotonic() - started, 1)
+    return report
+
+
+def _scores(evaluation: dict) -> dict:
+    task = evaluation["task_evaluation"]
+    return {
+        "loss": evaluation["loss"],
+        "token_accuracy": evaluation["token_accuracy"],
+        "exact_match": task["exact_match"],
+        "disposition_accuracy": task["fields"].get("Disposition", {}).get("accuracy"),
+    }
+
+
+def print_table(report: dict) -> None:
+    rows = [("model", "held-out loss", "token accuracy", "disposition", "exact match", "epochs", "batch", "lr")]
+    for name, scores in report["models"].items():
+        hyper = scores.get("hyperparameters", {})
+        rows.append(
+            (
+                name,
+                f"{scores['loss']:.3f}",
+                f"{scores['token_accuracy']:.3f}",
+                f"{scores['disposition_accuracy']:.3f}",
+                f"{scores['exact_match']:.3f}",
+                str(hyper.get("n_epochs", "")),
+                str(hyper.get("batch_size", "")),
+                f"{hyper['learning_rate']:.2e}" if "learning_rate" in hyper else "",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for index, row in enumerate(rows):
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+        if index == 0:
+            print("  ".join("-" * width for width in widths))
+    seconds = ", ".join(f"{name} {value} s" for name, value in report["seconds"].items())
+    print(
+        f"preset {report['preset']} ({report['pretrain_steps']} steps on {report['corpus_cases']} case files), "
+        f"{report['n_train']} training chats, {report['n_valid']} held-out; {seconds}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="toy sizes, every step (seconds; the CI test)")
+    parser.add_argument("--preset", default="cpu", help="pretraining preset (default cpu)")
+    parser.add_argument("--corpus", type=int, default=3000, metavar="N", help="pretraining case files")
+    parser.add_argument("--pretrain-steps", type=int, metavar="N", help="instead of the preset's")
+    parser.add_argument("--train", type=int, default=600, metavar="N", help="training chats (default 600)")
+    parser.add_argument("--valid", type=int, default=60, metavar="N", help="held-out chats (default 60)")
+    parser.add_argument("--max-steps", type=int, metavar="N", help="cap each fine-tune's optimizer steps")
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--workdir", type=Path, help="keep the corpus, models and data here (default: a temp dir)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON report (default {DEFAULT_OUT})")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.preset, args.corpus, args.pretrain_steps = "cpu", 40, 2
+        args.train, args.valid, args.max_steps = 6, 3, 2
+
+    from zaya_model.training.runtime import prepare_training_process
+
+    prepare_training_process()
+    with tempfile.TemporaryDirectory(prefix="zaya-quality-") as scratch:
+        workdir = args.workdir or Path(scratch)
+        workdir.mkdir(parents=True, exist_ok=True)
+        report = run(args, workdir)
+    print_table(report)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""A sample fine-tuning dataset and pretraining corpus from the synthetic bank cases (`zaya data sample`).
+
+`write_sample` writes `train.jsonl` and `validation.jsonl`: disposition chats (system prompt, the task and the case
+file, the answer `Disposition: <LABEL>` then `Reason: ...`), labels balanced, the validation cases drawn with another
+seed so no case appears in both. `write_corpus` writes plain case files (JSONL with a `text` field) for `zaya
+pretrain`: the documents a bank's model would read, without the dispositions.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from zaya_model.atomic_io import write_text_atomic
+
+from .synthetic import generate_cases, generate_chat_examples, render_case_file
+
+TRAIN_FILE, VALIDATION_FILE, CORPUS_FILE = "train.jsonl", "validation.jsonl", "corpus.jsonl"
+CORPUS_SEED = 7  # the corpus's cases differ from the chats' (seeds 1 and 2 + seed)
+
+
+def validation_size(n_cases: int) -> int:
+    """Held-out chats besides `n_cases` training ones: 10% of them, at least 3 (one per label), at most 200."""
+    return min(200, max(3, n_cases // 10))
+
+
+def write_sample(directory: str | Path, n_cases: int, *, n_validation: int | None = None, seed: int = 0) -> dict:
+    """`train.jsonl` (`n_cases` chats) and `validation.jsonl` in `directory`; returns their paths and sizes."""
+    if n_cases < 1:
+        raise ValueError("n_cases must be at least 1")
+    n_validation = validation_size(n_cases) if n_validation is None else n_validation
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    written = {}
+    for name, n, chat_seed in ((TRAIN_FILE, n_cases, 2 * seed + 1), (VALIDATION_FILE, n_validation, 2 * seed + 2)):
+        records = generate_chat_examples(n, seed=chat_seed, tasks=("disposition",))
+        path = directory / name
+        write_text_atomic(path, "".join(json.dumps(record) + "\n" for record in records))
+        written[name] = {"path": str(path), "n_examples": n}
+    return written
+
+
+def write_corpus(path: str | Path, n_cases: int, *, seed: int = CORPUS_SEED) -> Path:
+    """`n_cases` case files as pretraining documents (JSONL, one `{"text": ...}` per line)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    texts = (render_case_file(case) for case in generate_cases(n_cases, seed=seed))
+    write_text_atomic(path, "".join(json.dumps({"text": text}) + "\n" for text in texts))
+    return path

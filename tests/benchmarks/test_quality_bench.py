@@ -1,0 +1,43 @@
+"""Smoke test of `benchmarks/quality_bench.py --smoke`: corpus, pretraining, sample chats, base and both fine-tunes
+scored, with the hyperparameters the defaults resolved to."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_smoke_quality_benchmark_scores_base_lora_and_full(tmp_path):
+    out = tmp_path / "results" / "quality.json"
+    done = subprocess.run(
+        [sys.executable, "benchmarks/quality_bench.py", "--smoke", "--out", str(out)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=400,  # ~20-40 s on 2 loaded cores
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert list(report["models"]) == ["base", "lora", "full"]
+    for scores in report["models"].values():
+        assert math.isfinite(scores["loss"]) and scores["loss"] > 0
+        for name in ("token_accuracy", "exact_match", "disposition_accuracy"):
+            assert 0 <= scores[name] <= 1
+    for method in ("lora", "full"):
+        hyper = report["models"][method]["hyperparameters"]
+        assert hyper["n_epochs"] >= 1 and hyper["batch_size"] >= 1 and hyper["learning_rate"] > 0
+        assert report["models"][method]["steps"] == 2  # --smoke caps each fine-tune at 2 steps
+    # the full fine-tune's rate is LoRA's / 10, both scaled to the same narrow model
+    assert math.isclose(
+        report["models"]["lora"]["hyperparameters"]["learning_rate"],
+        10 * report["models"]["full"]["hyperparameters"]["learning_rate"],
+    )
+    assert set(report["seconds"]) >= {"pretrain", "evaluate_base", "finetune_lora", "finetune_full", "total"}
+    table = done.stdout
+    assert "disposition" in table and "exact match" in table and f"{report['models']['base']['loss']:.3f}" in table
