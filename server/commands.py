@@ -64,11 +64,8 @@ def _worker(args: argparse.Namespace) -> int:
     import logging
 
     from server.db.session import make_engine, make_sessionmaker
-    from server.services import training
     from server.worker import Worker, WorkerConfig, install_signal_handlers
-    from zaya_model.training.runtime import prepare_training_process
 
-    prepare_training_process()  # the worker's process runs training jobs
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("alembic").setLevel(logging.WARNING)
     try:
@@ -86,7 +83,6 @@ def _worker(args: argparse.Namespace) -> int:
         _require_current_schema(engine)
         worker = Worker(settings, make_sessionmaker(engine), config, worker_id=args.worker_id)
         install_signal_handlers(worker)
-        training.preload()
         print(f"worker {worker.worker_id} polling {settings.database_url}", flush=True)
         worker.run_forever(exit_when_idle=args.exit_when_idle)
     finally:
@@ -152,7 +148,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     worker = subparsers.add_parser("worker", help="run the fine-tuning job worker (claims queued jobs)")
     worker.add_argument(
-        "--lease-seconds", type=float, default=60.0, help="re-queue a silent worker's job after this",
+        "--lease-seconds",
+        type=float,
+        default=60.0,
+        help="re-queue a silent worker's job after this",
     )
     worker.add_argument("--heartbeat-seconds", type=float, default=10.0, help="how often the lease is renewed")
     worker.add_argument("--max-attempts", type=int, default=3, help="lost leases before a job fails (default 3)")

@@ -6,6 +6,12 @@ worker dies, its lease runs out and any worker re-queues the job (`requeue_expir
 last checkpoint; after `max_attempts` lost leases the job fails with a clear error. Every write a worker makes is
 checked against its lease token (see `server.services.jobs`), so a worker presumed dead can no longer touch the job.
 
+Each attempt trains in a child process (`server.attempt`), so an out-of-memory kill or a crash in training ends that
+process, not the worker, and the memory goes back with it. The worker keeps every database write: it records the
+events and checkpoints the child reports, passes cancel and pause on to it, and registers its result. A child that
+dies without a result (its exit code or signal named in the job's events) costs the job one attempt: it is re-queued
+to resume from its last checkpoint, or fails after `max_attempts` lost attempts, as a lost lease does.
+
 What a job does (its files' validation, its run) is `server.services.training`'s. Each attempt trains into its own
 directory (`<data dir>/jobs/<job-id>/attempt-<n>/`), so a presumed-dead worker that is in fact still running never
 writes into the directory of the attempt that replaced it.
@@ -13,11 +19,15 @@ writes into the directory of the attempt that replaced it.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import math
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -26,11 +36,13 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from server.attempt import AttemptFiles, EventReader, exit_description, write_control
 from server.db.base import utcnow
 from server.db.models import FineTuningJob, JobStatus
 from server.errors import APIError
 from server.services import jobs, training
 from server.settings import Settings
+from zaya_model.atomic_io import write_json_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +55,8 @@ class WorkerConfig:
     heartbeat_seconds: float = 10.0
     max_attempts: int = 3
     poll_seconds: float = 2.0
+    # How long a child asked to stop (the job's lease lost, the worker failing) gets before it is killed.
+    stop_grace_seconds: float = 30.0
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_seconds < self.lease_seconds:
@@ -143,11 +157,10 @@ class Pace:
 
 
 def make_hooks(run: JobRun):
-    """The trainer's hooks, writing events, metrics and checkpoints under the job's lease, and moving the job's
-    estimated finish after each training step."""
-    base = training.training_hooks_base()
+    """What the trainer's hooks report, written as events, metrics and checkpoints under the job's lease, moving the
+    job's estimated finish after each training step."""
 
-    class JobHooks(base):
+    class JobHooks:
         total_steps: int | None = None  # from the trainer's "training from step ... of ..." event
         pace: Pace | None = None
 
@@ -169,10 +182,26 @@ def make_hooks(run: JobRun):
         def on_checkpoint_deleted(self, step, path):
             run.write(jobs.delete_checkpoint, step=step, path=str(path))
 
-        def should_stop(self):
-            return run.stop_reason()
-
     return JobHooks()
+
+
+def report(hooks, record: dict) -> None:
+    """One line of the attempt's events file (`server.attempt`) to the matching hook."""
+    kind = record["kind"]
+    if kind == "event":
+        hooks.on_event(record["level"], record["message"], record.get("data"))
+    elif kind == "metrics":
+        hooks.on_metrics(record["step"], record["metrics"])
+    elif kind == "checkpoint":
+        hooks.on_checkpoint(record["step"], record["path"], record.get("metrics"))
+    elif kind == "checkpoint_deleted":
+        hooks.on_checkpoint_deleted(record["step"], record["path"])
+    else:
+        logger.warning("unknown event from a training process: %r", record)
+
+
+class AttemptDied(Exception):
+    """The attempt's training process ended without a result: killed or crashed."""
 
 
 class Worker:
@@ -217,10 +246,6 @@ class Worker:
             self.run_job(lease)
         except jobs.LeaseLost:
             logger.warning("job %s was taken away from this worker; its result is discarded", lease.job_id)
-        finally:
-            from zaya_model.training.allocator import release_freed_memory  # torch is loaded by now
-
-            release_freed_memory()  # kept for the job's steps (`zaya worker` keeps freed memory), not beyond it
         return True
 
     def run_forever(self, *, exit_when_idle: bool = False) -> None:
@@ -242,46 +267,111 @@ class Worker:
                     fine_tune_run, resume_from = training.job_run(session, self.settings, lease.job_id, lease.attempt)
                 if resume_from is not None:
                     run.write(jobs.record_event, f"Resuming from checkpoint {Path(resume_from).name}.")
-                result = training.run(fine_tune_run, make_hooks(run), resume_from)
+                result = self.run_attempt(run, fine_tune_run, resume_from)
             except jobs.LeaseLost:
                 raise
+            except AttemptDied as died:
+                if run.lost.is_set():
+                    raise jobs.LeaseLost(str(died)) from died
+                logger.error("job %s: %s", lease.job_id, died)
+                run.write(jobs.end_lost_attempt, str(died), max_attempts=self.config.max_attempts)
+                return
             except Exception as error:
                 if run.lost.is_set():
                     raise jobs.LeaseLost(str(error)) from error
                 logger.exception("job %s failed", lease.job_id)
                 code = "invalid_training_data" if training.is_training_error(error) else "training_error"
-                message = f"{type(error).__name__}: {error}"[:MAX_ERROR_MESSAGE]
-                run.write(
-                    jobs.finish_stopped,
-                    JobStatus.failed,
-                    f"Job failed: {message}",
-                    error={"code": code, "message": message, "param": None},
-                )
+                self._fail(run, code, f"{type(error).__name__}: {error}")
+                return
+            if result["status"] == "error":
+                if run.lost.is_set():
+                    raise jobs.LeaseLost(result["message"])
+                code = "invalid_training_data" if result["training_error"] else "training_error"
+                self._fail(run, code, f"{result['error_type']}: {result['message']}")
                 return
         self._finish(run, result)
+
+    def _fail(self, run: JobRun, code: str, message: str) -> None:
+        message = message[:MAX_ERROR_MESSAGE]
+        error = {"code": code, "message": message, "param": None}
+        run.write(jobs.finish_stopped, JobStatus.failed, f"Job failed: {message}", error=error)
+
+    def run_attempt(self, run: JobRun, fine_tune_run, resume_from: str | None) -> dict:
+        """Train in a child process (`server.attempt`) while recording what it reports and passing on stop requests;
+        returns its result file. AttemptDied when it ends without one."""
+        files = AttemptFiles(Path(fine_tune_run.output_dir))
+        files.directory.mkdir(parents=True, exist_ok=True)
+        for stale in (files.events, files.control, files.result):
+            stale.unlink(missing_ok=True)
+        spec = {
+            "model_dir": fine_tune_run.model_dir,
+            "train_file": fine_tune_run.train_file,
+            "validation_file": fine_tune_run.validation_file,
+            "output_dir": fine_tune_run.output_dir,
+            "seed": fine_tune_run.seed,
+            "method": fine_tune_run.settings.model_dump(mode="json"),
+            "resume_from": resume_from,
+            "worker_pid": os.getpid(),
+        }
+        write_json_atomic(files.spec, spec)
+        command = [sys.executable, "-m", "server.attempt", str(files.spec)]
+        # Its own session: a Ctrl-C at the worker's terminal reaches the worker, which pauses the child in order.
+        process = subprocess.Popen(command, start_new_session=True)
+        try:
+            run.write(jobs.record_event, f"Training process {process.pid} started.", data={"pid": process.pid})
+            self._follow(run, process, files)
+        finally:
+            if process.poll() is None:  # leaving early (lost lease, database error): the child must not outlive it
+                write_control(files, "cancel")
+                try:
+                    process.wait(timeout=self.config.stop_grace_seconds)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+        if not files.result.is_file():
+            raise AttemptDied(f"The training process {process.pid} {exit_description(process.returncode)}")
+        return json.loads(files.result.read_text())
+
+    def _follow(self, run: JobRun, process: subprocess.Popen, files: AttemptFiles) -> None:
+        hooks = make_hooks(run)
+        reader = EventReader(files.events)
+        sent = None
+        while True:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=0.1)
+            ended = process.returncode is not None  # read after the exit: the last lines are in the file by then
+            for record in reader.read():
+                report(hooks, record)
+            if ended:
+                return
+            action = run.stop_reason()
+            if action is not None and action != sent and sent != "cancel":
+                write_control(files, action)
+                sent = action
 
     def _finish(self, run: JobRun, result) -> None:
         if run.lost.is_set():
             raise jobs.LeaseLost(f"lost job {run.lease.job_id} before it finished")
-        if result.status == "succeeded":
+        status = result["status"]
+        if status == "succeeded":
             try:
                 run.write(
                     jobs.finish_succeeded,
-                    output_dir=result.output_dir,
-                    metrics=json_safe(result.metrics),
-                    trained_tokens=result.trained_tokens,
+                    output_dir=result["output_dir"],
+                    metrics=json_safe(result["metrics"]),
+                    trained_tokens=result.get("trained_tokens"),
                 )
             except APIError as error:  # the trainer's output does not load as a model version
                 failure = {"code": "registration_failed", "message": error.message, "param": None}
                 run.write(jobs.finish_stopped, JobStatus.failed, f"Job failed: {error.message}", error=failure)
-        elif result.status == "cancelled":
+        elif status == "cancelled":
             run.write(jobs.finish_stopped, JobStatus.cancelled, "Job cancelled.")
-        elif result.status == "paused" and run.requested_action == "pause":
+        elif status == "paused" and run.requested_action == "pause":
             run.write(jobs.finish_stopped, JobStatus.paused, "Job paused at its last checkpoint.")
-        elif result.status == "paused":  # this worker is shutting down: another one continues the job
+        elif status == "paused":  # this worker is shutting down: another one continues the job
             run.write(jobs.finish_stopped, JobStatus.queued, f"Worker {self.worker_id} shut down; job re-queued.")
         else:
-            message = f"The trainer returned an unknown status {result.status!r}."
+            message = f"The trainer returned an unknown status {status!r}."
             error = {"code": "training_error", "message": message, "param": None}
             run.write(jobs.finish_stopped, JobStatus.failed, f"Job failed: {message}", error=error)
 

@@ -119,7 +119,8 @@ class FineTuningJob(Base):
     # A fresh random token per claim. Every write a worker makes checks it, so a worker that lost its lease (the job
     # was re-queued after it stopped heartbeating) can no longer change the job: one runner at a time.
     lease_token: Mapped[str | None] = mapped_column(String(64))
-    # How often a worker lost this job (crash, kill -9, lost machine); the job fails after the worker's maximum.
+    # How often an attempt was lost: its worker stopped heartbeating (crash, kill -9, lost machine) or its training
+    # process died (out-of-memory kill, signal, crash); the job fails after the worker's maximum.
     lease_expirations: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     # The base model version, pinned when the job is created (an alias may move while the job waits). No foreign
     # key, like `result_model_version_id`: model_versions already points here, and a cycle would order nothing.

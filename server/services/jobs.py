@@ -455,6 +455,35 @@ def finish_stopped(session: Session, lease: Lease, status: JobStatus, message: s
     session.commit()
 
 
+def end_lost_attempt(session: Session, lease: Lease, reason: str, *, max_attempts: int) -> JobStatus:
+    """The attempt's training process died without a result (`reason`: its exit code or signal): re-queue the job to
+    resume from its last checkpoint, or fail it after `max_attempts` lost attempts, counted with the lost leases of
+    `requeue_expired`. A pending cancel or pause is honoured instead. Commits; returns the job's new status."""
+    action = _guard(session, lease)
+    job = session.get(FineTuningJob, lease.job_id)
+    lost = job.lease_expirations + 1
+    job.lease_expirations = lost
+    error = None
+    if action == "cancel":
+        status, level, message = JobStatus.cancelled, "warn", f"{reason}; the requested cancellation is done."
+    elif action == "pause":
+        status, level, message = JobStatus.paused, "warn", f"{reason}; the job is paused as requested."
+    elif lost >= max_attempts:
+        status, level = JobStatus.failed, "error"
+        message = f"{reason}. Gave up after {lost} lost attempts."
+        error = {"code": "training_process_died", "message": message, "param": None}
+    else:
+        status, level = JobStatus.queued, "warn"
+        message = (
+            f"{reason}; re-queued to resume from the last checkpoint (lost {lost} of at most {max_attempts} times)."
+        )
+    _end_lease(job, status)
+    job.error = error
+    add_event(session, job.id, message, level=level, data={"lost_attempts": lost})
+    session.commit()
+    return status
+
+
 def requeue_expired(session: Session, *, max_attempts: int) -> list[str]:
     """Take jobs back from workers that stopped heartbeating; re-queue them, or fail them after `max_attempts`
     lost leases. A pending cancel or pause is honoured instead of re-queueing. Commits; returns the job ids.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from sqlalchemy.orm import Session
 
@@ -27,11 +27,6 @@ logger = logging.getLogger(__name__)
 
 LEVELS = {"info": "info", "warning": "warn", "warn": "warn", "error": "error"}
 MAX_ERROR_MESSAGE = 2000
-
-
-def preload() -> None:
-    """Import the fine-tuning core now (seconds: torch, transformers, peft), so a worker's first job starts at once."""
-    import finetune.train  # noqa: F401
 
 
 def settings_of(job: FineTuningJob) -> FineTuneSettings:
@@ -82,9 +77,7 @@ def file_error(session: Session, app_settings: Settings, job: FineTuningJob) -> 
     return None
 
 
-def dataset_problems(
-    path: Path, *, model_dir: Path, settings: FineTuneSettings, other_path: Path | None
-) -> list[str]:
+def dataset_problems(path: Path, *, model_dir: Path, settings: FineTuneSettings, other_path: Path | None) -> list[str]:
     """The fine-tuning validator's line-numbered problems in a job's file, or why its format does not fit the job's
     method (preference data for dpo, any other format for supervised). Empty when valid."""
     from transformers import AutoTokenizer
@@ -126,21 +119,8 @@ def job_run(session: Session, app_settings: Settings, job_id: str, attempt: int)
     return run, resume_from
 
 
-def training_hooks_base() -> type:
-    """The trainer's hooks base class, for the worker to subclass."""
-    from finetune.train import TrainingHooks
-
-    return TrainingHooks
-
-
 def is_training_error(error: Exception) -> bool:
     """True for a bad setting or dataset (the job's fault: fail it, do not retry)."""
     from finetune.train import FinetuneError
 
     return isinstance(error, FinetuneError)
-
-
-def run(fine_tune_run: FineTuneRun, hooks: Any, resume_from: str | None):
-    from finetune.train import run_finetune
-
-    return run_finetune(fine_tune_run, hooks=hooks, resume_from=resume_from)

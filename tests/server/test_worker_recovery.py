@@ -231,3 +231,88 @@ def test_a_killed_worker_s_job_resumes_from_its_checkpoint_and_succeeds_once(
     steps = [int(path.name.split("-")[1]) for path in second_attempt.glob("checkpoint-*")]
     assert steps and min(steps) > resume_step
     assert Path(versions[0].path).is_dir()
+
+
+def test_a_lost_attempt_is_requeued_then_given_up_counting_with_lost_leases(sessions, queued_jobs):
+    (job_id,) = queued_jobs(1)
+    claim(sessions, "worker-1")
+    expire_lease(sessions, job_id)
+    with sessions() as session:
+        jobs.requeue_expired(session, max_attempts=3)  # one lost lease
+    lease = claim(sessions, "worker-2")
+    with sessions() as session:
+        reason = "The training process 123 was killed by signal SIGKILL (9)"
+        assert jobs.end_lost_attempt(session, lease, reason, max_attempts=3) == JobStatus.queued
+    lease = claim(sessions, "worker-3")
+    with sessions() as session:
+        assert jobs.end_lost_attempt(session, lease, reason, max_attempts=3) == JobStatus.failed
+        with pytest.raises(jobs.LeaseLost):  # the lease ended with the attempt
+            jobs.heartbeat(session, lease, lease_seconds=30)
+    with sessions() as session:
+        job = session.get(FineTuningJob, job_id)
+        assert (job.status, job.lease_expirations, job.lease_token) == (JobStatus.failed, 3, None)
+        assert job.error["code"] == "training_process_died"
+        assert job.error["message"] == f"{reason}. Gave up after 3 lost attempts."
+        messages = [e.message for e in session.scalars(select(JobEvent).where(JobEvent.job_id == job_id))]
+    assert f"{reason}; re-queued to resume from the last checkpoint (lost 2 of at most 3 times)." in messages
+
+
+def test_a_killed_training_process_costs_an_attempt_not_the_worker(
+    client, auth, settings, sessions, tiny_model_dir, valid_dataset, tmp_path
+):
+    with sessions() as session:
+        registry.register_version(session, name="zaya-tiny", path=tiny_model_dir)
+        session.commit()
+    upload = {"file": ("train.jsonl", valid_dataset)}
+    file_id = client.post("/v1/files", headers=auth("data"), data={"purpose": "fine-tune"}, files=upload).json()["id"]
+    hyperparameters = {"n_epochs": 100, "batch_size": 1, "max_steps": 12, "eval_every": 3}
+    body = {
+        "model": "zaya-tiny",
+        "training_file": file_id,
+        "method": {"supervised": {"hyperparameters": hyperparameters}},
+    }
+    job_id = client.post("/v1/fine_tuning/jobs", headers=auth("data"), json=body).json()["id"]
+    log_path = tmp_path / "worker.log"
+    worker = start_worker(settings, log_path)
+    processes = {worker.pid: worker}
+
+    def training_process_after_first_checkpoint() -> int | None:
+        with sessions() as session:
+            if jobs.latest_checkpoint(session, job_id) is None:
+                return None
+            started = session.scalars(
+                select(JobEvent)
+                .where(JobEvent.job_id == job_id, JobEvent.message.like("Training process % started."))
+                .order_by(JobEvent.id.desc())
+            ).first()
+            return started.data["pid"]
+
+    try:
+        child = wait_for(training_process_after_first_checkpoint, 180, processes, log_path)
+        assert child != worker.pid
+        os.kill(child, signal.SIGKILL)  # what the kernel's out-of-memory killer does
+
+        def finished() -> bool:
+            with sessions() as session:
+                return session.get(FineTuningJob, job_id).status in jobs.FINISHED_STATUSES
+
+        wait_for(finished, 180, processes, log_path)  # fails at once if the worker went down with its child
+        assert worker.poll() is None, "the worker lives on"
+    finally:
+        if worker.poll() is None:
+            worker.send_signal(signal.SIGTERM)
+    assert worker.wait(timeout=60) == 0
+
+    with sessions() as session:
+        job = session.get(FineTuningJob, job_id)
+        events = session.scalars(select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id)).all()
+        history = "\n".join(f"{event.level} {event.message}" for event in events)
+        assert job.status == JobStatus.succeeded, (job.error, history, log_path.read_text()[-3000:])
+        assert (job.attempts, job.lease_expirations) == (2, 1), history
+    lost = [event for event in events if "killed by signal SIGKILL (9)" in event.message]
+    assert len(lost) == 1 and lost[0].level == "warn", history
+    assert lost[0].message == (
+        f"The training process {child} was killed by signal SIGKILL (9); re-queued to resume from the last checkpoint "
+        "(lost 1 of at most 3 times)."
+    )
+    assert any(event.message.startswith("Resuming from checkpoint checkpoint-") for event in events), history
