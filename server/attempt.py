@@ -1,10 +1,12 @@
-"""One attempt of a fine-tuning job, in a process of its own: `python -m server.attempt <attempt dir>/attempt.json`.
+"""One attempt of a fine-tuning job, in a process of its own: `python -m server.attempt <channel dir>/attempt.json`.
 
 The job worker (`server.worker`) starts it and keeps everything that touches the database (lease, heartbeat, events,
 checkpoint rows, the result's registration); this process only trains, so an out-of-memory kill or a crash in
 training ends this process, not the worker, and its memory goes back to the system when it exits.
 
-The two talk through files in the attempt's directory (`AttemptFiles`):
+The two talk through files in a private directory the worker makes for the attempt in the host's temporary
+directory (`AttemptFiles`), not in the data dir: they are small, and must still be written when the data dir's disk
+is full (the attempt's error then says so) or a shared file system is slow:
 
     attempt.json   the run (model, files, output dir, seed, the job's `method`), the checkpoint to resume from, the
                    worker's pid
@@ -147,15 +149,33 @@ def _hooks(files: AttemptFiles, worker_pid: int, writes_events: bool):
             emit("checkpoint_deleted", step=step, path=str(path))
 
         def should_stop(self):
-            if not _alive(worker_pid):
-                return "cancel"
-            try:
-                action = files.control.read_text().strip()
-            except FileNotFoundError:
-                return None
-            return action if action in ("cancel", "pause") else None
+            # Data-parallel processes stop at the same step or not at all: the first decides for all of them.
+            decision = [_requested_stop(files, worker_pid) if _rank() == 0 else None]
+            if _world_size() > 1:
+                import torch.distributed
+
+                torch.distributed.broadcast_object_list(decision, src=0)
+            return decision[0]
 
     return AttemptHooks()
+
+
+def _requested_stop(files: AttemptFiles, worker_pid: int) -> str | None:
+    if not _alive(worker_pid):
+        return "cancel"
+    try:
+        action = files.control.read_text().strip()
+    except FileNotFoundError:
+        return None
+    return action if action in ("cancel", "pause") else None
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def run_attempt(spec_path: Path) -> int:
@@ -176,7 +196,7 @@ def run_attempt(spec_path: Path) -> int:
         seed=spec["seed"],
         settings=FineTuneSettings.model_validate(spec["method"]),
     )
-    hooks = _hooks(files, worker_pid, writes_events=int(os.environ.get("RANK", "0")) == 0)
+    hooks = _hooks(files, worker_pid, writes_events=_rank() == 0)
     try:
         result = run_finetune(run, hooks=hooks, resume_from=spec["resume_from"])
     except Exception as error:
@@ -189,9 +209,10 @@ def run_attempt(spec_path: Path) -> int:
             "message": str(error),
             "training_error": isinstance(error, FinetuneError),
         }
-        write_json_atomic(files.result, outcome)
+        if _rank() == 0:
+            write_json_atomic(files.result, outcome)
         return 1
-    if int(os.environ.get("RANK", "0")) == 0:
+    if _rank() == 0:
         outcome = {
             "status": result.status,
             "output_dir": result.output_dir,
@@ -205,7 +226,7 @@ def run_attempt(spec_path: Path) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m server.attempt <attempt dir>/attempt.json", file=sys.stderr)
+        print("usage: python -m server.attempt <channel dir>/attempt.json", file=sys.stderr)
         return 2
     return run_attempt(Path(args[0]))
 

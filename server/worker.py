@@ -24,10 +24,12 @@ import json
 import logging
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -299,10 +301,13 @@ class Worker:
     def run_attempt(self, run: JobRun, fine_tune_run, resume_from: str | None) -> dict:
         """Train in a child process (`server.attempt`) while recording what it reports and passing on stop requests;
         returns its result file. AttemptDied when it ends without one."""
-        files = AttemptFiles(Path(fine_tune_run.output_dir))
-        files.directory.mkdir(parents=True, exist_ok=True)
-        for stale in (files.events, files.control, files.result):
-            stale.unlink(missing_ok=True)
+        files = AttemptFiles(Path(tempfile.mkdtemp(prefix=f"zaya-{run.lease.job_id}-attempt-{run.lease.attempt}-")))
+        try:
+            return self._run_child(run, fine_tune_run, resume_from, files)
+        finally:
+            shutil.rmtree(files.directory, ignore_errors=True)
+
+    def _run_child(self, run: JobRun, fine_tune_run, resume_from: str | None, files: AttemptFiles) -> dict:
         spec = {
             "model_dir": fine_tune_run.model_dir,
             "train_file": fine_tune_run.train_file,

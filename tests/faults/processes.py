@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import time
@@ -43,13 +44,35 @@ def logs(stack: Stack) -> str:
     return f"--- server log\n{Stack.tail(stack.server_log)}\n--- worker log\n{Stack.tail(stack.worker_log)}"
 
 
+def descendants(pid: int) -> list[int]:
+    """The pids of the process's children and theirs (a worker's training process), from /proc."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            children += [int(child) for child in (task / "children").read_text().split()]
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+    return children + [grandchild for child in children for grandchild in descendants(child)]
+
+
 def freeze(process: subprocess.Popen) -> None:
-    """SIGSTOP: the process stops where it is, so the test can look at the state it is about to be killed in."""
+    """SIGSTOP to the process and its descendants: they stop where they are, so the test can look at the state they
+    are about to be killed in."""
     process.send_signal(signal.SIGSTOP)
+    for pid in descendants(process.pid):
+        os.kill(pid, signal.SIGSTOP)
+
+
+def thaw(process: subprocess.Popen) -> None:
+    """SIGCONT to a frozen process and its descendants."""
+    for pid in descendants(process.pid):
+        os.kill(pid, signal.SIGCONT)
+    process.send_signal(signal.SIGCONT)
 
 
 def kill(process: subprocess.Popen) -> None:
-    """SIGKILL (works on a frozen process too): no handler, no cleanup, as in a crash or an OOM kill."""
+    """SIGKILL (works on a frozen process too): no handler, no cleanup, as in a crash or an OOM kill. A worker's
+    training process dies with it (its parent-death signal)."""
     process.send_signal(signal.SIGKILL)
     process.wait()
 

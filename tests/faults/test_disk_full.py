@@ -9,7 +9,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +22,7 @@ from benchmarks.load_test.stack import Stack
 from server.db.models import Checkpoint, File, FineTuningJob, ModelVersion
 from server.services.storage import INCOMING_DIR
 
-from .processes import DATASET, assert_no_secret_logged, dataset, freeze, logs, visible_files, wait_for
+from .processes import DATASET, assert_no_secret_logged, dataset, freeze, logs, thaw, visible_files, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -126,7 +125,7 @@ def test_a_checkpoint_on_a_full_disk_fails_the_job_clearly_and_keeps_the_previou
         wait_for(lambda: checkpoint_steps() == [4], 240, stack, "the first checkpoint", poll=0.01)
         freeze(worker)
         filler = fill(small_disk)
-        worker.send_signal(signal.SIGCONT)
+        thaw(worker)
         try:
             wait_for(lambda: job().status in ("succeeded", "failed", "cancelled"), 240, stack, "the job to end")
         finally:
