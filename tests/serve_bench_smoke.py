@@ -1,5 +1,5 @@
-"""Shared by the two smoke tests of `benchmarks/serve_bench.py --quick`, each running part of the benchmark (so that
-CI's two pytest workers run them side by side): the run itself and the checks every load must pass."""
+"""Shared by the smoke tests of `benchmarks/serve_bench.py --smoke` (the vLLM suite's two run parts of the benchmark,
+so that CI's two pytest workers run them side by side): the run itself and the checks every load must pass."""
 
 import json
 import math
@@ -9,13 +9,14 @@ import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-CLIENTS = (1, 4)  # --quick
+CLIENTS = (1, 4)  # --smoke
+MAX_TOKENS = 16  # --smoke: every request is exactly this long
 SHORT_CLIENTS = 4
 
 
 def run_quick_serve_bench(out: Path, *args: str) -> tuple[dict, str]:
     done = subprocess.run(
-        [sys.executable, "benchmarks/serve_bench.py", "--quick", "--out", str(out), *args],
+        [sys.executable, "benchmarks/serve_bench.py", "--smoke", "--out", str(out), *args],
         cwd=REPO_ROOT,
         env={**os.environ, "ZAYA_VLLM_CPU_RESERVED_CORES": "1"},  # the vLLM engines on their own core(s)
         capture_output=True,
@@ -24,7 +25,7 @@ def run_quick_serve_bench(out: Path, *args: str) -> tuple[dict, str]:
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert report["mode"] == "quick"
+    assert report["mode"] == "smoke"
     cores = sorted(os.sched_getaffinity(0))  # one core kept for the front end, the engines compute on the rest
     placement = {"front_end": cores[:1], "compute": cores[1:]} if len(cores) > 1 else None
     assert report["vllm_cpu_placement"] == placement
@@ -32,16 +33,20 @@ def run_quick_serve_bench(out: Path, *args: str) -> tuple[dict, str]:
 
 
 def loads_by_key(report: dict) -> dict[tuple, dict]:
-    """Every load, checked: tokens and TTFTs, and CPU counted per process (the API's server, its clients and vLLM's
-    engine core, a child of whichever process holds the engine's front end). Counters tick every 10 ms, so a quick
-    load's server and clients may read 0; vLLM's engine core spins through every load."""
+    """Every load, checked: exactly `MAX_TOKENS` tokens a request (a `generate()` load: a sequence), TTFTs, and CPU
+    counted per process (the API's server, its clients and vLLM's engine core, a child of whichever process holds the
+    engine's front end; a `generate()` load's own process). Counters tick every 10 ms, so a smoke load's server and
+    clients may read 0; vLLM's engine core spins through every load."""
     loads = {(load["system"], load["path"], load["threads"], load["concurrency"]): load for load in report["loads"]}
     for key, load in loads.items():
         system, path = key[0], key[1]
         assert load["completion_tokens"] > 0 and math.isfinite(load["tokens_per_s"]) and load["tokens_per_s"] > 0, key
         if path != "generate":
             assert 0 < load["ttft_p50_s"] <= load["ttft_p99_s"], key
-        roles = {"api": {"server", "client", "core"}, "engine": {"server", "core"}, "generate": set()}
+        # A request-cost load's answers are 2 tokens long.
+        tokens = 2 if path.startswith("requests-") else MAX_TOKENS
+        assert load["requests"] >= key[3] and load["completion_tokens"] == tokens * load["requests"], key
+        roles = {"api": {"server", "client", "core"}, "engine": {"server", "core"}, "generate": {"server"}}
         roles = roles["api" if path.startswith("requests-") else path]
         assert set(load["cpu_us_per_token"]) == roles, key
         assert all(value >= 0 for value in load["cpu_us_per_token"].values()), key

@@ -1,0 +1,55 @@
+"""Smoke test of `benchmarks/serve_bench.py --smoke` in the main environment: our API (`zaya serve`) on the local
+engine against upstream `generate()` (grouped_mm experts) on the same weights, every answer exactly `max_tokens` long;
+the vLLM rows say they were not run where vLLM is not installed. The vLLM suite runs the vLLM parts."""
+
+import importlib.util
+import math
+import sys
+
+import pytest
+from serve_bench_smoke import CLIENTS, MAX_TOKENS, REPO_ROOT, engine_and_api_loads, loads_by_key, run_quick_serve_bench
+
+NO_VLLM = "not run (no vLLM environment)"
+
+
+def serve_bench():
+    spec = importlib.util.spec_from_file_location("serve_bench", REPO_ROOT / "benchmarks" / "serve_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_smoke_run_compares_the_local_api_with_upstream_generate(tmp_path):
+    report, stdout = run_quick_serve_bench(tmp_path / "serve_bench.json", "--systems", "local")
+    loads = loads_by_key(report)  # every request exactly MAX_TOKENS long
+    [threads] = {load["threads"] for load in report["loads"] if load["path"] == "generate"}
+    expected = engine_and_api_loads("local")
+    expected |= {(system, "generate", threads, c) for system in ("generate-upstream", "generate-ours") for c in CLIENTS}
+    assert set(loads) == expected
+    assert report["upstream_generate"]["experts_implementation"] == "grouped_mm"
+    assert report["upstream_generate"]["compiled"] == report["upstream_generate"]["can_compile_fullgraph"]
+
+    vllm = importlib.util.find_spec("vllm") is not None
+    rows = report["api_vs_upstream_generate"]
+    assert report["not_run"] == ({} if vllm else dict.fromkeys(("vllm", "vllm-lora", "qwen3-moe", "requests"), NO_VLLM))
+    for system in ("vllm", "vllm-lora"):
+        assert (rows[system] != NO_VLLM) == vllm
+    for clients in CLIENTS:
+        row = rows["local"][str(clients)]
+        api, upstream = loads[("local", "api", 0, clients)], loads[("generate-upstream", "generate", threads, clients)]
+        assert row["api_tokens_per_s"] == api["tokens_per_s"]
+        assert row["upstream_generate_tokens_per_s"] == upstream["tokens_per_s"]
+        assert math.isclose(row["ratio"], api["tokens_per_s"] / upstream["tokens_per_s"])
+    assert f"exactly {MAX_TOKENS} tokens each" in stdout
+    assert ("vllm                   " + NO_VLLM in stdout) != vllm
+
+
+def test_a_request_of_another_length_fails_the_benchmark():
+    check = serve_bench().check_token_counts
+    check("local api", [16, 16], 16, 2)
+    with pytest.raises(RuntimeError, match=r"token counts \[15, 16\], expected exactly 16 each"):
+        check("local api", [16, 15], 16, 2)
+    with pytest.raises(RuntimeError, match="1 of 2 requests answered"):
+        check("local api", [16], 16, 2)
