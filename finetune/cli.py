@@ -96,9 +96,18 @@ def _register_finetune(subparsers: argparse._SubParsersAction) -> None:
     finetune.add_argument("--model", required=True, metavar="DIR", help="base checkpoint (with its tokenizer)")
     finetune.add_argument("--train", required=True, metavar="FILE", help="training JSONL")
     finetune.add_argument("--validation", metavar="FILE", help="validation JSONL (loss, token accuracy, best model)")
-    finetune.add_argument("--output", required=True, metavar="DIR", help="output directory")
+    finetune.add_argument("--output", metavar="DIR", help="output directory (required unless --dry-run)")
     finetune.add_argument("--resume", metavar="CHECKPOINT", help="continue a paused run from its checkpoint dir")
     finetune.add_argument("--seed", type=int, default=0)
+    finetune.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="train nothing: check the inputs, print the trained tokens (per epoch x epochs, 'auto' resolved) and "
+        "the training time at the throughput of a few timed forward/backward passes of the model, then JSON",
+    )
+    finetune.add_argument(
+        "--no-measure", dest="measure", action="store_false", help="with --dry-run: count tokens, time nothing"
+    )
     add_settings_flags(finetune)
     finetune.set_defaults(func=run_finetune_command)
 
@@ -131,6 +140,10 @@ def run_finetune_command(args: argparse.Namespace) -> int:
         settings = settings_from_flags(args)
     except FlagError as error:
         raise CommandError(str(error)) from None
+    if args.output is None and not args.dry_run:
+        raise CommandError("--output: required (unless --dry-run)")
+    if not args.measure and not args.dry_run:
+        raise CommandError("--no-measure: only applies with --dry-run")
     transformers_logging.disable_progress_bar()  # one bar, ours, instead of one per weight load and save
     prepare_training_process()  # this process only trains
 
@@ -138,10 +151,12 @@ def run_finetune_command(args: argparse.Namespace) -> int:
         model_dir=args.model,
         train_file=args.train,
         validation_file=args.validation,
-        output_dir=args.output,
+        output_dir=args.output or "",
         seed=args.seed,
         settings=settings,
     )
+    if args.dry_run:
+        return _dry_run(run, measure=args.measure)
     hooks = _ProgressBarHooks()
     try:
         result = run_finetune(run, hooks, resume_from=args.resume)
@@ -154,6 +169,20 @@ def run_finetune_command(args: argparse.Namespace) -> int:
     metrics = ", ".join(f"{key} {value:.4g}" for key, value in result.metrics.items() if isinstance(value, float))
     tokens = "unknown" if result.trained_tokens is None else f"{result.trained_tokens:,}"
     print(f"{result.status}: {result.kind} in {result.output_dir} ({metrics}); trained tokens {tokens}")
+    return 0
+
+
+def _dry_run(run: Any, measure: bool) -> int:
+    from finetune.estimate import estimate_run
+    from finetune.train import FinetuneError
+
+    try:
+        estimate = estimate_run(run, measure=measure)
+    except FinetuneError as error:
+        raise CommandError(_named_by_flag(error)) from None
+    for line in estimate.lines():
+        print(f"dry run: {line}")
+    print(json.dumps(estimate.to_dict()))
     return 0
 
 

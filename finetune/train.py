@@ -104,20 +104,34 @@ class FinetuneResult:
     trained_tokens: int | None = None
 
 
-def check_run(run: FineTuneRun) -> None:
-    """Check the paths and what the settings ask of them, without loading anything heavy; FinetuneError names the
-    field. (The settings' own values were checked when `FineTuneSettings` was built.)"""
+def check_run(run: FineTuneRun, *, output: bool = True) -> None:
+    """Check the paths (the output directory too, unless `output` is False) and what the settings ask of them,
+    without loading anything heavy; FinetuneError names the field. (The settings' own values were checked when
+    `FineTuneSettings` was built.)"""
     _check_dir(run.model_dir, "model_dir")
     _check_file(run.train_file, "train_file")
     if run.validation_file is not None:
         _check_file(run.validation_file, "validation_file")
-    if not isinstance(run.output_dir, str) or not run.output_dir:
+    if output and (not isinstance(run.output_dir, str) or not run.output_dir):
         raise FinetuneError("output_dir", "must be a directory path")
-    if os.path.isfile(run.output_dir):
+    if output and os.path.isfile(run.output_dir):
         raise FinetuneError("output_dir", f"{run.output_dir} is a file")
     if isinstance(run.seed, bool) or not isinstance(run.seed, int) or not 0 <= run.seed < 2**32:
         raise FinetuneError("seed", f"must be an integer in [0, 2**32), got {run.seed!r}")
     run.settings.check_inputs(has_validation_file=run.validation_file is not None)
+
+
+def check_inputs_and_dataset(run: FineTuneRun) -> tuple[Any, ValidationReport]:
+    """The checks of `check_run` but the output directory's, then the datasets validated with the base model's
+    tokenizer as the run reads them: the tokenizer and the training file's report. FinetuneError names the field."""
+    check_run(run, output=False)
+    tokenizer = _load_tokenizer(run.model_dir)
+    config = ZayaConfig.from_pretrained(run.model_dir)
+    max_seq_len = run.settings.hyperparameters.max_seq_len or config.max_position_embeddings
+    train_report = _validated(run.train_file, "train_file", tokenizer, max_seq_len, run.validation_file, run.settings)
+    if run.validation_file is not None:
+        _validated(run.validation_file, "validation_file", tokenizer, max_seq_len, None, run.settings)
+    return tokenizer, train_report
 
 
 def run_finetune(
@@ -129,13 +143,9 @@ def run_finetune(
     if resume_from is not None:
         _check_dir(resume_from, "resume_from")
     settings, hyperparameters = run.settings, run.settings.hyperparameters
-    tokenizer = _load_tokenizer(run.model_dir)
+    tokenizer, train_report = check_inputs_and_dataset(run)
     config = ZayaConfig.from_pretrained(run.model_dir)
     max_seq_len = hyperparameters.max_seq_len or config.max_position_embeddings
-
-    train_report = _validated(run.train_file, "train_file", tokenizer, max_seq_len, run.validation_file, settings)
-    if run.validation_file is not None:
-        _validated(run.validation_file, "validation_file", tokenizer, max_seq_len, None, settings)
     train_examples = read_examples(run.train_file)
     eval_examples = read_examples(run.validation_file) if run.validation_file else None
     resolved = resolve_hyperparameters(settings, train_report.n_examples, config)
@@ -161,7 +171,7 @@ def run_finetune(
             raise FinetuneError(settings.setting("hyperparameters", "compile"), str(error)) from None
     fingerprint = base_model_fingerprint(base)
     is_lora = settings.adapter == "lora"
-    lora_config = _lora_config(base, settings) if is_lora else None
+    lora_config = make_lora_config(base, settings) if is_lora else None
 
     stop = HooksCallback(hooks)
     callbacks: list[TrainerCallback] = [stop, NonFiniteLossCallback(), FinalCheckpointCallback(stop)]
@@ -328,7 +338,7 @@ def _training_arguments(run: FineTuneRun, resolved: ResolvedHyperparameters, has
     )
 
 
-def _lora_config(model: ZayaForCausalLM, settings: FineTuneSettings) -> LoraConfig:
+def make_lora_config(model: ZayaForCausalLM, settings: FineTuneSettings) -> LoraConfig:
     lora = settings.lora
     targets = list(lora.target_modules or DEFAULT_LORA_TARGET_MODULES)
     # PEFT ignores an unmatched name when target_parameters match, so check every name here.

@@ -48,6 +48,22 @@ def usable_file(session: Session, file_id: str, param: str) -> File:
     return file
 
 
+def trainable_base(session: Session, *, model: str, training_file: str, validation_file: str | None) -> ModelVersion:
+    """The base model version a job on `model` trains, once its files are usable fine-tuning files; 4xx naming the
+    field otherwise."""
+    usable_file(session, training_file, "training_file")
+    if validation_file is not None:
+        usable_file(session, validation_file, "validation_file")
+    base = find_version(session, model)
+    if base.kind != "full":
+        raise InvalidRequest(
+            f"'{model}' is a LoRA adapter ({base.id}); fine-tune its base or a merged full version instead.",
+            param="model",
+            code="model_not_trainable",
+        )
+    return base
+
+
 def create_job(
     session: Session,
     *,
@@ -62,16 +78,7 @@ def create_job(
 ) -> FineTuningJob:
     """Check the files and the base model, then store the job in `validating_files`: a worker validates its files
     against the base model (`finish_validation`) and queues it. Commits."""
-    usable_file(session, training_file, "training_file")
-    if validation_file is not None:
-        usable_file(session, validation_file, "validation_file")
-    base = find_version(session, model)
-    if base.kind != "full":
-        raise InvalidRequest(
-            f"'{model}' is a LoRA adapter ({base.id}); fine-tune its base or a merged full version instead.",
-            param="model",
-            code="model_not_trainable",
-        )
+    base = trainable_base(session, model=model, training_file=training_file, validation_file=validation_file)
     job = FineTuningJob(
         id=new_id("ftjob-"),
         model=model,

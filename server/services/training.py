@@ -8,12 +8,14 @@ functions: the API server pays for it on the first job it validates, `zaya --hel
 from __future__ import annotations
 
 import logging
+import statistics
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from server.db.models import File, FineTuningJob, ModelVersion
+from server.db.models import File, FineTuningJob, JobStatus, ModelVersion
 from server.errors import APIError, InvalidRequest
 from server.services import jobs
 from server.services.files import content_path
@@ -31,9 +33,13 @@ MAX_ERROR_MESSAGE = 2000
 
 def settings_of(job: FineTuningJob) -> FineTuneSettings:
     """The job's settings, read back from its stored `method`."""
+    return settings_of_method(job.method)
+
+
+def settings_of_method(method: dict[str, Any]) -> FineTuneSettings:
     from finetune.settings import FineTuneSettings
 
-    return FineTuneSettings.model_validate(job.method)
+    return FineTuneSettings.model_validate(method)
 
 
 def check_inputs(settings: FineTuneSettings, *, has_validation_file: bool) -> None:
@@ -80,6 +86,11 @@ def file_error(session: Session, app_settings: Settings, job: FineTuningJob) -> 
 def dataset_problems(path: Path, *, model_dir: Path, settings: FineTuneSettings, other_path: Path | None) -> list[str]:
     """The fine-tuning validator's line-numbered problems in a job's file, or why its format does not fit the job's
     method (preference data for dpo, any other format for supervised). Empty when valid."""
+    return _validated(path, model_dir=model_dir, settings=settings, other_path=other_path)[1]
+
+
+def _validated(path: Path, *, model_dir: Path, settings: FineTuneSettings, other_path: Path | None):
+    """The file's validation report against the base model, and its problems (see `dataset_problems`)."""
     from transformers import AutoTokenizer
 
     from finetune.datasets.validation import validate_dataset
@@ -89,9 +100,79 @@ def dataset_problems(path: Path, *, model_dir: Path, settings: FineTuneSettings,
     limit = settings.hyperparameters.max_seq_len or ZayaConfig.from_pretrained(model_dir).max_position_embeddings
     report = validate_dataset(path, tokenizer=tokenizer, max_seq_len=limit, other_path=other_path, max_problems=10)
     if not report.is_valid:
-        return report.problem_lines()
+        return report, report.problem_lines()
     problem = settings.dataset_format_problem(report.format)
-    return [f"the file {problem}"] if problem else []
+    return report, [f"the file {problem}"] if problem else []
+
+
+# Earlier jobs whose recorded throughput an estimate reads (the newest that many on the same base model and kind).
+THROUGHPUT_JOBS = 5
+
+
+def estimate(
+    session: Session,
+    app_settings: Settings,
+    *,
+    model: str,
+    training_file: str,
+    validation_file: str | None,
+    settings: FineTuneSettings,
+):
+    """What a job with these inputs would train, before it is created: its trained tokens (`finetune.estimate`)
+    and, when earlier jobs on the same base model and of the same method and adapter kind succeeded, the time at
+    their median recorded throughput. 4xx naming the field for bad input. Returns (estimate, the jobs read)."""
+    from finetune.estimate import estimate_tokens
+    from zaya_model import ZayaConfig
+
+    base = jobs.trainable_base(session, model=model, training_file=training_file, validation_file=validation_file)
+    checks = [("training_file", training_file, validation_file)]
+    if validation_file is not None:
+        checks.append(("validation_file", validation_file, None))
+    reports = {}
+    for param, file_id, other_id in checks:
+        file = session.get(File, file_id)
+        other = content_path(app_settings, session.get(File, other_id)) if other_id else None
+        report, problems = _validated(
+            content_path(app_settings, file), model_dir=Path(base.path), settings=settings, other_path=other
+        )
+        if problems:
+            message = f"{param} {file_id} ({file.filename}) is invalid for {base.name} v{base.version}: "
+            message += "; ".join(problems)
+            raise InvalidRequest(message[:MAX_ERROR_MESSAGE], param=param, code=f"invalid_{param}")
+        reports[param] = report
+    result = estimate_tokens(settings, reports["training_file"], ZayaConfig.from_pretrained(base.path))
+    rates, job_ids = recorded_throughput(session, base.id, settings)
+    if not rates:
+        return result.with_throughput(None, f"no succeeded {settings.type} {settings.adapter} job on this model"), []
+    source = f"median of the {len(rates)} latest succeeded {settings.type} {settings.adapter} jobs on this model"
+    return result.with_throughput(statistics.median(rates), source), job_ids
+
+
+def recorded_throughput(session: Session, base_version_id: str, settings: FineTuneSettings):
+    """The trained tokens per second that the newest succeeded jobs on this base model, of the same method type and
+    adapter kind, recorded (in their model versions' metrics), and those jobs' ids."""
+    rows = session.execute(
+        select(FineTuningJob.id, FineTuningJob.method, ModelVersion.metrics)
+        .join(ModelVersion, ModelVersion.id == FineTuningJob.result_model_version_id)
+        .where(FineTuningJob.base_version_id == base_version_id, FineTuningJob.status == JobStatus.succeeded)
+        .order_by(FineTuningJob.finished_at.desc(), FineTuningJob.id.desc())
+        .limit(200)
+    ).all()
+    rates, job_ids = [], []
+    for job_id, method, metrics in rows:
+        rate = (metrics or {}).get("trained_tokens_per_second")
+        if not isinstance(rate, int | float) or rate <= 0:
+            continue
+        try:
+            earlier = settings_of_method(method)
+        except ValueError:
+            continue
+        if (earlier.type, earlier.adapter) == (settings.type, settings.adapter):
+            rates.append(float(rate))
+            job_ids.append(job_id)
+        if len(rates) == THROUGHPUT_JOBS:
+            break
+    return rates, job_ids
 
 
 def job_run(session: Session, app_settings: Settings, job_id: str, attempt: int) -> tuple[FineTuneRun, str | None]:

@@ -173,14 +173,15 @@ def error_of(response) -> dict:
         ({"hyperparameters": {"n_epochs": 2}, "method": {"type": "supervised"}}, 400, "hyperparameters"),
     ],
 )
+@pytest.mark.parametrize("path", ["/v1/fine_tuning/jobs", "/v1/fine_tuning/jobs/estimate"])
 def test_bad_job_requests_get_a_clear_4xx_and_create_nothing(
-    client, auth, base_model, valid_dataset, sessions, change, status, param
+    client, auth, base_model, valid_dataset, sessions, change, status, param, path
 ):
     file_id = client.post(
         "/v1/files", headers=auth("data"), data={"purpose": "fine-tune"}, files={"file": ("t.jsonl", valid_dataset)}
     ).json()["id"]
     body = {"model": base_model, "training_file": file_id, **change}
-    response = client.post("/v1/fine_tuning/jobs", headers=auth("data"), json=body)
+    response = client.post(path, headers=auth("data"), json=body)
     assert response.status_code == status, response.text
     error = error_of(response)
     assert set(error) == {"message", "type", "param", "code"}

@@ -141,24 +141,62 @@ def test_a_job_trains_and_registers_exactly_one_model_version(client, auth, work
     assert lineage[0]["job"]["training_file"]["sha256"]
 
 
-def test_a_succeeded_job_bills_its_trained_tokens_once_per_epoch(
-    client, auth, worker, create_job, sessions, tiny_model_dir, valid_dataset
+def test_a_succeeded_job_bills_the_trained_tokens_its_estimate_announced(
+    client, auth, worker, create_job, sessions, tiny_model_dir, valid_dataset, base_model, training_file
 ):
-    job_id = create_job(max_steps=None, eval_every=None, hyperparameters={"n_epochs": 2, "batch_size": 2})
-    assert worker.run_once() is True
-    job = client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=auth("data")).json()
-    assert job["status"] == "succeeded", job
-
+    hyperparameters = {"n_epochs": 2, "batch_size": 2}
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     examples = [parse_record(json.loads(line))[0] for line in valid_dataset.splitlines()]
     per_epoch = sum(tokenize_example(example, tokenizer).n_trained for example in examples)
-    assert job["trained_tokens"] == 2 * per_epoch
+
+    # Before any job on this model: the tokens, but no throughput to time them with. Nothing is created.
+    body = {"model": base_model, "training_file": training_file, "method": {"supervised": {"hyperparameters": {}}}}
+    body["method"]["supervised"]["hyperparameters"] = hyperparameters
+    before = client.post("/v1/fine_tuning/jobs/estimate", headers=auth("data"), json=body)
+    assert before.status_code == 200, before.text
+    before = before.json()
+    assert before["object"] == "fine_tuning.job.estimate"
+    assert (before["n_examples"], before["n_trained_tokens_per_epoch"]) == (len(examples), per_epoch)
+    assert before["trained_tokens"] == 2 * per_epoch and before["n_steps"] == 2 * 3  # 5 examples: 3 batches of 2
+    assert before["hyperparameters"]["n_epochs"] == 2 and before["hyperparameters"]["batch_size"] == 2
+    assert before["estimated_seconds"] is None and before["throughput_jobs"] == []
+    assert client.get("/v1/fine_tuning/jobs", headers=auth("data")).json()["data"] == []
+
+    job_id = create_job(max_steps=None, eval_every=None, hyperparameters=hyperparameters)
+    assert worker.run_once() is True
+    job = client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=auth("data")).json()
+    assert job["status"] == "succeeded", job
+    assert job["trained_tokens"] == 2 * per_epoch == before["trained_tokens"]
     assert job["estimated_finish"] is None  # only a running job has one
     # The model version records the run's throughput, which later estimates for this base model read.
     with sessions() as session:
         version = session.scalars(select(ModelVersion).where(ModelVersion.job_id == job_id)).one()
     assert version.metrics["trained_tokens"] == job["trained_tokens"]
-    assert version.metrics["trained_tokens_per_second"] > 0
+    rate = version.metrics["trained_tokens_per_second"]
+    assert rate > 0
+
+    after = client.post("/v1/fine_tuning/jobs/estimate", headers=auth("data"), json=body).json()
+    assert after["throughput_jobs"] == [job_id] and after["trained_tokens_per_second"] == pytest.approx(rate)
+    assert after["estimated_seconds"] == pytest.approx(after["trained_tokens"] / rate)
+    # A full fine-tuning runs at another pace: the LoRA job's throughput is not used for it.
+    body["method"]["supervised"]["adapter"] = "full"
+    full = client.post("/v1/fine_tuning/jobs/estimate", headers=auth("data"), json=body).json()
+    assert full["throughput_jobs"] == [] and full["estimated_seconds"] is None
+
+
+def test_an_estimate_refuses_a_file_that_does_not_fit_the_job_naming_it(client, auth, base_model, training_file):
+    body = {"model": base_model, "training_file": training_file, "method": {"type": "dpo"}}
+    response = client.post("/v1/fine_tuning/jobs/estimate", headers=auth("data"), json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == ("training_file", "invalid_training_file")
+    assert "a dpo job needs preference data" in error["message"]
+    # Checked against the base model as the worker checks it: here every example is longer than max_seq_len.
+    body["method"] = {"supervised": {"hyperparameters": {"max_seq_len": 4}}}
+    response = client.post("/v1/fine_tuning/jobs/estimate", headers=auth("data"), json=body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "training_file", response.text
+    assert "line 1: " in response.json()["error"]["message"] and "max_seq_len 4" in response.json()["error"]["message"]
+    assert client.post("/v1/fine_tuning/jobs/estimate", headers=auth("analyst"), json=body).status_code == 403
 
 
 def test_the_pace_of_the_steps_so_far_gives_the_estimated_finish():

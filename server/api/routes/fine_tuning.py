@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 from starlette.concurrency import run_in_threadpool
 
 from finetune.settings import FineTuneSettings, Hyperparameters, SupervisedSettings
-from server.api.deps import DataDep, SessionDep, set_audit_target
+from server.api.deps import DataDep, SessionDep, SettingsDep, set_audit_target
 from server.api.schemas import ListResponse, RowObject, UnixTime
 from server.db.models import Checkpoint, FineTuningJob, ModelVersion
 from server.errors import InvalidRequest
@@ -97,6 +97,30 @@ class JobObject(RowObject):
         return {key: hyper.get(key, "auto") for key in OPENAI_HYPERPARAMETERS}
 
 
+class EstimateObject(BaseModel):
+    """Ours: what a job with a create request's body would train, before it is created (nothing is stored)."""
+
+    object: Literal["fine_tuning.job.estimate"] = "fine_tuning.job.estimate"
+    model: str
+    training_file: str
+    validation_file: str | None
+    method: dict[str, Any]
+    n_examples: int
+    # Tokens that carry loss in one pass over the training file (assistant turns; both answers of a DPO pair).
+    n_trained_tokens_per_epoch: int
+    # The numbers the run will use, "auto" resolved from the dataset (n_epochs, batch_size, learning rate, ...).
+    hyperparameters: dict[str, Any]
+    n_steps: int
+    # n_trained_tokens_per_epoch x n_epochs (scaled to the steps run when max_steps ends the run early): what the
+    # job's trained_tokens will be.
+    trained_tokens: int
+    # From earlier succeeded jobs on the same base model, method type and adapter kind; null when there are none.
+    trained_tokens_per_second: float | None
+    estimated_seconds: float | None
+    throughput_source: str
+    throughput_jobs: list[str]
+
+
 class EventObject(RowObject):
     id: str
     object: Literal["fine_tuning.job.event"] = "fine_tuning.job.event"
@@ -157,6 +181,33 @@ async def create_job(body: JobCreate, request: Request, session: SessionDep, pri
     job = await run_in_threadpool(_create, session, body, principal.key_id)
     set_audit_target(request, job.id)
     return JobObject.model_validate(job)
+
+
+@router.post("/estimate", name="fine_tuning.jobs.estimate")
+async def estimate_job(body: JobCreate, session: SessionDep, settings: SettingsDep, _: DataDep) -> EstimateObject:
+    """The trained tokens and training time of the job this body would create (the body of `POST
+    /v1/fine_tuning/jobs`); its files are validated against the base model here, at once."""
+    method = body.effective_method()
+    training.check_inputs(method, has_validation_file=body.validation_file is not None)
+    estimate, job_ids = await run_in_threadpool(
+        training.estimate,
+        session,
+        settings,
+        model=body.model,
+        training_file=body.training_file,
+        validation_file=body.validation_file,
+        settings=method,
+    )
+    data = estimate.to_dict()
+    return EstimateObject(
+        model=body.model,
+        training_file=body.training_file,
+        validation_file=body.validation_file,
+        method=method.model_dump(),
+        throughput_jobs=job_ids,
+        **{key: value for key, value in data.items() if key != "throughput_source"},
+        throughput_source=data["throughput_source"] or "",
+    )
 
 
 @router.get("", name="fine_tuning.jobs.list")
