@@ -926,6 +926,12 @@ def print_table(report: dict) -> None:
         f"greedy tokens identical: {report['greedy_tokens_identical']}; "
         f"{report['parameters']['total'] / 1e6:.1f}M params; {report['machine']['cpu']}"
     )
+    print(
+        "ours/upstream: ours with its compiled paths against upstream eager; 'ours eager' rows: eager against eager. "
+        "Upstream is never compiled here: transformers compiles generate() only with a compilable cache, which its "
+        "zaya lacks (_can_compile_fullgraph = False); a torch.compile'd upstream train step and prefill is not "
+        "measured here (gpu_check's upstream_compiled rows)."
+    )
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
