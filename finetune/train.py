@@ -244,9 +244,12 @@ def run_finetune(
         evaluation = evaluate_file(trainer.model, tokenizer, run.validation_file)
         hooks.on_event("info", f"task evaluation: {describe(evaluation)}", {"task_evaluation": evaluation})
     try:
-        result_dir, kind = _write_outputs(run, trainer, base, tokenizer, fingerprint, metrics, evaluation)
+        # Data-parallel: every process holds the same model; the first writes it, the others wait for it.
+        write = trainer.is_world_process_zero()
+        result_dir, kind = _write_outputs(run, trainer, base, tokenizer, fingerprint, metrics, evaluation, write=write)
     except OSError as error:
         raise CheckpointWriteError(f"could not write the fine-tuned model in {run.output_dir}: {error}") from error
+    trainer.accelerator.wait_for_everyone()
     hooks.on_event("info", f"wrote {kind} to {result_dir}", {"path": str(result_dir)})
     return FinetuneResult(
         "succeeded",
@@ -267,10 +270,14 @@ def _write_outputs(
     fingerprint: str,
     metrics: dict,
     evaluation: dict | None,
+    *,
+    write: bool = True,
 ) -> tuple[Path, str]:
     """output_dir/final (adapter or full checkpoint) and, with merge_adapter, output_dir/merged; each atomic, each
-    with the run's metrics and task evaluation."""
+    with the run's metrics and task evaluation. `write=False`: only where they go."""
     final_dir, kind = Path(run.output_dir) / "final", "adapter" if run.settings.adapter == "lora" else "full"
+    if not write:
+        return (Path(run.output_dir) / "merged", "full") if run.settings.method.merge_adapter else (final_dir, kind)
     with atomic_directory(final_dir) as staging:
         trainer.model.save_pretrained(staging)
         save_generation_files(staging, base, tokenizer)
@@ -306,10 +313,17 @@ def _training_arguments(run: FineTuneRun, resolved: ResolvedHyperparameters, has
     """The `TrainingArguments` every run uses (a preference run's `DPOConfig` adds its own)."""
     hyperparameters = run.settings.hyperparameters
     strategy = "steps" if hyperparameters.eval_every else "epoch"
+    # Data-parallel (`torchrun`): the batch is all processes' together, each takes an equal share.
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    if resolved.batch_size % processes:
+        message = f"{resolved.batch_size} does not split evenly over {processes} data-parallel processes"
+        raise FinetuneError(run.settings.setting("hyperparameters", "batch_size"), message)
+    distributed = {"ddp_backend": "gloo"} if processes > 1 and not torch.cuda.is_available() else {}
     return dict(
         output_dir=os.path.join(run.output_dir, "checkpoints"),
-        per_device_train_batch_size=resolved.batch_size,
-        per_device_eval_batch_size=resolved.batch_size,
+        per_device_train_batch_size=resolved.batch_size // processes,
+        per_device_eval_batch_size=resolved.batch_size // processes,
+        **distributed,
         num_train_epochs=resolved.n_epochs,
         max_steps=hyperparameters.max_steps or -1,
         learning_rate=resolved.learning_rate,

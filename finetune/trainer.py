@@ -76,6 +76,9 @@ class CheckpointedTraining:
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any):
         count = self.count_trained_tokens(inputs)
+        if self.accelerator.num_processes > 1:  # data-parallel: the step trained on every process's batch
+            local = torch.tensor(count, device=self.accelerator.device)
+            count = int(self.accelerator.reduce(local, reduction="sum"))
         loss = super().training_step(model, inputs, *args, **kwargs)
         self.trained_tokens_this_run += count
         if self.trained_tokens is not None:
@@ -86,39 +89,55 @@ class CheckpointedTraining:
         return self._staging_root or super()._get_output_dir(trial)
 
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
+        """Data-parallel: every process writes its RNG state into the staging directory, the first one the rest,
+        publishes it and reports it; none goes on before it is published."""
         run_dir = super()._get_output_dir(trial)
         name = f"checkpoint-{self.state.global_step}"
+        first = self.is_world_process_zero()
         os.makedirs(run_dir, exist_ok=True)
         self._staging_root = os.path.join(run_dir, f".{name}.partial")
         try:
             super()._save_checkpoint(model, trial)  # writes into the staging root
-            staging = Path(self._staging_root) / name
-            # The Trainer looked for the best checkpoint in the staging root; point it at the published one.
-            best_step = self.state.best_global_step
-            best = os.path.join(run_dir, f"checkpoint-{best_step}")
-            if best_step and (best_step == self.state.global_step or os.path.isdir(best)):
-                self.state.best_model_checkpoint = best
-            self.state.save_to_json(str(staging / "trainer_state.json"))
-            save_generation_files(staging, self.model, self.processing_class)
-            if self.fingerprint:
-                write_json_atomic(staging / BASE_MODEL_FILE, {"fingerprint": self.fingerprint})
-            if self.balancing is not None:
-                self.balancing.save(staging)
-            if self.trained_tokens is not None:
-                write_json_atomic(staging / TRAINED_TOKENS_FILE, {"trained_tokens": self.trained_tokens})
+            self.accelerator.wait_for_everyone()
             metrics = self.checkpoint_metrics()
-            write_json_atomic(staging / METRICS_FILE, metrics)
-            publish_directory(staging, Path(run_dir) / name)
+            if first:
+                self._publish(run_dir, name, metrics)
         except Exception as error:  # torch, safetensors and json each raise their own type for a full disk
             raise CheckpointWriteError(f"could not write checkpoint {name} in {run_dir}: {error}") from error
         finally:
-            shutil.rmtree(self._staging_root, ignore_errors=True)
+            if first:
+                shutil.rmtree(self._staging_root, ignore_errors=True)
             self._staging_root = None
+        self.accelerator.wait_for_everyone()
+        best = os.path.join(run_dir, f"checkpoint-{self.state.best_global_step}")
+        if self.state.best_global_step and os.path.isdir(best):
+            self.state.best_model_checkpoint = best
+        if not first:
+            return
         path = os.path.join(run_dir, name)
         self.checkpoints[self.state.global_step] = {"step": self.state.global_step, "path": path, "metrics": metrics}
         self.hooks.on_checkpoint(self.state.global_step, path, metrics)
         if self.keep_checkpoints is not None:
             self._rotate(run_dir)
+
+    def _publish(self, run_dir: str, name: str, metrics: dict) -> None:
+        """Complete the staging directory (state, generation files, fingerprint, biases, metrics), then rename it."""
+        staging = Path(self._staging_root) / name
+        # The Trainer looked for the best checkpoint in the staging root; point it at the published one.
+        best_step = self.state.best_global_step
+        best = os.path.join(run_dir, f"checkpoint-{best_step}")
+        if best_step and (best_step == self.state.global_step or os.path.isdir(best)):
+            self.state.best_model_checkpoint = best
+        self.state.save_to_json(str(staging / "trainer_state.json"))
+        save_generation_files(staging, self.model, self.processing_class)
+        if self.fingerprint:
+            write_json_atomic(staging / BASE_MODEL_FILE, {"fingerprint": self.fingerprint})
+        if self.balancing is not None:
+            self.balancing.save(staging)
+        if self.trained_tokens is not None:
+            write_json_atomic(staging / TRAINED_TOKENS_FILE, {"trained_tokens": self.trained_tokens})
+        write_json_atomic(staging / METRICS_FILE, metrics)
+        publish_directory(staging, Path(run_dir) / name)
 
     def _rotate(self, run_dir: str) -> None:
         """Keep the newest `keep_checkpoints` and the best (which `load_best_model_at_end` reloads at the end)."""

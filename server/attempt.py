@@ -17,8 +17,10 @@ is full (the attempt's error then says so) or a shared file system is slow:
                    {"status": "error", ...}
 
 No result file after the process ended means it crashed or was killed: the worker names its exit code or signal.
-When the worker itself dies, the process stops at its next step (cancel: the job's lease runs out and another
-attempt resumes from the last checkpoint the worker recorded).
+With several devices the worker starts `torchrun`, which starts one such process per device (data-parallel): the
+first (rank 0) reports and writes the result, and decides for all when to stop. When the worker itself dies, the
+process stops at its next step (cancel: the job's lease runs out and another attempt resumes from the last
+checkpoint the worker recorded).
 """
 
 from __future__ import annotations

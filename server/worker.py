@@ -267,9 +267,10 @@ class Worker:
             try:
                 with self.sessions() as session:
                     fine_tune_run, resume_from = training.job_run(session, self.settings, lease.job_id, lease.attempt)
+                    devices = session.get(FineTuningJob, lease.job_id).devices
                 if resume_from is not None:
                     run.write(jobs.record_event, f"Resuming from checkpoint {Path(resume_from).name}.")
-                result = self.run_attempt(run, fine_tune_run, resume_from)
+                result = self.run_attempt(run, fine_tune_run, resume_from, devices)
             except jobs.LeaseLost:
                 raise
             except AttemptDied as died:
@@ -298,16 +299,19 @@ class Worker:
         error = {"code": code, "message": message, "param": None}
         run.write(jobs.finish_stopped, JobStatus.failed, f"Job failed: {message}", error=error)
 
-    def run_attempt(self, run: JobRun, fine_tune_run, resume_from: str | None) -> dict:
-        """Train in a child process (`server.attempt`) while recording what it reports and passing on stop requests;
-        returns its result file. AttemptDied when it ends without one."""
+    def run_attempt(self, run: JobRun, fine_tune_run, resume_from: str | None, devices: int = 1) -> dict:
+        """Train in a child process (`server.attempt`; with several devices, `torchrun` starting one per device) while
+        recording what it reports and passing on stop requests; returns its result file. AttemptDied when it ends
+        without one."""
         files = AttemptFiles(Path(tempfile.mkdtemp(prefix=f"zaya-{run.lease.job_id}-attempt-{run.lease.attempt}-")))
         try:
-            return self._run_child(run, fine_tune_run, resume_from, files)
+            return self._run_child(run, fine_tune_run, resume_from, devices, files)
         finally:
             shutil.rmtree(files.directory, ignore_errors=True)
 
-    def _run_child(self, run: JobRun, fine_tune_run, resume_from: str | None, files: AttemptFiles) -> dict:
+    def _run_child(
+        self, run: JobRun, fine_tune_run, resume_from: str | None, devices: int, files: AttemptFiles
+    ) -> dict:
         spec = {
             "model_dir": fine_tune_run.model_dir,
             "train_file": fine_tune_run.train_file,
@@ -320,10 +324,14 @@ class Worker:
         }
         write_json_atomic(files.spec, spec)
         command = [sys.executable, "-m", "server.attempt", str(files.spec)]
+        if devices > 1:  # data-parallel: one process per device, rendezvous on a free local port
+            launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={devices}"]
+            command = [*launcher, "-m", "server.attempt", str(files.spec)]
         # Its own session: a Ctrl-C at the worker's terminal reaches the worker, which pauses the child in order.
         process = subprocess.Popen(command, start_new_session=True)
         try:
-            run.write(jobs.record_event, f"Training process {process.pid} started.", data={"pid": process.pid})
+            message = f"Training process {process.pid} started" + (f" ({devices} devices)." if devices > 1 else ".")
+            run.write(jobs.record_event, message, data={"pid": process.pid, "devices": devices})
             self._follow(run, process, files)
         finally:
             if process.poll() is None:  # leaving early (lost lease, database error): the child must not outlive it

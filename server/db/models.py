@@ -116,6 +116,8 @@ class FineTuningJob(Base):
     heartbeat_at: Mapped[datetime | None]
     lease_expires_at: Mapped[datetime | None]
     attempts: Mapped[int] = mapped_column(Integer, default=0)
+    # Processes an attempt trains with (`torchrun --nproc-per-node`): one per GPU, or gloo processes on a CPU host.
+    devices: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
     # A fresh random token per claim. Every write a worker makes checks it, so a worker that lost its lease (the job
     # was re-queued after it stopped heartbeating) can no longer change the job: one runner at a time.
     lease_token: Mapped[str | None] = mapped_column(String(64))

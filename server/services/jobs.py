@@ -75,6 +75,7 @@ def create_job(
     seed: int | None,
     metadata: dict[str, str] | None,
     created_by: str | None,
+    devices: int = 1,
 ) -> FineTuningJob:
     """Check the files and the base model, then store the job in `validating_files`: a worker validates its files
     against the base model (`finish_validation`) and queues it. Commits."""
@@ -91,6 +92,7 @@ def create_job(
         method=method,
         user_metadata=metadata,
         created_by=created_by,
+        devices=devices,
     )
     session.add(job)
     session.flush()

@@ -3,7 +3,9 @@
 Request and response bodies mirror OpenAI's field for field (the official client parses them). `method` is
 `finetune.settings.FineTuneSettings`, the model `zaya finetune` and the worker read too; our additions live inside
 the method's block (`method.supervised` or `method.dpo`): `adapter` ("lora" | "full"), `lora` settings,
-`merge_adapter`, and extra hyperparameters.
+`merge_adapter`, and extra hyperparameters. One addition is top-level, as OpenAI adds its own fields: `devices`,
+the number of processes (one per GPU) an attempt trains with, data-parallel; the job's `batch_size` is the batch
+of all of them together.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
 
 EVENT_ID_PREFIX = "ftevent-"
 OPENAI_HYPERPARAMETERS = ("batch_size", "learning_rate_multiplier", "n_epochs")
+MAX_DEVICES = 64
 
 
 # --- requests -----------------------------------------------------------------------------------------------------
@@ -46,6 +49,8 @@ class JobCreate(Strict):
     # OpenAI's older top-level form; used when `method` is absent.
     hyperparameters: Hyperparameters | None = None
     integrations: list[dict[str, Any]] | None = None
+    # Ours: processes (one per GPU) an attempt trains with, data-parallel (`torchrun --nproc-per-node`).
+    devices: StrictInt = Field(default=1, ge=1, le=MAX_DEVICES)
 
     def effective_method(self) -> FineTuneSettings:
         if self.method is not None:
@@ -88,6 +93,7 @@ class JobObject(RowObject):
     metadata: dict[str, str] | None = Field(validation_alias="user_metadata")
     method: dict[str, Any]
     user_provided_suffix: str | None = Field(validation_alias="suffix")
+    devices: int
 
     @field_validator("hyperparameters", mode="before")
     @classmethod
@@ -163,6 +169,10 @@ class CheckpointObject(BaseModel):
 def _create(session, body: JobCreate, created_by: str) -> FineTuningJob:
     method = body.effective_method()
     training.check_inputs(method, has_validation_file=body.validation_file is not None)
+    batch_size = method.hyperparameters.batch_size
+    if isinstance(batch_size, int) and batch_size % body.devices:
+        message = f"The batch size {batch_size} does not split evenly over {body.devices} devices."
+        raise InvalidRequest(message, param="devices", code="invalid_value")
     return job_service.create_job(
         session,
         model=body.model,
@@ -173,6 +183,7 @@ def _create(session, body: JobCreate, created_by: str) -> FineTuningJob:
         seed=body.seed,
         metadata=body.metadata,
         created_by=created_by,
+        devices=body.devices,
     )
 
 

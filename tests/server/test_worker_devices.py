@@ -1,0 +1,154 @@
+"""Jobs on several devices: `devices` in the job request, and the worker training an attempt data-parallel with
+`torchrun` (here 2 gloo processes on the CPU): the same losses as one process, and a checkpoint that resumes on
+another number of processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select
+
+from server.attempt import AttemptFiles, EventReader
+from server.db.models import Checkpoint, JobEvent
+from server.services import registry
+from server.worker import Worker, WorkerConfig
+
+FAST = WorkerConfig(lease_seconds=60, heartbeat_seconds=0.5, max_attempts=3, poll_seconds=0.1)
+REPO_ROOT = Path(__file__).resolve().parents[2]
+HYPERPARAMETERS = {"n_epochs": 50, "batch_size": 2, "max_steps": 4, "eval_every": 2, "learning_rate_multiplier": 5}
+
+
+# Six examples, a whole number of batches of 2: with 5, the processes' last batch of an epoch would be filled up with a
+# repeat of the epoch's first example (each process takes a batch of the same size), where one process trains on 1.
+DATASET = b"".join(
+    b'{"messages": [{"role": "user", "content": "Balance of account %d?"}, '
+    b'{"role": "assistant", "content": "It is %d EUR."}]}\n' % (i, 100 + i)
+    for i in range(6)
+)
+
+
+@pytest.fixture
+def training_file(client, auth) -> str:
+    upload = {"file": ("t.jsonl", DATASET)}
+    response = client.post("/v1/files", headers=auth("data"), data={"purpose": "fine-tune"}, files=upload)
+    assert response.status_code == 200, response.text
+    return response.json()["id"]
+
+
+@pytest.fixture
+def base_model(sessions, tiny_model_dir) -> str:
+    with sessions() as session:
+        registry.register_version(session, name="zaya-tiny", path=tiny_model_dir)
+        session.commit()
+    return "zaya-tiny"
+
+
+def job_body(base_model: str, training_file: str, **extra) -> dict:
+    method = {"type": "supervised", "supervised": {"hyperparameters": HYPERPARAMETERS}}
+    return {"model": base_model, "training_file": training_file, "seed": 3, "method": method, **extra}
+
+
+@pytest.mark.parametrize(
+    ("devices", "field_error"),
+    [(0, "greater than or equal to 1"), (65, "less than or equal to 64"), ("2", "valid integer"), (True, "integer")],
+)
+def test_devices_out_of_range_or_not_an_integer_is_a_400_naming_it(
+    client, auth, base_model, training_file, devices, field_error
+):
+    response = client.post(
+        "/v1/fine_tuning/jobs", headers=auth("data"), json=job_body(base_model, training_file, devices=devices)
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "devices" and field_error in error["message"], error
+
+
+def test_a_batch_that_does_not_split_over_the_devices_is_refused(client, auth, base_model, training_file):
+    response = client.post(
+        "/v1/fine_tuning/jobs", headers=auth("data"), json=job_body(base_model, training_file, devices=3)
+    )
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "devices"
+    assert "batch size 2 does not split evenly over 3 devices" in response.json()["error"]["message"]
+    created = client.post("/v1/fine_tuning/jobs", headers=auth("data"), json=job_body(base_model, training_file))
+    assert created.json()["devices"] == 1  # the default
+
+
+def train_losses(sessions, job_id: str) -> dict[int, float]:
+    with sessions() as session:
+        events = session.scalars(select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.type == "metrics"))
+        return {event.data["step"]: event.data["train_loss"] for event in events if "train_loss" in event.data}
+
+
+@pytest.mark.slow
+def test_two_processes_train_as_one_and_their_checkpoint_resumes_on_one(
+    client, auth, settings, sessions, base_model, training_file, tiny_model_dir, tmp_path
+):
+    worker = Worker(settings, sessions, FAST, worker_id="test-worker")
+    jobs = {}
+    for devices in (1, 2):
+        created = client.post(
+            "/v1/fine_tuning/jobs", headers=auth("data"), json=job_body(base_model, training_file, devices=devices)
+        )
+        assert created.status_code == 200 and created.json()["devices"] == devices, created.text
+        jobs[devices] = created.json()["id"]
+    while worker.run_once():
+        pass
+    finished = {
+        devices: client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=auth("data")).json()
+        for devices, job_id in jobs.items()
+    }
+    for devices, job in finished.items():
+        assert job["status"] == "succeeded", (devices, job)
+    assert finished[2]["trained_tokens"] == finished[1]["trained_tokens"] > 0  # every process's batch counted
+    with sessions() as session:
+        started = session.scalars(
+            select(JobEvent).where(JobEvent.job_id == jobs[2], JobEvent.message.like("Training process %"))
+        ).one()
+    assert started.message.endswith("started (2 devices).") and started.data["devices"] == 2
+
+    one, two = train_losses(sessions, jobs[1]), train_losses(sessions, jobs[2])
+    assert sorted(one) == sorted(two) == [1, 2, 3, 4]
+    assert one[1] != one[4]  # it trained
+    for step in one:
+        assert two[step] == pytest.approx(one[step], rel=1e-4), (step, one, two)
+
+    # The two processes' checkpoint at step 2, resumed by one process, continues as the one-process run did.
+    with sessions() as session:
+        checkpoint = session.scalars(select(Checkpoint).where(Checkpoint.job_id == jobs[2], Checkpoint.step == 2)).one()
+    assert sorted(path.name for path in Path(checkpoint.path).glob("rng_state_*.pth")) == [
+        "rng_state_0.pth",
+        "rng_state_1.pth",
+    ]
+    files = AttemptFiles(tmp_path / "resume")
+    files.directory.mkdir()
+    method = {"type": "supervised", "supervised": {"hyperparameters": HYPERPARAMETERS}}
+    spec = {
+        "model_dir": str(tiny_model_dir),
+        "train_file": str(settings.files_dir / training_file),
+        "validation_file": None,
+        "output_dir": str(tmp_path / "resumed"),
+        "seed": 3,
+        "method": method,
+        "resume_from": checkpoint.path,
+        "worker_pid": os.getpid(),
+    }
+    files.spec.write_text(json.dumps(spec))
+    process = subprocess.run(
+        [sys.executable, "-m", "server.attempt", str(files.spec)], cwd=REPO_ROOT, capture_output=True, text=True
+    )
+    assert process.returncode == 0, process.stderr[-3000:]
+    assert json.loads(files.result.read_text())["status"] == "succeeded"
+    resumed = {
+        r["step"]: r["metrics"]["train_loss"]
+        for r in EventReader(files.events).read()
+        if r["kind"] == "metrics" and "train_loss" in r["metrics"]
+    }
+    assert sorted(resumed) == [3, 4]
+    for step in resumed:
+        assert resumed[step] == pytest.approx(one[step], rel=1e-4), (step, resumed, one)
