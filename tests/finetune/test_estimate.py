@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from finetune_helpers import save_tiny_model, spec, write_data
+from finetune_helpers import preference, save_tiny_model, spec, write_data
 
 from finetune.auto import resolve_hyperparameters
 from finetune.data import read_examples
 from finetune.datasets.rendering import tokenize_example
+from finetune.datasets.validation import validate_dataset
 from finetune.estimate import estimate_run
 from finetune.settings import FineTuneSettings
 from zaya_cli.main import main
@@ -57,6 +58,16 @@ def test_dry_run_resolves_auto_epochs_as_the_run_does(model_dir, data, tokenizer
     assert estimate["hyperparameters"]["n_epochs"] == epochs
     assert estimate["trained_tokens"] == epochs * trained_per_epoch(data[0], tokenizer)
     assert estimate["estimated_seconds"] is None and estimate["throughput_source"] == "not measured"
+
+
+def test_a_dpo_dry_run_counts_both_answers_and_times_the_pairs(model_dir, write_jsonl, tokenizer, capsys):
+    pairs = str(write_jsonl([preference(f"Case {i}.", "Disposition: CLOSE", "Disposition: SAR") for i in range(4)]))
+    argv = ["--model", model_dir, "--train", pairs, "--type", "dpo", "--n-epochs", "3", "--batch-size", "2"]
+    _, estimate = dry_run(argv, capsys)
+    per_epoch = validate_dataset(pairs, tokenizer=tokenizer).n_trained_tokens
+    assert estimate["n_trained_tokens_per_epoch"] == per_epoch and estimate["trained_tokens"] == 3 * per_epoch
+    assert estimate["n_steps"] == 3 * 2 and estimate["hyperparameters"]["beta"] == 0.1
+    assert estimate["trained_tokens_per_second"] > 0 and estimate["estimated_seconds"] > 0
 
 
 def test_max_steps_scales_the_estimate_to_the_steps_run(model_dir, data, tokenizer, tmp_path):
