@@ -52,23 +52,28 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
         "threads": torch.get_num_threads(),
         "preset": args.preset,
         "corpus_cases": args.corpus,
+        "closed_corpus": args.closed_corpus,
         "n_train": args.train,
         "n_valid": args.valid,
         "seconds": {},
         "models": {},
     }
     started = time.monotonic()
-    corpus = write_corpus(workdir / "corpus.jsonl", args.corpus)
     settings = get_preset(args.preset)
     if args.pretrain_steps is not None:
         settings = settings.replace(max_steps=args.pretrain_steps)
     settings = settings.replace(eval_every=settings.max_steps, save_every=settings.max_steps)
     report["pretrain_steps"] = settings.max_steps
-    phase = time.monotonic()
-    pretrained = Pretrainer(str(corpus), str(workdir / "base"), settings, progress=False).train()
-    report["seconds"]["pretrain"] = round(time.monotonic() - phase, 1)
-    report["pretrain_val_loss"] = pretrained.val_loss
-    base_dir = str(workdir / "base")
+    if args.base is not None:  # a base pretrained by an earlier run of this benchmark
+        base_dir = str(args.base)
+        report["base"] = base_dir
+    else:
+        corpus = write_corpus(workdir / "corpus.jsonl", args.corpus, closed=args.closed_corpus)
+        phase = time.monotonic()
+        pretrained = Pretrainer(str(corpus), str(workdir / "base"), settings, progress=False).train()
+        report["seconds"]["pretrain"] = round(time.monotonic() - phase, 1)
+        report["pretrain_val_loss"] = pretrained.val_loss
+        base_dir = str(workdir / "base")
 
     files = write_sample(workdir / "data", args.train, n_validation=args.valid)
     train_file, valid_file = files["train.jsonl"]["path"], files["validation.jsonl"]["path"]
@@ -152,11 +157,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="toy sizes, every step (seconds; the CI test)")
     parser.add_argument("--preset", default="cpu", help="pretraining preset (default cpu)")
     parser.add_argument("--corpus", type=int, default=3000, metavar="N", help="pretraining case files")
+    parser.add_argument(
+        "--closed-corpus", action="store_true", help="case files end with their closing note (disposition, reason)"
+    )
     parser.add_argument("--pretrain-steps", type=int, metavar="N", help="instead of the preset's")
     parser.add_argument("--train", type=int, default=600, metavar="N", help="training chats (default 600)")
     parser.add_argument("--valid", type=int, default=60, metavar="N", help="held-out chats (default 60)")
     parser.add_argument("--max-steps", type=int, metavar="N", help="cap each fine-tune's optimizer steps")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--base", type=Path, help="skip pretraining: fine-tune this base (an earlier run's)")
     parser.add_argument("--workdir", type=Path, help="keep the corpus, models and data here (default: a temp dir)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON report (default {DEFAULT_OUT})")
     args = parser.parse_args(argv)

@@ -151,7 +151,8 @@ def run_finetune(
     resolved = resolve_hyperparameters(settings, train_report.n_examples, config)
     hooks.on_event(
         "info",
-        f"dataset valid: {train_report.n_examples} examples, {train_report.n_trained_tokens} trained tokens",
+        f"dataset valid: {train_report.n_examples} examples, {train_report.n_trained_tokens} trained tokens; "
+        f"{resolved.n_epochs} epochs, batch size {resolved.batch_size}, learning rate {resolved.learning_rate:.3g}",
         {
             "n_examples": train_report.n_examples,
             "n_tokens": train_report.n_tokens,

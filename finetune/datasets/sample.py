@@ -13,7 +13,7 @@ from pathlib import Path
 
 from zaya_model.atomic_io import write_text_atomic
 
-from .synthetic import generate_cases, generate_chat_examples, render_case_file
+from .synthetic import explain_disposition, generate_cases, generate_chat_examples, render_case_file
 
 TRAIN_FILE, VALIDATION_FILE, CORPUS_FILE = "train.jsonl", "validation.jsonl", "corpus.jsonl"
 CORPUS_SEED = 7  # the corpus's cases differ from the chats' (seeds 1 and 2 + seed)
@@ -40,10 +40,15 @@ def write_sample(directory: str | Path, n_cases: int, *, n_validation: int | Non
     return written
 
 
-def write_corpus(path: str | Path, n_cases: int, *, seed: int = CORPUS_SEED) -> Path:
-    """`n_cases` case files as pretraining documents (JSONL, one `{"text": ...}` per line)."""
+def write_corpus(path: str | Path, n_cases: int, *, closed: bool = False, seed: int = CORPUS_SEED) -> Path:
+    """`n_cases` case files as pretraining documents (JSONL, one `{"text": ...}` per line); `closed`: each file ends
+    with the investigator's closing note (`Disposition: ...` / `Reason: ...`), as a bank's archive of closed cases."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    texts = (render_case_file(case) for case in generate_cases(n_cases, seed=seed))
+    cases = generate_cases(n_cases, seed=seed)
+    if closed:
+        texts = (f"{render_case_file(case)}\nClosing note:\n{explain_disposition(case)}" for case in cases)
+    else:
+        texts = (render_case_file(case) for case in cases)
     write_text_atomic(path, "".join(json.dumps({"text": text}) + "\n" for text in texts))
     return path

@@ -25,7 +25,7 @@ def model_dir(tmp_path_factory, tokenizer):
     directory = tmp_path_factory.mktemp("sft")
     chats = directory / "chats.jsonl"
     chats.write_text("".join(json.dumps(record) + "\n" for record in bank_chats(24, offset=500)))
-    options = {"method": "full", "batch_size": 4, "n_epochs": 100, "max_steps": 60, "learning_rate_multiplier": 100}
+    options = {"method": "full", "batch_size": 4, "n_epochs": 100, "max_steps": 60, "learning_rate_multiplier": 3.125}
     result = run_finetune(spec(base, str(chats), directory, **options))
     return result.output_dir
 
@@ -60,7 +60,7 @@ def test_dpo_raises_the_preferred_margin_on_held_out_pairs(model_dir, pairs, tmp
     hooks = Recorder()
     # A moderate rate: at 10x these (full, 2e-3) DPO drove the margin up while the answers degenerated to
     # "Disposition:" alone, the failure the disposition check below catches.
-    options = {"method": method, "learning_rate_multiplier": 10 if method == "lora" else 20}
+    options = {"method": method, "learning_rate_multiplier": 0.3125 if method == "lora" else 0.625}
     options |= {"beta": 0.1, "batch_size": 4, "n_epochs": 100, "max_steps": 24}
     run = spec(model_dir, pairs[0], tmp_path, type="dpo", validation_file=pairs[1], **options)
     result = run_finetune(run, hooks)

@@ -86,7 +86,7 @@ def test_lora_trains_and_its_adapter_and_merge_reload(model_dir, tokenizer, data
             validation_file=data[1],
             max_steps=8,
             eval_every=4,
-            learning_rate_multiplier=20,
+            learning_rate_multiplier=0.625,
             merge_adapter=True,
         ),
         hooks,
@@ -141,7 +141,7 @@ def test_full_fine_tuning_trains_and_stops_generation_at_end_of_turn(model_dir, 
             max_steps=25,
             batch_size=4,
             eval_every=25,
-            learning_rate_multiplier=100,
+            learning_rate_multiplier=3.125,
         ),
         hooks,
     )
@@ -237,7 +237,7 @@ def test_compiled_layers_train_the_same(model_dir, data, tmp_path):
     for compiled in (False, True):
         calls_before = compiled_calls()
         hooks = Recorder()
-        settings = dict(max_steps=3, learning_rate_multiplier=20, compile=compiled)
+        settings = dict(max_steps=3, learning_rate_multiplier=0.625, compile=compiled)
         result = run_finetune(spec(model_dir, data[0], tmp_path / str(compiled), **settings), hooks)
         assert result.status == "succeeded"
         runs[compiled] = (list(hooks.losses.values()), compiled_calls() - calls_before)
@@ -263,7 +263,7 @@ def test_gradient_checkpointing_recomputes_layers_and_trains_the_same(model_dir,
     for checkpointing in (False, True):
         layer_calls.clear()
         hooks = Recorder()
-        settings = dict(max_steps=3, learning_rate_multiplier=20, gradient_checkpointing=checkpointing)
+        settings = dict(max_steps=3, learning_rate_multiplier=0.625, gradient_checkpointing=checkpointing)
         result = run_finetune(spec(model_dir, data[0], tmp_path / str(checkpointing), **settings), hooks)
         assert result.status == "succeeded"
         runs[checkpointing] = (list(hooks.losses.values()), len(layer_calls))

@@ -54,7 +54,7 @@ def test_the_balancing_step_lowers_the_most_used_experts_bias(model_dir, tokeniz
 
 
 def test_full_fine_tuning_updates_the_biases_and_resumes_them_exactly(model_dir, data, tmp_path):
-    settings = dict(method="full", n_epochs=2, learning_rate_multiplier=20, balancing_bias_lr=1e-2)
+    settings = dict(method="full", n_epochs=2, learning_rate_multiplier=0.625, balancing_bias_lr=1e-2)
     uninterrupted = run_finetune(spec(model_dir, data[0], tmp_path / "a", **settings), Recorder())
     base = biases(ZayaForCausalLM.from_pretrained(model_dir))
     trained = biases(ZayaForCausalLM.from_pretrained(uninterrupted.output_dir))
@@ -73,7 +73,7 @@ def test_full_fine_tuning_updates_the_biases_and_resumes_them_exactly(model_dir,
 
 def test_lora_leaves_the_balancing_biases_of_the_base_model(model_dir, data, tmp_path):
     result = run_finetune(
-        spec(model_dir, data[0], tmp_path, max_steps=3, learning_rate_multiplier=20, merge_adapter=True), Recorder()
+        spec(model_dir, data[0], tmp_path, max_steps=3, learning_rate_multiplier=0.625, merge_adapter=True), Recorder()
     )
     merged = ZayaForCausalLM.from_pretrained(result.output_dir)
     assert torch.equal(biases(merged), biases(ZayaForCausalLM.from_pretrained(model_dir)))
@@ -95,7 +95,7 @@ def test_rotation_keeps_the_newest_checkpoints_and_the_best(model_dir, data, wri
             max_steps=12,
             eval_every=1,
             keep_checkpoints=2,
-            learning_rate_multiplier=100,
+            learning_rate_multiplier=3.125,
         ),
         hooks,
     )

@@ -31,7 +31,7 @@ def data(write_jsonl):
 def test_pause_then_resume_equals_an_uninterrupted_run(model_dir, data, tmp_path, tokenizer):
     uninterrupted = Recorder()
     whole = run_finetune(
-        spec(model_dir, data[0], tmp_path / "a", n_epochs=2, learning_rate_multiplier=20), uninterrupted
+        spec(model_dir, data[0], tmp_path / "a", n_epochs=2, learning_rate_multiplier=0.625), uninterrupted
     )
     assert len(uninterrupted.losses) == 8  # two epochs of four steps
     # Billed as OpenAI bills: the dataset's trained tokens, once per epoch.
@@ -41,7 +41,7 @@ def test_pause_then_resume_equals_an_uninterrupted_run(model_dir, data, tmp_path
 
     paused_hooks = Recorder(stop_at=3, request="pause")
     paused = run_finetune(
-        spec(model_dir, data[0], tmp_path / "b", n_epochs=2, learning_rate_multiplier=20), paused_hooks
+        spec(model_dir, data[0], tmp_path / "b", n_epochs=2, learning_rate_multiplier=0.625), paused_hooks
     )
     assert paused.status == "paused" and paused.output_dir is None
     [checkpoint] = paused.checkpoints
@@ -49,7 +49,7 @@ def test_pause_then_resume_equals_an_uninterrupted_run(model_dir, data, tmp_path
 
     resumed_hooks = Recorder()
     resumed = run_finetune(
-        spec(model_dir, data[0], tmp_path / "b", n_epochs=2, learning_rate_multiplier=20),
+        spec(model_dir, data[0], tmp_path / "b", n_epochs=2, learning_rate_multiplier=0.625),
         resumed_hooks,
         resume_from=checkpoint["path"],
     )
@@ -90,7 +90,7 @@ def test_early_stopping_keeps_the_best_checkpoint(model_dir, data, write_jsonl, 
             max_steps=30,
             eval_every=1,
             early_stopping_patience=2,
-            learning_rate_multiplier=50,
+            learning_rate_multiplier=1.5625,
         ),
         Recorder(),
     )
