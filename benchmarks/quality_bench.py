@@ -2,7 +2,8 @@
 
 Run: `python benchmarks/quality_bench.py [--smoke] [--out benchmarks/results/quality_bench.json]`
 
-1. `zaya data sample`'s corpus: `--corpus` synthetic bank case files (plain text, no dispositions);
+1. `zaya data sample`'s corpus: `--corpus` synthetic closed bank cases (each case file ends with its closing note,
+   the disposition and its reason; `--bare-corpus`: without it);
 2. `zaya pretrain --preset cpu` on it (a tokenizer, then the model);
 3. `zaya data sample`'s chats: `--train` disposition chats and `--valid` held-out ones (other cases);
 4. the base model, then a LoRA and a full fine-tune with every setting left at its default ("auto" epochs, batch
@@ -52,7 +53,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
         "threads": torch.get_num_threads(),
         "preset": args.preset,
         "corpus_cases": args.corpus,
-        "closed_corpus": args.closed_corpus,
+        "bare_corpus": args.bare_corpus,
         "n_train": args.train,
         "n_valid": args.valid,
         "seconds": {},
@@ -68,7 +69,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
         base_dir = str(args.base)
         report["base"] = base_dir
     else:
-        corpus = write_corpus(workdir / "corpus.jsonl", args.corpus, closed=args.closed_corpus)
+        corpus = write_corpus(workdir / "corpus.jsonl", args.corpus, closed=not args.bare_corpus)
         phase = time.monotonic()
         pretrained = Pretrainer(str(corpus), str(workdir / "base"), settings, progress=False).train()
         report["seconds"]["pretrain"] = round(time.monotonic() - phase, 1)
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", default="cpu", help="pretraining preset (default cpu)")
     parser.add_argument("--corpus", type=int, default=3000, metavar="N", help="pretraining case files")
     parser.add_argument(
-        "--closed-corpus", action="store_true", help="case files end with their closing note (disposition, reason)"
+        "--bare-corpus", action="store_true", help="case files without their closing notes (disposition, reason)"
     )
     parser.add_argument("--pretrain-steps", type=int, metavar="N", help="instead of the preset's")
     parser.add_argument("--train", type=int, default=600, metavar="N", help="training chats (default 600)")

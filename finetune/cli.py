@@ -70,12 +70,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Write OUTPUT/train.jsonl (--cases disposition chats) and OUTPUT/validation.jsonl (10%%, at "
         "least 3, at most 200, other cases) from the synthetic bank-case generator: each answer is "
         "'Disposition: CLOSE|ESCALATE|SAR' then 'Reason: ...' from the case's numbers. --corpus N also writes "
-        "OUTPUT/corpus.jsonl, N plain case files for `zaya pretrain --data`.",
+        "OUTPUT/corpus.jsonl for `zaya pretrain --data`: N closed case files, each ending with its closing note "
+        "(disposition and reason; --bare-corpus: without it).",
     )
     sample.add_argument("--cases", required=True, type=_positive_int, metavar="N", help="training chats")
     sample.add_argument("--output", required=True, metavar="DIR", help="directory to write the files into")
     sample.add_argument("--validation-cases", type=_positive_int, metavar="N", help="held-out chats (default 10%%)")
     sample.add_argument("--corpus", type=_positive_int, metavar="N", help="also write N case files for pretraining")
+    sample.add_argument("--bare-corpus", action="store_true", help="corpus case files without their closing notes")
     sample.add_argument("--seed", type=int, default=0, help="same seed, same files")
     sample.set_defaults(func=run_sample)
 
@@ -308,7 +310,7 @@ def run_sample(args: argparse.Namespace) -> int:
     for info in written.values():
         print(f"wrote {info['n_examples']} chats to {info['path']}")
     if args.corpus:
-        path = write_corpus(os.path.join(args.output, CORPUS_FILE), args.corpus)
+        path = write_corpus(os.path.join(args.output, CORPUS_FILE), args.corpus, closed=not args.bare_corpus)
         print(f"wrote {args.corpus} case files to {path}")
     return 0
 

@@ -2,8 +2,10 @@
 
 `write_sample` writes `train.jsonl` and `validation.jsonl`: disposition chats (system prompt, the task and the case
 file, the answer `Disposition: <LABEL>` then `Reason: ...`), labels balanced, the validation cases drawn with another
-seed so no case appears in both. `write_corpus` writes plain case files (JSONL with a `text` field) for `zaya
-pretrain`: the documents a bank's model would read, without the dispositions.
+seed so no case appears in both. `write_corpus` writes case files (JSONL with a `text` field) for `zaya
+pretrain`: by default an archive of closed cases, each file ending with the investigator's closing note (the
+disposition and its reason, other cases than the chats'), so the base model learns the words and the reasoning of an
+answer before fine-tuning teaches the chat format; `closed=False` writes the bare case files.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def write_sample(directory: str | Path, n_cases: int, *, n_validation: int | Non
     return written
 
 
-def write_corpus(path: str | Path, n_cases: int, *, closed: bool = False, seed: int = CORPUS_SEED) -> Path:
+def write_corpus(path: str | Path, n_cases: int, *, closed: bool = True, seed: int = CORPUS_SEED) -> Path:
     """`n_cases` case files as pretraining documents (JSONL, one `{"text": ...}` per line); `closed`: each file ends
     with the investigator's closing note (`Disposition: ...` / `Reason: ...`), as a bank's archive of closed cases."""
     path = Path(path)

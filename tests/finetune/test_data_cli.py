@@ -98,7 +98,12 @@ def test_sample_writes_chats_the_api_accepts_and_a_corpus(tokenizer_dir, tmp_pat
     assert sorted(set(labels)) == ["CLOSE", "ESCALATE", "SAR"] and labels.count("SAR") == 4  # balanced
     corpus = [json.loads(line)["text"] for line in (out / "corpus.jsonl").read_text().splitlines()]
     assert len(corpus) == 5 and all(text.startswith("Case CASE-") for text in corpus)
-    assert not any("Disposition:" in text for text in corpus)
+    assert all("\nClosing note:\nDisposition: " in text for text in corpus)  # an archive of closed cases
+    other = tmp_path / "bare"
+    assert main(["data", "sample", "--cases", "3", "--output", str(other), "--corpus", "5", "--bare-corpus"]) == 0
+    bare = [json.loads(line)["text"] for line in (other / "corpus.jsonl").read_text().splitlines()]
+    assert [text + "\n" for text in bare] == [text[: text.index("Closing note:")] for text in corpus]
+    capsys.readouterr()
 
     model_dir = tmp_path / "model"  # what the API checks a job's files against: the base model's tokenizer and context
     shutil.copytree(tokenizer_dir, model_dir)
