@@ -22,6 +22,9 @@ class LocalEngineSettings(BaseModel):
     # Requests waiting for a batch slot, per model version; one more gets 429.
     max_queued_requests: int = Field(default=64, ge=0)
     max_loaded_models: int = Field(default=4, ge=1)
+    # Decode steps as compiled graphs (`zaya_model.cpu.decode`), compiled in the background after each model loads
+    # (`GET /health` says "warming" until done); without a C++ compiler the engine warns and decodes eagerly.
+    compile: bool = True
 
 
 class VLLMEngineSettings(BaseModel):

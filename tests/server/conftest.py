@@ -23,7 +23,7 @@ from server.db.migrations import upgrade
 from server.db.models import Role
 from server.db.session import make_engine, make_sessionmaker, session_scope
 from server.services.keys import create_key
-from server.settings import Settings
+from server.settings import LocalEngineSettings, Settings
 
 MAX_UPLOAD_BYTES = 256 * 1024
 
@@ -54,7 +54,13 @@ def empty_all_tables(database_url: str) -> None:
 
 @pytest.fixture
 def settings(tmp_path, database_url) -> Iterator[Settings]:
-    yield Settings(data_dir=tmp_path / "data", database_url=database_url, max_upload_bytes=MAX_UPLOAD_BYTES)
+    # The local engine decodes eagerly here: compiling its decode steps has tests of its own (test_engine_compiled.py).
+    yield Settings(
+        data_dir=tmp_path / "data",
+        database_url=database_url,
+        max_upload_bytes=MAX_UPLOAD_BYTES,
+        local_engine=LocalEngineSettings(compile=False),
+    )
     empty_all_tables(database_url)
 
 

@@ -19,6 +19,8 @@ from server.engines.threads import THREAD_NAME_PREFIX
 from server.settings import LocalEngineSettings
 from zaya_model import ZayaForCausalLM
 
+# Compiled decode steps have tests of their own (test_engine_compiled.py); these run eagerly, without compiling.
+EAGER = LocalEngineSettings(compile=False)
 PROMPTS = ["Case CASE-1 Customer: Maria", "Summarise", "Disposition: SAR\nReason: the customer wired funds to"]
 
 
@@ -65,7 +67,7 @@ def test_concurrent_greedy_requests_share_batches_and_equal_generate(model_dir, 
     params = SamplingParams(max_tokens=12, temperature=0.0)
 
     async def scenario():
-        engine = LocalEngine()
+        engine = LocalEngine(EAGER)
         try:
             results = await asyncio.gather(
                 *(collect(engine, base, tokenizer.encode(p, add_special_tokens=False), params) for p in PROMPTS)
@@ -87,7 +89,7 @@ def test_seeded_sampling_is_reproducible_and_n_choices_differ(base, tokenizer):
     prompt = tokenizer.encode(PROMPTS[0], add_special_tokens=False)
 
     async def scenario():
-        engine = LocalEngine()
+        engine = LocalEngine(EAGER)
         try:
             sampled = SamplingParams(max_tokens=16, n=2, temperature=1.0, top_p=0.9, seed=1234)
             first = await collect(engine, base, prompt, sampled)
@@ -110,7 +112,7 @@ def test_stop_strings_end_the_choice_and_are_never_split_across_deltas(base, tok
     prompt = tokenizer.encode(PROMPTS[2], add_special_tokens=False)
 
     async def scenario():
-        engine = LocalEngine()
+        engine = LocalEngine(EAGER)
         try:
             full = (await collect(engine, base, prompt, SamplingParams(max_tokens=24, temperature=0.0)))[0]
             text = full["text"]
@@ -137,7 +139,7 @@ def test_logprobs_report_the_sampled_token_and_the_best_alternatives(base, token
     prompt = tokenizer.encode(PROMPTS[1], add_special_tokens=False)
 
     async def scenario():
-        engine = LocalEngine()
+        engine = LocalEngine(EAGER)
         try:
             params = SamplingParams(6, temperature=0.0, logprobs=True, top_logprobs=3)
             return await collect(engine, base, prompt, params)
@@ -156,7 +158,7 @@ def test_closing_the_stream_stops_decoding(base, tokenizer):
     prompt = tokenizer.encode(PROMPTS[0], add_special_tokens=False)
 
     async def scenario():
-        engine = LocalEngine()
+        engine = LocalEngine(EAGER)
         try:
             stream = engine.generate(base, prompt, SamplingParams(max_tokens=1500, temperature=0.0))
             for _ in range(3):
@@ -180,7 +182,7 @@ def test_closing_the_stream_stops_decoding(base, tokenizer):
 
 def test_a_full_queue_is_refused_and_oversized_requests_are_errors(base, tokenizer):
     prompt = tokenizer.encode(PROMPTS[0], add_special_tokens=False)
-    engine_settings = LocalEngineSettings(max_batch_size=1, max_queued_requests=1)
+    engine_settings = LocalEngineSettings(max_batch_size=1, max_queued_requests=1, compile=False)
 
     async def scenario():
         engine = LocalEngine(engine_settings)
@@ -217,7 +219,7 @@ def test_adapters_are_merged_per_version_and_bad_ones_fail_at_load(model_dir, ba
     (tmp_path / "not-an-adapter").mkdir()
 
     async def scenario():
-        engine = LocalEngine()
+        engine = LocalEngine(EAGER)
         try:
             params = SamplingParams(max_tokens=10, temperature=0.0)
             adapter = ModelRef("mv-adapter", tmp_path / "adapter")
@@ -263,7 +265,7 @@ def test_all_models_decode_on_one_thread_and_loading_leaves_no_thread_behind(mod
     params = SamplingParams(max_tokens=6, temperature=0.0)
 
     async def scenario():
-        engine = LocalEngine()
+        engine = LocalEngine(EAGER)
         try:
             await asyncio.gather(engine.load_model(base), engine.load_adapter(adapter, base))
             await asyncio.gather(collect(engine, base, prompt, params), collect(engine, base, prompt, params, adapter))
