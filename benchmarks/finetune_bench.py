@@ -44,6 +44,7 @@ from finetune.datasets.formats import parse_record  # noqa: E402
 from finetune.datasets.synthetic import generate_chat_examples  # noqa: E402
 from finetune.settings import DEFAULT_LORA_TARGET_MODULES  # noqa: E402
 from finetune.train import LORA_EXPERT_PARAMETERS  # noqa: E402
+from zaya_model.cpu.compiled_layers import enable_compiled_layers  # noqa: E402
 from zaya_model.pretrain import train_tokenizer  # noqa: E402
 from zaya_model.training import BalancingBiasUpdater  # noqa: E402
 from zaya_model.training.runtime import prepare_training_process  # noqa: E402
@@ -162,7 +163,7 @@ def prepare_variant(variant: str, model_dir: str, sizes: FinetuneSizes):
     if "gc" in options:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if "compile" in options and impl == "ours":
-        model.enable_compiled_layers()
+        enable_compiled_layers(model)
     if method == "lora":
         from peft import LoraConfig, get_peft_model
 

@@ -69,6 +69,7 @@ import transformers  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from zaya_model import ZayaConfig, ZayaForCausalLM  # noqa: E402
+from zaya_model.cpu.compiled_layers import enable_compiled_layers  # noqa: E402
 from zaya_model.kernels.grouped_mm_experts import use_grouped_mm_experts  # noqa: E402
 
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "gpu_check.json"
@@ -194,7 +195,7 @@ def upstream_copy(ours: ZayaForCausalLM, model: dict, seq_len: int) -> torch.nn.
 
 def set_ours_path(model: ZayaForCausalLM, best: bool, compiled_layers: bool) -> None:
     use_grouped_mm_experts(model, best)
-    model.enable_compiled_layers(best and compiled_layers)
+    enable_compiled_layers(model, best and compiled_layers)
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -54,8 +54,8 @@ TARGETS = {"train_step": 2.0, "prefill": 1.5, "decode_b1": 5.0}  # issue 2: mini
 COMPILED_PATHS = {
     "train_step": "compiled layers",
     "prefill": "compiled layers",
-    "decode_b1": "compiled layers + decode step",
-    "decode_b8": "compiled layers + decode step",
+    "decode_b1": "compiled layers + compiled decode steps",
+    "decode_b8": "compiled layers + compiled decode steps",
 }
 PAD, BOS, EOS = 0, 2, 1
 
@@ -257,18 +257,29 @@ def make_decode(model: torch.nn.Module, sizes: BenchSizes, batch: int) -> Callab
 
 
 def has_compiled_paths(model: torch.nn.Module) -> bool:
-    """Whether the model has our compiled paths (`enable_compiled_layers`, `enable_compiled_decode`); upstream has
-    neither."""
-    return hasattr(model, "enable_compiled_layers") and hasattr(model, "enable_compiled_decode")
+    """Whether the model is ours, which the compiled paths of `zaya_model.cpu` apply to; upstream's is not."""
+    return type(model).__module__.startswith("zaya_model.")
 
 
-def with_compiled_paths(model: torch.nn.Module, run: Callable[[], int], compiled: bool, decode) -> Callable[[], int]:
-    """`run` with our model's compiled paths switched on (`compiled`: compiled layers, and `decode`, a
-    `CompiledDecode`, for decoding) or off, so that one model object is timed both ways."""
+def make_compiled_decode(model: torch.nn.Module, sizes: BenchSizes, batch: int, decoder) -> Callable[[], int]:
+    """`make_decode` with every decode step through `decoder` (`zaya_model.cpu.decode.CompiledDecoder`)."""
+    from zaya_model.cpu.decode import greedy_generate as compiled_greedy_generate
+
+    prompt = random_ids(batch, sizes.prompt_len, model.config.vocab_size, seed=5)
+
+    def decode() -> int:
+        return compiled_greedy_generate(model, decoder, prompt, sizes.new_tokens).numel()
+
+    return decode
+
+
+def with_compiled_paths(model: torch.nn.Module, run: Callable[[], int], compiled: bool) -> Callable[[], int]:
+    """`run` with our model's compiled layers (`zaya_model.cpu.compiled_layers`) switched on or off, so that one
+    model object is timed both ways."""
+    from zaya_model.cpu.compiled_layers import enable_compiled_layers
 
     def switched() -> int:
-        model.enable_compiled_layers(compiled)
-        model.compiled_decode = decode if compiled else None
+        enable_compiled_layers(model, compiled)
         return run()
 
     return switched
@@ -596,8 +607,8 @@ def measure_bf16(model_dir: str, sizes: BenchSizes, ours_source: str) -> dict:
     ours = models["ours"]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         if has_compiled_paths(ours):
-            runners["ours_eager"] = with_compiled_paths(ours, make_train_step(ours, sizes), False, None)
-            runners["ours"] = with_compiled_paths(ours, runners["ours"], True, None)
+            runners["ours_eager"] = with_compiled_paths(ours, make_train_step(ours, sizes), False)
+            runners["ours"] = with_compiled_paths(ours, runners["ours"], True)
             start = time.perf_counter()
             runners["ours"]()
             result["compile_seconds"] = time.perf_counter() - start
@@ -728,23 +739,28 @@ def run_benchmark(sizes: BenchSizes, mode: str, ours_source_arg: str) -> dict:
 def time_phases(models: dict[str, torch.nn.Module], sizes: BenchSizes, report: dict, stage) -> None:
     """Interleaved timing of every phase; fills the report's samples, seconds, medians, ratios and targets.
 
-    Ours runs with its compiled paths (compiled layers for the train step and prefill, plus the compiled decode
-    step for decoding), compiled before timing; the same model fully eager is timed alongside as `ours_eager`."""
+    Ours runs with its compiled paths (`zaya_model.cpu`: compiled layers for the train step and prefill, compiled
+    decode steps for decoding), compiled before timing; the same model fully eager is timed alongside as
+    `ours_eager`."""
     report["samples"], report["seconds"], report["medians"] = {}, {}, {}
     ours = models["ours"]
     compiled = has_compiled_paths(ours)
-    decode = None
+    decoder = None
     if compiled:
-        ours.enable_compiled_decode()
-        decode = ours.compiled_decode
+        from zaya_model.cpu.decode import CompiledDecoder
+
+        decoder = CompiledDecoder(ours)
     report["compile_seconds"] = {}
     # Inference phases first: the train step changes the weights.
     for phase in ("prefill", "decode_b1", "decode_b8", "train_step"):
         with stage(f"timing {phase}"):
             runners = {impl: make_phase(phase, model, sizes) for impl, model in models.items()}
             if compiled:
-                runners["ours_eager"] = with_compiled_paths(ours, make_phase(phase, ours, sizes), False, decode)
-                runners["ours"] = with_compiled_paths(ours, runners["ours"], True, decode)
+                runners["ours_eager"] = with_compiled_paths(ours, make_phase(phase, ours, sizes), False)
+                if phase in ("decode_b1", "decode_b8"):
+                    batch = sizes.decode_batches[phase == "decode_b8"]
+                    runners["ours"] = make_compiled_decode(ours, sizes, batch, decoder)
+                runners["ours"] = with_compiled_paths(ours, runners["ours"], True)
                 start = time.perf_counter()
                 runners["ours"]()  # compiles this phase's graphs
                 report["compile_seconds"][phase] = time.perf_counter() - start

@@ -40,6 +40,7 @@ from transformers import (
 
 from zaya_model import ZayaConfig, ZayaForCausalLM
 from zaya_model.atomic_io import write_json_atomic
+from zaya_model.cpu.compiled_layers import enable_compiled_layers
 from zaya_model.training.callbacks import (
     COMPILING_MESSAGE,
     HooksCallback,
@@ -167,7 +168,7 @@ def run_finetune(
     base.generation_config.pad_token_id = tokenizer.pad_token_id
     if hyperparameters.compile:
         try:
-            base.enable_compiled_layers()
+            enable_compiled_layers(base)
         except RuntimeError as error:
             raise FinetuneError(settings.setting("hyperparameters", "compile"), str(error)) from None
     fingerprint = base_model_fingerprint(base)

@@ -9,7 +9,7 @@ import contextlib
 
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-from zaya_model.modeling_zaya import attention_and_routing, compiled_function, merge_experts
+from zaya_model.cpu.compiled_layers import attention_and_routing, compiled_function, merge_experts
 
 
 def compiled_calls() -> int:

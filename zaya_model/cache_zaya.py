@@ -6,8 +6,7 @@ CCA keeps, besides keys and values, two pieces of per-sequence state (spec §3.8
 - the value-shift state: the delayed value projection of the previous token (`v_proj_delayed(x_{t-1})`).
 
 Keys and values live in a buffer that grows by doubling, so a decode step writes one slot instead of concatenating
-(and copying) the whole cache as a plain `DynamicCache` does. A cache made for the compiled decode step
-(`zaya_model.decode_step`) reserves the whole generation's capacity up front, so its buffers keep one shape.
+(and copying) the whole cache as a plain `DynamicCache` does.
 """
 
 from __future__ import annotations
@@ -23,10 +22,9 @@ class ZayaCacheLayer(CacheLayerMixin):
     is_croppable = False
     is_compileable = False
 
-    def __init__(self, reserved: int = 0, **kwargs):
+    def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.length = 0
-        self.reserved = reserved  # slots allocated on the first update, whatever its length
         self.conv_state: torch.Tensor | None = None  # [batch, history, conv_channels]
         self.shift_state: torch.Tensor | None = None  # [batch, delayed_value_width]
 
@@ -38,7 +36,7 @@ class ZayaCacheLayer(CacheLayerMixin):
         capacity = self.capacity()
         if needed <= capacity:
             return
-        new_capacity = max(needed, 2 * capacity, 64, self.reserved)
+        new_capacity = max(needed, 2 * capacity, 64)
         batch, heads, _, head_dim = key_states.shape
         keys = key_states.new_empty(batch, heads, new_capacity, head_dim)
         values = value_states.new_empty(batch, heads, new_capacity, value_states.shape[-1])
@@ -98,22 +96,11 @@ class ZayaCacheLayer(CacheLayerMixin):
 
 
 class ZayaCache(Cache):
-    """One `ZayaCacheLayer` per ZAYA block. Created by the model on the first forward with `use_cache=True`, or by
-    `generate()` for the compiled decode step: `reserved` slots per layer and `compiled_decode=True`."""
+    """One `ZayaCacheLayer` per ZAYA block, created by the model on the first forward with `use_cache=True`."""
 
-    def __init__(self, config=None, num_layers: int | None = None, reserved: int = 0, compiled_decode: bool = False):
+    def __init__(self, config=None, num_layers: int | None = None):
         num_layers = config.num_hidden_layers if num_layers is None else num_layers
-        super().__init__(layers=[ZayaCacheLayer(reserved) for _ in range(num_layers)])
-        self.compiled_decode = compiled_decode
-
-    def capacity(self) -> int:
-        return self.layers[0].capacity()
-
-    def advance(self, conv_states: list[torch.Tensor], shift_states: list[torch.Tensor]) -> None:
-        """Book one decode step whose keys and values were written into the buffers in place (compiled decode)."""
-        for layer, conv_state, shift_state in zip(self.layers, conv_states, shift_states, strict=True):
-            layer.length += 1
-            layer.conv_state, layer.shift_state = conv_state, shift_state
+        super().__init__(layers=[ZayaCacheLayer() for _ in range(num_layers)])
 
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
         layer = self.layers[0 if layer_idx is None else layer_idx]

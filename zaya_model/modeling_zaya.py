@@ -12,7 +12,6 @@ token at position p only sees the p tokens before it.
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 from collections.abc import Callable
@@ -33,11 +32,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from .cache_zaya import ZayaCache
 from .checkpoints import is_legacy_config, load_legacy_checkpoint
 from .configuration_zaya import ZayaConfig
-from .decode_step import CompiledDecode, has_adapters
 from .expert_lora import ExpertWeight, expert_weight, peft_expert_weights
 from .grouped_linear import group_layout, group_row_multiple
-from .kernels.gathered_experts import gathered_products
-from .small_batch_linear import SmallBatchLinear, align_parameters
 
 
 class ZayaRMSNorm(nn.Module):
@@ -149,10 +145,10 @@ class ZayaCCAProjection(nn.Module):
         query_width = self.num_heads * self.head_dim
         key_width = self.num_key_value_heads * self.head_dim
         bias = config.attention_bias
-        self.q_proj = SmallBatchLinear(config.hidden_size, query_width, bias=bias)
-        self.k_proj = SmallBatchLinear(config.hidden_size, key_width, bias=bias)
-        self.v_proj_current = SmallBatchLinear(config.hidden_size, key_width // 2, bias=bias)
-        self.v_proj_delayed = SmallBatchLinear(config.hidden_size, key_width // 2, bias=bias)
+        self.q_proj = nn.Linear(config.hidden_size, query_width, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, key_width, bias=bias)
+        self.v_proj_current = nn.Linear(config.hidden_size, key_width // 2, bias=bias)
+        self.v_proj_delayed = nn.Linear(config.hidden_size, key_width // 2, bias=bias)
         channels = query_width + key_width
         self.conv_qk_depthwise = nn.Conv1d(channels, channels, self.depthwise_kernel, groups=channels)
         self.conv_qk_grouped = nn.Conv1d(
@@ -293,7 +289,7 @@ class ZayaAttention(nn.Module):
         self.is_causal = True
         self.qkv_proj = ZayaCCAProjection(config, layer_idx)
         self.qk_norm = ZayaQKNorm(config)
-        self.o_proj = SmallBatchLinear(
+        self.o_proj = nn.Linear(
             config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias
         )
 
@@ -383,7 +379,7 @@ class ZayaAttention(nn.Module):
         self, query_key: torch.Tensor, position_embeddings
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """QK norm and RoPE on `query_key` [batch, seq, heads + kv_heads, d] -> queries [batch, heads, seq, d] and
-        keys [batch, kv_heads, seq, d] (the eager forward and the compiled decode step share it)."""
+        keys [batch, kv_heads, seq, d] (the compiled decode step, `zaya_model.cpu.decode`, calls it too)."""
         query_key = apply_partial_rope(self.qk_norm(query_key), *position_embeddings, self.rotary_dim).transpose(1, 2)
         return query_key.split((self.num_heads, self.num_key_value_heads), dim=1)
 
@@ -409,9 +405,9 @@ class ZayaRouterMLP(nn.Module):
     def __init__(self, hidden_size: int, num_classes: int, eps: float):
         super().__init__()
         self.norm = ZayaRMSNorm(hidden_size, eps=eps)
-        self.fc1 = SmallBatchLinear(hidden_size, hidden_size)
-        self.fc2 = SmallBatchLinear(hidden_size, hidden_size)
-        self.out_proj = SmallBatchLinear(hidden_size, num_classes, bias=False)
+        self.fc1 = nn.Linear(hidden_size, hidden_size)
+        self.fc2 = nn.Linear(hidden_size, hidden_size)
+        self.out_proj = nn.Linear(hidden_size, num_classes, bias=False)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         hidden_states = F.gelu(self.fc1(self.norm(hidden_states)))
@@ -426,7 +422,7 @@ class ZayaRouter(nn.Module):
     def __init__(self, config: ZayaConfig, layer_idx: int):
         super().__init__()
         self.num_experts = config.num_experts
-        self.down_proj = SmallBatchLinear(config.hidden_size, config.router_hidden_size)
+        self.down_proj = nn.Linear(config.hidden_size, config.router_hidden_size)
         self.use_eda = layer_idx != 0
         if self.use_eda:
             self.router_states_scale = nn.Parameter(torch.ones(config.router_hidden_size))
@@ -531,16 +527,6 @@ class ZayaSparseMoeBlock(nn.Module):
             output = output + torch.where(skipped, weight * hidden_states, 0.0)
         return output
 
-    def gathers_experts(self, hidden_states: torch.Tensor) -> bool:
-        """Whether the compiled path computes these tokens' experts by gathering (`zaya_model.kernels`): at inference
-        on CPU, for up to `GATHERED_EXPERTS_MAX_TOKENS` tokens (a prompt's prefill), and without adapters."""
-        return (
-            not torch.is_grad_enabled()
-            and hidden_states.device.type == "cpu"
-            and hidden_states.shape[:-1].numel() <= GATHERED_EXPERTS_MAX_TOKENS
-            and not has_adapters(self.experts)  # PEFT's expert LoRA wraps the module or parametrizes its weights
-        )
-
     def _run_experts(self, hidden_states: torch.Tensor, expert_index: torch.Tensor, weights: torch.Tensor):
         # With PEFT's expert LoRA, call our experts with the adapters' factors: PEFT's wrappers would register (and
         # so evaluate once) a parametrization of each whole expert stack on every forward.
@@ -552,15 +538,7 @@ class ZayaSparseMoeBlock(nn.Module):
 
 
 class ZayaDecoderLayer(GradientCheckpointingLayer):
-    """One ZAYA block: attention half then MoE half, each pre-normed and merged by residual scaling.
-
-    A block runs in three parts: attention and routing, the experts, and the weighted merge. The first and last
-    are functions of tensors alone (for a chunk that starts its sequences: training, a prompt's prefill), so
-    `ZayaForCausalLM.enable_compiled_layers` can run them as compiled graphs; the experts, whose shapes follow
-    the routing, and anything that reads a cache stay eager. At inference a chunk of a few tokens computes its
-    experts by gathering each token's expert weights instead, which needs no host step: experts and merge then run
-    as one compiled graph (`ZayaSparseMoeBlock.gathers_experts`).
-    """
+    """One ZAYA block: attention half then MoE half, each pre-normed and merged by residual scaling."""
 
     def __init__(self, config: ZayaConfig, layer_idx: int):
         super().__init__()
@@ -571,7 +549,6 @@ class ZayaDecoderLayer(GradientCheckpointingLayer):
         self.post_attention_layernorm = ZayaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_residual_scale = ZayaResidualScaling(config.hidden_size)
         self.post_mlp_residual_scale = ZayaResidualScaling(config.hidden_size)
-        self.compiled = False
 
     def forward(
         self,
@@ -584,27 +561,15 @@ class ZayaDecoderLayer(GradientCheckpointingLayer):
         padding_mask: torch.Tensor | None = None,
         **kwargs,
     ):
-        continuing = past_key_values is not None and past_key_values.has_previous_state(self.layer_idx)
-        compiled = self.compiled and not continuing and not kwargs
-        if compiled:
-            routed, state = compiled_function(attention_and_routing)(
-                self, residual, router_states, position_embeddings, attention_mask, lag_masks, padding_mask
-            )
-            if past_key_values is not None:
-                self.self_attn.cache_state(past_key_values, *state)
-        else:
-            attn_out = self.self_attn(
-                self.input_layernorm(residual.to(self.input_layernorm.weight.dtype)), position_embeddings,
-                attention_mask, lag_masks, past_key_values, padding_mask, **kwargs,
-            )
-            routed = self.route(attn_out, residual, router_states)
-        residual, moe_input, router_logits, choice, weight, router_states = routed
-        if compiled and self.mlp.gathers_experts(moe_input):
-            residual = compiled_function(gathered_experts_and_merge)(self, moe_input, choice, weight, residual)
-        else:
-            moe_out = self.mlp.expert_outputs(moe_input, choice, weight)
-            merge = compiled_function(merge_experts) if compiled else merge_experts
-            residual = merge(self, moe_out, residual)
+        attn_out = self.self_attn(
+            self.input_layernorm(residual.to(self.input_layernorm.weight.dtype)), position_embeddings,
+            attention_mask, lag_masks, past_key_values, padding_mask, **kwargs,
+        )  # fmt: skip
+        residual, moe_input, router_logits, choice, weight, router_states = self.route(
+            attn_out, residual, router_states
+        )
+        moe_out = self.mlp.expert_outputs(moe_input, choice, weight)
+        residual = self.post_mlp_residual_scale(moe_out, residual)
         return residual, router_states, router_logits, choice
 
     def route(self, attn_out: torch.Tensor, residual: torch.Tensor, router_states: torch.Tensor | None):
@@ -613,67 +578,6 @@ class ZayaDecoderLayer(GradientCheckpointingLayer):
         moe_input = self.post_attention_layernorm(residual.to(self.post_attention_layernorm.weight.dtype))
         logits, choice, weight, router_states = self.mlp.gate(moe_input, router_states)
         return residual, moe_input, logits, choice, weight, router_states
-
-
-def attention_and_routing(
-    layer: ZayaDecoderLayer,
-    residual: torch.Tensor,
-    router_states: torch.Tensor | None,
-    position_embeddings: tuple[torch.Tensor, torch.Tensor],
-    attention_mask: torch.Tensor | None,
-    lag_masks: torch.Tensor | None,
-    padding_mask: torch.Tensor | None,
-):
-    """A block's first part for a chunk that starts its sequences, as the compiled path runs it: `(residual,
-    moe_input, router logits, choice, weight, router_states)` and the attention's cache state."""
-    hidden_states = layer.input_layernorm(residual.to(layer.input_layernorm.weight.dtype))
-    attn_out, state = layer.self_attn.attend_chunk(
-        hidden_states, position_embeddings, attention_mask, lag_masks, padding_mask
-    )
-    return layer.route(attn_out, residual, router_states), state
-
-
-def merge_experts(layer: ZayaDecoderLayer, moe_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """A block's last part: merge the MoE output into the residual."""
-    return layer.post_mlp_residual_scale(moe_out, residual)
-
-
-def gathered_experts_and_merge(
-    layer: ZayaDecoderLayer, moe_input: torch.Tensor, choice: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor
-) -> torch.Tensor:
-    """A block's last two parts in one compiled graph where `ZayaSparseMoeBlock.gathers_experts`."""
-    experts = functools.partial(gathered_products, layer.mlp.experts)
-    return merge_experts(layer, layer.mlp.expert_outputs(moe_input, choice, weight, experts), residual)
-
-
-# Up to this many tokens gathering won on model_bench's model (8 layers of experts: 16 tokens 17 against 48 ms grouped,
-# 64 tokens 31 against 62, 256 tokens 74 against 119); at 512 grouped matmuls were faster (121 against 131).
-GATHERED_EXPERTS_MAX_TOKENS = 256
-
-
-COMPILED_GRAPHS_LIMIT = 32
-
-
-def require_cpp_compiler() -> None:
-    """torch.compile's CPU backend (inductor) builds C++: without a compiler, say so now rather than at the first
-    compiled step."""
-    from torch._inductor.cpp_builder import get_cpp_compiler
-
-    try:
-        get_cpp_compiler()
-    except Exception as error:  # inductor's InvalidCxxCompiler
-        raise RuntimeError(
-            f"compiled layers on CPU need a C++ compiler (torch.compile builds C++ kernels): {error}; install g++ "
-            "or point CXX at one"
-        ) from None
-
-
-@functools.cache
-def compiled_function(function: Callable) -> Callable:
-    """One compiled wrapper per function, shared by every layer and model: the module is an argument, so its
-    weights are graph inputs and all layers of a shape reuse one graph. Shapes start static; a shape that changes
-    is recompiled once as dynamic (torch.compile's default)."""
-    return torch.compile(function)
 
 
 class ZayaPreTrainedModel(PreTrainedModel):
@@ -874,48 +778,8 @@ class ZayaForCausalLM(ZayaPreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = ZayaModel(config)
         self.vocab_size = config.vocab_size
-        self.lm_head = SmallBatchLinear(config.hidden_size, config.vocab_size, bias=config.lm_head_bias)
-        self.compiled_decode = None
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=config.lm_head_bias)
         self.post_init()
-
-    def enable_compiled_decode(self) -> None:
-        """Let `generate()` run decode steps as one compiled graph (`zaya_model.decode_step`): several times faster
-        per token on CPU once compiled; the first generation of each batch size and length bucket compiles.
-
-        The compiled steps read each weight from the module that held it when they were compiled, so new or changed
-        tensors are used but a replaced module is not: call this again after swapping modules. A new tensor gets a
-        program of its own if its layout differs; giving an existing Parameter other strides in place
-        (`param.data = ...`) is not detected."""
-        self.compiled_decode = CompiledDecode(self)
-
-    def enable_compiled_layers(self, enabled: bool = True) -> None:
-        """Run each block's attention, routing and expert merge as compiled graphs (`torch.compile`; the experts
-        themselves stay eager, except for short prompts at inference, see `ZayaSparseMoeBlock.gathers_experts`)
-        for chunks that start their sequences: training steps and prompt prefill. Decoding
-        steps are unaffected (see `enable_compiled_decode`). The first call of each shape and mode compiles.
-
-        Each combination of layer kind (the first router has no EDA input), grad mode, autocast, mask kinds and shape
-        kind is a graph of its own; a training run with evaluation and packed and unpacked batches makes about ten,
-        so torch.compile's per-function limit (8, then eager) is raised to `COMPILED_GRAPHS_LIMIT`."""
-        if enabled:
-            if self.device.type == "cpu":
-                require_cpp_compiler()
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, COMPILED_GRAPHS_LIMIT)
-        for layer in self.model.layers:
-            layer.compiled = enabled
-
-    def _prepare_cache_for_generation(
-        self, generation_config, model_kwargs: dict, generation_mode, batch_size: int, max_cache_length: int
-    ) -> None:
-        super()._prepare_cache_for_generation(
-            generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
-        )
-        if (
-            self.compiled_decode is not None
-            and model_kwargs.get("past_key_values") is None
-            and generation_config.use_cache is not False
-        ):
-            model_kwargs["past_key_values"] = self.compiled_decode.new_cache(max_cache_length)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
@@ -924,11 +788,8 @@ class ZayaForCausalLM(ZayaPreTrainedModel, GenerationMixin):
         if config_path.is_file() and is_legacy_config(json.loads(config_path.read_text())):
             config_dict, state_dict = load_legacy_checkpoint(config_path.parent)
             config = kwargs.pop("config", None) or ZayaConfig(**config_dict)
-            model = super().from_pretrained(None, *model_args, config=config, state_dict=state_dict, **kwargs)
-        else:
-            model = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
-        align_parameters(model)  # weights memory-mapped from safetensors sit at element-aligned offsets
-        return model
+            return super().from_pretrained(None, *model_args, config=config, state_dict=state_dict, **kwargs)
+        return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
@@ -956,15 +817,6 @@ class ZayaForCausalLM(ZayaPreTrainedModel, GenerationMixin):
         if skip_logits and labels is None:
             raise ValueError("`skip_logits=True` needs `labels`: without them there is nothing to compute.")
         kwargs.pop("return_dict", None)
-        if (
-            self.compiled_decode is not None
-            and labels is None
-            and not output_router_logits
-            and not output_hidden_states
-            and self.compiled_decode.applies(input_ids, past_key_values)
-        ):
-            logits = self.compiled_decode(input_ids, position_ids, attention_mask, past_key_values)
-            return MoeCausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,

@@ -1,7 +1,7 @@
-"""`enable_compiled_layers`: the attention, routing and merge parts of each block as compiled graphs give what the
-eager model gives (logits, loss, every gradient), for training batches (plain, packed, with LoRA or gradient
-checkpointing) and for prompts (prefill, with the experts gathered inside the compiled graph, then eager decoding
-from the cache it wrote)."""
+"""`zaya_model.cpu.compiled_layers.enable_compiled_layers`: the attention, routing and merge parts of each block as
+compiled graphs give what the eager model gives (logits, loss, every gradient), for training batches (plain, packed,
+with LoRA or gradient checkpointing) and for prompts (prefill, with the experts gathered inside the compiled graph,
+then eager decoding from the cache it wrote)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ from tiny_models import TINY_ZAYA, randomize_zaya, skip_prone_model
 from torch._dynamo.utils import counters
 
 from zaya_model import ZayaConfig, ZayaForCausalLM
-from zaya_model.modeling_zaya import ZayaSparseMoeBlock
+from zaya_model.cpu import compiled_layers
+from zaya_model.cpu.compiled_layers import compiled_layers_enabled, enable_compiled_layers
 
-gathers_experts = ZayaSparseMoeBlock.gathers_experts
+gathers_experts = compiled_layers.gathers_experts
 
 pytestmark = pytest.mark.slow  # each test compiles graphs (seconds each on one thread)
 
@@ -25,7 +26,7 @@ def model_pair(**config_overrides) -> tuple[ZayaForCausalLM, ZayaForCausalLM]:
     torch.manual_seed(0)
     eager = randomize_zaya(ZayaForCausalLM(ZayaConfig(**TINY_ZAYA, **config_overrides)))
     compiled = copy.deepcopy(eager)
-    compiled.enable_compiled_layers()
+    enable_compiled_layers(compiled)
     return eager, compiled
 
 
@@ -63,8 +64,9 @@ def test_layers_are_compiled_and_train_like_eager():
     assert compiled_graphs() > 0
     assert torch._dynamo.config.recompile_limit >= 32
     # Turning it off restores the eager path.
-    compiled.enable_compiled_layers(False)
-    assert not any(layer.compiled for layer in compiled.model.layers)
+    assert compiled_layers_enabled(compiled)
+    enable_compiled_layers(compiled, False)
+    assert not compiled_layers_enabled(compiled)
 
 
 def test_gradient_checkpointing_and_lora_under_compiled_layers():
@@ -93,10 +95,10 @@ def test_compiled_prefill_then_eager_decoding_equals_eager_generation(monkeypatc
     # Routers that pick the skip class for about half the tokens, which the input-scaling skip mode then merges.
     eager = skip_prone_model(torch.randint(3, 128, (2, 16), generator=generator), skip_expert_mode="scaled_input")
     compiled = copy.deepcopy(eager)
-    compiled.enable_compiled_layers()
+    enable_compiled_layers(compiled)
     gathered = []  # a prompt this short computes its experts inside the compiled graph, gathering their weights
     monkeypatch.setattr(
-        ZayaSparseMoeBlock, "gathers_experts", lambda *args: gathered.append(gathers_experts(*args)) or gathered[-1]
+        compiled_layers, "gathers_experts", lambda *args: gathered.append(gathers_experts(*args)) or gathered[-1]
     )
     prompts = [torch.randint(3, 128, (n,), generator=generator) for n in (12, 7, 3)]
     width = max(len(p) for p in prompts)
@@ -120,5 +122,5 @@ def test_compiled_prefill_then_eager_decoding_equals_eager_generation(monkeypatc
 def test_without_a_cpp_compiler_enabling_fails_at_once_and_says_what_to_do(monkeypatch):
     model = ZayaForCausalLM(ZayaConfig(**TINY_ZAYA))
     with no_cpp_compiler(monkeypatch), pytest.raises(RuntimeError, match="need a C\\+\\+ compiler.*install g\\+\\+"):
-        model.enable_compiled_layers()
-    assert not any(layer.compiled for layer in model.model.layers)
+        enable_compiled_layers(model)
+    assert not compiled_layers_enabled(model)

@@ -69,7 +69,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from transformers import PreTrainedTokenizerFast
 
 from ..atomic_io import fsync_tree
-from ..modeling_zaya import ZayaForCausalLM, ZayaRouter, require_cpp_compiler
+from ..cpu.compiled_layers import enable_compiled_layers, require_cpp_compiler
+from ..modeling_zaya import ZayaForCausalLM, ZayaRouter
 from ..training.balancing import BalancingBiasUpdater
 from ..training.callbacks import COMPILING_MESSAGE, STOP_REASONS, TrainingHooks
 from ..training.checkpointing import Checkpointer, latest_checkpoint
@@ -219,7 +220,7 @@ class Pretrainer:
         self.config = settings.zaya_config(self.tokenizer)
         torch.manual_seed(settings.seed)
         self.model = ZayaForCausalLM(self.config).to(self.device).train()
-        self.model.enable_compiled_layers(settings.compile)
+        enable_compiled_layers(self.model, settings.compile)
         sharded = settings.sharding == "fsdp"
         if sharded and self.dist.enabled:  # one process has nothing to shard
             shard_model(self.model)
