@@ -17,7 +17,6 @@ trained or reloaded weights are read, never baked in. Only public `torch.compile
 from __future__ import annotations
 
 import functools
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -26,9 +25,8 @@ from torch import nn
 from ..cache_zaya import ZayaCache
 from ..kernels.gathered_experts import gathered_products
 
-logger = logging.getLogger(__name__)
-
 CAPACITY_STEP = 256
+RECOMPILE_LIMIT = 64
 
 
 def capacity_for(length: int) -> int:
@@ -160,6 +158,8 @@ class CompiledDecoder:
     def __init__(self, model: nn.Module):
         self.model = model
         self._step = torch.compile(decode_step, fullgraph=True)
+        # Every decoder's graphs are entries of `decode_step`'s one code object: room for several models' buckets.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         self.batch_sizes: set[int] = set()
 
     def __call__(
