@@ -36,6 +36,7 @@ REQUIRED_ROLE = {
     ("POST", "/v1/admin/keys/{key_id}/revoke"): Role.admin,
     ("GET", "/v1/admin/audit"): Role.admin,
     ("POST", "/v1/fine_tuning/jobs"): Role.data,
+    ("POST", "/v1/fine_tuning/jobs/estimate"): Role.data,
     ("GET", "/v1/fine_tuning/jobs"): Role.data,
     ("GET", "/v1/fine_tuning/jobs/{fine_tuning_job_id}"): Role.data,
     ("POST", "/v1/fine_tuning/jobs/{fine_tuning_job_id}/cancel"): Role.data,
@@ -173,7 +174,7 @@ class RequestFactory:
             path = path.replace("{approval_id}", self.pending_approval())
         if "{version_id}" in path:
             path = path.replace("{version_id}", self.new_version())
-        if path == "/v1/fine_tuning/jobs" and method == "POST":
+        if path in ("/v1/fine_tuning/jobs", "/v1/fine_tuning/jobs/estimate") and method == "POST":
             kwargs = {"json": {"model": self.servable_model(), "training_file": self.new_file()}}
         if path == "/v1/admin/models" and method == "POST":
             kwargs = {"json": {"name": f"matrix-{secrets.token_hex(4)}", "path": str(self.model_dir)}}

@@ -52,6 +52,7 @@ def test_objects_rename_and_derive_openai_fields_from_the_row():
         seed=7,
         method={"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 2}}},
         user_metadata={"team": "aml"},
+        devices=1,
         created_at=MOMENT,
     )
     shown = JobObject.model_validate(job)
