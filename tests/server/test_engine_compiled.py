@@ -13,6 +13,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
+import torch._inductor.config
 from transformers import AutoTokenizer
 
 from finetune.bootstrap import build_tiny_model
@@ -80,7 +82,12 @@ def app(settings):
     return create_app(settings.model_copy(update={"local_engine": COMPILED}))
 
 
-def test_health_says_warming_while_the_decode_steps_compile_then_ready(live_server, keys, sessions, model_dir):
+def test_health_says_warming_while_the_decode_steps_compile_then_ready(
+    live_server, keys, sessions, model_dir, monkeypatch
+):
+    # Dynamo's and inductor's caches hold the graphs compiled by the test above, making the warm-up too quick to see.
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
     with sessions() as session:
         version = ModelVersion(name="zaya-tiny", version=1, kind="full", path=str(model_dir))
         session.add(version)
