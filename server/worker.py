@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from server.attempt import AttemptFiles, EventReader, exit_description, write_control
@@ -271,7 +272,9 @@ class Worker:
                 if resume_from is not None:
                     run.write(jobs.record_event, f"Resuming from checkpoint {Path(resume_from).name}.")
                 result = self.run_attempt(run, fine_tune_run, resume_from, devices)
-            except jobs.LeaseLost:
+            except (jobs.LeaseLost, SQLAlchemyError):
+                # The database is away: not the job's fault. The worker loop retries; the lease runs out and an
+                # attempt resumes from the last recorded checkpoint.
                 raise
             except AttemptDied as died:
                 if run.lost.is_set():
@@ -348,14 +351,25 @@ class Worker:
     def _follow(self, run: JobRun, process: subprocess.Popen, files: AttemptFiles) -> None:
         hooks = make_hooks(run)
         reader = EventReader(files.events)
+        pending: list[dict] = []  # read from the child, not yet recorded
         sent = None
         while True:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=0.1)
             ended = process.returncode is not None  # read after the exit: the last lines are in the file by then
-            for record in reader.read():
-                report(hooks, record)
-            if ended:
+            pending += reader.read()
+            try:
+                while pending:
+                    report(hooks, pending[0])
+                    pending.pop(0)
+            except SQLAlchemyError as error:
+                # A database restart or failover: the child trains on, its records wait in order for the next try.
+                # The heartbeat finds out whether the lease outlived the outage.
+                if run.lost.is_set():
+                    raise jobs.LeaseLost(f"lost job {run.lease.job_id} while the database was away") from error
+                logger.warning("recording job %s's progress failed, retrying: %s", run.lease.job_id, error)
+                time.sleep(1)
+            if ended and not pending:
                 return
             action = run.stop_reason()
             if action is not None and action != sent and sent != "cancel":
