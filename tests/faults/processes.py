@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
 import pytest
 
 from benchmarks.load_test.stack import Stack
+from server.attempt import AttemptFiles
 
 T = TypeVar("T")
 
@@ -53,6 +56,34 @@ def descendants(pid: int) -> list[int]:
         except FileNotFoundError:  # the thread ended meanwhile
             continue
     return children + [grandchild for child in children for grandchild in descendants(child)]
+
+
+@dataclass(frozen=True)
+class TrainingProcess:
+    pid: int
+    reports: Path  # the events file it appends to (`server.attempt`)
+
+
+def training_process(worker_pid: int) -> TrainingProcess | None:
+    """The worker's running training process (`python -m server.attempt <dir>/attempt.json`), if any."""
+    for pid in descendants(worker_pid):
+        try:
+            arguments = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if "server.attempt" in arguments:
+            spec = Path(arguments[arguments.index("server.attempt") + 1])
+            return TrainingProcess(pid, AttemptFiles(spec.parent).events)
+    return None
+
+
+def training_reports(events: Path) -> list[dict]:
+    """The complete records a training process has reported so far."""
+    try:
+        lines = events.read_text().splitlines(keepends=True)
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in lines if line.endswith("\n")]
 
 
 def freeze(process: subprocess.Popen) -> None:

@@ -1,9 +1,10 @@
 """kill -9 of `zaya worker` processes at three points of one fine-tuning job; the job must still succeed once.
 
-The points are hit by watching what the worker leaves behind (job events in the database, checkpoint directories
-on disk) and freezing the worker (SIGSTOP) the moment one appears: the test checks it caught the intended state,
-then SIGKILLs it. No hook in the product code. A spare worker is always running; it takes the job over when the
-lease (5 s here) runs out.
+The points are hit by watching what the worker's training process leaves behind (the records it reports, checkpoint
+directories on disk) and freezing it (SIGSTOP) the moment one appears; once the worker has recorded everything the
+training process reported, the worker is frozen too. The test checks it caught the intended state, then SIGKILLs the
+worker (its training process dies with it). No hook in the product code. A spare worker is always running; it takes
+the job over when the lease (5 s here) runs out.
 
 1. attempt 1: training has started (a metrics event), no checkpoint written yet;
 2. attempt 2: checkpoint-4 is published and checkpoint-8 is half written (its `.partial` staging dir exists);
@@ -14,6 +15,8 @@ lease (5 s here) runs out.
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import httpx
@@ -22,7 +25,7 @@ from sqlalchemy import func, select
 
 from server.db.models import Checkpoint, FineTuningJob, JobEvent, ModelVersion
 
-from .processes import DATASET, freeze, kill, logs, wait_for
+from .processes import DATASET, freeze, kill, logs, training_process, training_reports, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -65,29 +68,51 @@ def test_kill_9_of_workers_at_three_points_of_a_job_succeeds_exactly_once(stack)
                 rows = session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id))
                 return sorted((row.step, row.path) for row in rows)
 
-        def metrics_events() -> int:
-            with sessions() as session:
-                query = select(func.count()).where(JobEvent.job_id == job_id, JobEvent.type == "metrics")
-                return session.scalar(query)
-
         def checkpoints(attempt: int) -> Path:
             return job_dir / f"attempt-{attempt}" / "checkpoints"
 
-        def kill_when(attempt: int, moment, what: str, poll: float = 0.002) -> None:
+        def metrics_events_from(pid: int) -> int:
+            """Metrics events recorded since the training process `pid` started."""
+            with sessions() as session:
+                started = session.scalar(
+                    select(JobEvent.id).where(
+                        JobEvent.job_id == job_id, JobEvent.message.startswith(f"Training process {pid} started")
+                    )
+                )
+                query = select(func.count()).where(
+                    JobEvent.job_id == job_id, JobEvent.type == "metrics", JobEvent.id > (started or 0)
+                )
+                return session.scalar(query) if started else -1
+
+        def recorded(attempt: int, child) -> bool:
+            """The worker has recorded every metric and checkpoint its training process reported."""
+            reported = training_reports(child.reports)
+            metrics = sum(record["kind"] == "metrics" for record in reported)
+            kept = {record["step"] for record in reported if record["kind"] == "checkpoint"}
+            kept -= {record["step"] for record in reported if record["kind"] == "checkpoint_deleted"}
+            rows = {step for step, path in checkpoint_rows() if Path(path).parent == checkpoints(attempt)}
+            return metrics_events_from(child.pid) == metrics and rows == kept
+
+        def kill_when(attempt: int, moment, what: str) -> None:
             holder = wait_for(lambda: holder_of(attempt), STEP_TIMEOUT_S, stack, f"attempt {attempt} to start")
-            wait_for(moment, STEP_TIMEOUT_S, stack, what, poll=poll)
+            child = wait_for(lambda: training_process(holder.pid), STEP_TIMEOUT_S, stack, "its training process")
+            reports = child.reports
+            wait_for(lambda: moment(reports), STEP_TIMEOUT_S, stack, what, poll=0.002)
+            os.kill(child.pid, signal.SIGSTOP)
+            wait_for(lambda: recorded(attempt, child), STEP_TIMEOUT_S, stack, "the worker to record what was reported")
             freeze(holder)
             return holder
 
         # 1. Training has started, no checkpoint yet.
-        holder = kill_when(1, lambda: metrics_events() > 0, "the first training metrics", poll=0.01)
+        first_metrics = lambda reports: any(record["kind"] == "metrics" for record in training_reports(reports))  # noqa: E731
+        holder = kill_when(1, first_metrics, "the first training metrics")
         assert checkpoint_rows() == [] and not list(checkpoints(1).glob("*checkpoint-*")), "too late: a checkpoint"
         kill(holder)
         start_worker()
 
         # 2. Mid-way through writing the second checkpoint.
         staging = checkpoints(2) / f".checkpoint-{2 * EVERY}.partial"
-        holder = kill_when(2, staging.exists, "checkpoint 8 being written")
+        holder = kill_when(2, lambda _: staging.exists(), "checkpoint 8 being written")
         assert (checkpoints(2) / f"checkpoint-{EVERY}").is_dir()
         assert not (checkpoints(2) / f"checkpoint-{2 * EVERY}").exists(), "too late: the checkpoint was published"
         kill(holder)
@@ -95,7 +120,7 @@ def test_kill_9_of_workers_at_three_points_of_a_job_succeeds_exactly_once(stack)
 
         # 3. After the last step's checkpoint, before the job is registered as succeeded.
         last = checkpoints(3) / f"checkpoint-{MAX_STEPS}"
-        holder = kill_when(3, last.is_dir, "the last checkpoint")
+        holder = kill_when(3, lambda _: last.is_dir(), "the last checkpoint")
         assert job().status == "running", "too late: the job already finished"
         with sessions() as session:
             assert session.scalar(select(func.count()).where(ModelVersion.job_id == job_id)) == 0
