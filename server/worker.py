@@ -172,6 +172,8 @@ def make_hooks(run: JobRun):
                 self.total_steps = data["max_steps"]
                 self.pace = Pace(data.get("step") or 0, data["max_steps"])
             run.write(jobs.record_event, message, level=training.LEVELS.get(level, "info"), data=json_safe(data))
+            if data and all(key in data for key in jobs.OPENAI_HYPERPARAMETERS):  # the numbers the run chose
+                run.write(jobs.record_chosen_hyperparameters, data)
 
         def on_metrics(self, step, metrics):
             data = json_safe({"step": step, "total_steps": self.total_steps, **metrics})

@@ -25,6 +25,8 @@ from server.services import registry
 from server.services.model_resolution import find_version
 
 ORGANIZATION = "zaya"
+# The hyperparameters OpenAI's job object shows; "auto" until a run has chosen them.
+OPENAI_HYPERPARAMETERS = ("batch_size", "learning_rate_multiplier", "n_epochs")
 FINISHED_STATUSES = (JobStatus.succeeded, JobStatus.failed, JobStatus.cancelled)
 
 
@@ -369,6 +371,23 @@ def record_event(
             .values(estimated_finish=estimated_finish)
             .execution_options(synchronize_session=False)
         )
+    session.commit()
+
+
+def record_chosen_hyperparameters(session: Session, lease: Lease, chosen: dict[str, Any]) -> None:
+    """Write the values a run chose for OpenAI's hyperparameters left on "auto" into the job's `method`, as OpenAI
+    shows them once a job starts; later attempts then read the same numbers. Values the user gave stay. Commits."""
+    _guard(session, lease)
+    job = session.get(FineTuningJob, lease.job_id)
+    method = dict(job.method or {})
+    kind = method.get("type", "supervised")
+    block = dict(method.get(kind) or {})
+    hyperparameters = dict(block.get("hyperparameters") or {})
+    for key in OPENAI_HYPERPARAMETERS:
+        if hyperparameters.get(key, "auto") == "auto" and key in chosen:
+            hyperparameters[key] = chosen[key]
+    block["hyperparameters"] = hyperparameters
+    job.method = {**method, "type": kind, kind: block}
     session.commit()
 
 

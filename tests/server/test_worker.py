@@ -167,6 +167,11 @@ def test_a_succeeded_job_bills_the_trained_tokens_its_estimate_announced(
     job = client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=auth("data")).json()
     assert job["status"] == "succeeded", job
     assert job["trained_tokens"] == 2 * per_epoch == before["trained_tokens"]
+    # "auto" is replaced by what the run chose, in `hyperparameters` and in `method`; given values stay.
+    multiplier = before["hyperparameters"]["learning_rate_multiplier"]
+    chosen = {"n_epochs": 2, "batch_size": 2, "learning_rate_multiplier": multiplier}
+    assert job["hyperparameters"] == chosen and isinstance(chosen["learning_rate_multiplier"], float)
+    assert {key: job["method"]["supervised"]["hyperparameters"][key] for key in chosen} == chosen
     assert job["estimated_finish"] is None  # only a running job has one
     # The model version records the run's throughput, which later estimates for this base model read.
     with sessions() as session:

@@ -27,7 +27,6 @@ from server.services import training
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
 
 EVENT_ID_PREFIX = "ftevent-"
-OPENAI_HYPERPARAMETERS = ("batch_size", "learning_rate_multiplier", "n_epochs")
 MAX_DEVICES = 64
 
 
@@ -77,7 +76,7 @@ class JobObject(RowObject):
     error: JobError | None
     fine_tuned_model: str | None
     finished_at: UnixTime | None
-    # OpenAI's three, read from the method's block ("auto" where the job left them to us).
+    # OpenAI's three, read from the method's block: "auto" where the job left them to us, until a run chose them.
     hyperparameters: dict[str, Any] = Field(validation_alias="method")
     model: str
     organization_id: str = job_service.ORGANIZATION
@@ -100,7 +99,7 @@ class JobObject(RowObject):
     def _openai_hyperparameters(cls, method: dict[str, Any]) -> dict[str, Any]:
         block = method.get(method.get("type", "supervised")) or {}
         hyper = block.get("hyperparameters") or {}
-        return {key: hyper.get(key, "auto") for key in OPENAI_HYPERPARAMETERS}
+        return {key: hyper.get(key, "auto") for key in job_service.OPENAI_HYPERPARAMETERS}
 
 
 class EstimateObject(BaseModel):
