@@ -207,3 +207,85 @@ def test_the_decode_state_step_reads_and_advances_each_slot_as_the_general_step_
     expected_state[slots] = expected[:, 1:]
     torch.testing.assert_close(advanced, expected_state, rtol=0, atol=0)
     torch.testing.assert_close(general_advanced, expected_state, rtol=0, atol=0)
+
+
+def _mixed_step(device: str, history: int, width: int):
+    """A batch of one decode and two prefill chunks (one continuing from its state, one fresh), as vLLM lays it out."""
+    from types import SimpleNamespace
+
+    import torch
+
+    generator = torch.Generator().manual_seed(1)
+    state = torch.randn(5, history, width, generator=generator)
+    inputs = torch.randn(1 + 4 + 3, width, generator=generator)
+    metadata = SimpleNamespace(
+        num_prefills=2,
+        num_decode_tokens=1,
+        num_prefill_tokens=7,
+        state_indices_tensor_d=torch.tensor([3]),
+        state_indices_tensor_p=torch.tensor([0, 4]),
+        query_start_loc_p=torch.tensor([0, 4, 7]),
+        has_initial_states_p=torch.tensor([True, False]),
+    )
+    for name, value in vars(metadata).items():
+        if isinstance(value, torch.Tensor):
+            setattr(metadata, name, value.to(device))
+    return state.to(device), inputs.to(device), metadata
+
+
+def test_the_general_state_step_follows_the_definition_and_reads_nothing_on_the_host():
+    """Each token's window is its request's previous inputs (its slot's state before its first token, zeros for a
+    fresh request) and each slot then holds its request's last `history` inputs. On meta tensors, which have no
+    values to read, the step runs too: on a GPU it never waits for the host."""
+    import torch
+
+    from zaya_model.vllm_plugin.cca import advance_state, cca_state_shapes
+
+    ((history, width),) = cca_state_shapes(ZayaConfig(num_attention_heads=4, num_key_value_heads=2, head_dim=16))
+    state, inputs, metadata = _mixed_step("cpu", history, width)
+    before = state.clone()
+    windows = advance_state(state, history, metadata, inputs)
+
+    requests = [(3, before[3], inputs[0:1]), (0, before[0], inputs[1:5]), (4, torch.zeros(history, width), inputs[5:8])]
+    expected_windows, expected_state = [], before.clone()
+    for slot, start, tokens in requests:
+        sequence = torch.cat((start, tokens))
+        expected_windows += [sequence[i : i + history + 1] for i in range(tokens.shape[0])]
+        expected_state[slot] = sequence[-history:]
+    torch.testing.assert_close(windows, torch.stack(expected_windows), rtol=0, atol=0)
+    torch.testing.assert_close(state, expected_state, rtol=0, atol=0)
+
+    state, inputs, metadata = _mixed_step("meta", history, width)
+    assert advance_state(state, history, metadata, inputs).shape == (8, history + 1, width)
+
+
+def test_grouped_experts_give_each_token_its_expert_and_read_nothing_on_the_host():
+    """The GPU path for the experts (`grouped_experts`, bf16): each token gets its expert's SwiGLU output times its
+    routing weight, a skip-routed token zero, an expert without tokens is passed over; on meta tensors it runs too."""
+    import torch
+    import torch.nn.functional as F
+
+    from zaya_model.vllm_plugin.model import grouped_experts
+
+    experts, hidden, inner, tokens = 4, 32, 16, 23
+    generator = torch.Generator().manual_seed(0)
+    gate_up = (torch.randn(experts, 2 * inner, hidden, generator=generator) / hidden**0.5).bfloat16()
+    down = (torch.randn(experts, hidden, inner, generator=generator) / inner**0.5).bfloat16()
+    states = torch.randn(tokens, hidden, generator=generator).bfloat16()
+    choice = torch.randint(0, experts + 1, (tokens,), generator=generator)
+    choice[choice == 2] = 3  # expert 2 gets no token
+    choice[:2] = experts  # the skip class
+    weight = torch.rand(tokens, 1, generator=generator).bfloat16()
+    output = torch.full_like(states, float("nan"))
+    grouped_experts(states, choice, weight, gate_up, down, F.silu, output)
+
+    expected = torch.zeros(tokens, hidden)
+    for token, expert in enumerate(choice.tolist()):
+        if expert < experts:
+            gate, up = (gate_up[expert].float() @ states[token].float()).split(inner)
+            expected[token] = down[expert].float() @ (F.silu(gate) * up) * weight[token].float()
+    torch.testing.assert_close(output.float(), expected, rtol=3e-2, atol=3e-2)
+    assert (output[:2] == 0).all()
+
+    meta = [tensor.to("meta") for tensor in (states, choice, weight, gate_up, down)]
+    grouped_experts(*meta[:5], F.silu, torch.empty_like(meta[0]))

@@ -225,19 +225,22 @@ class _RequestLayout:
     before a request's first token lands in that request's history rows.
     """
 
-    def __init__(self, starts: torch.Tensor, lengths: torch.Tensor, slots, has_initial_state):
+    def __init__(self, starts: torch.Tensor, lengths: torch.Tensor, num_tokens: int, slots, has_initial_state):
+        # `num_tokens` (= lengths.sum()) comes from the host-side metadata: reading it off the device would
+        # synchronise with the GPU in every layer. Nothing here reads a device tensor's value on the host.
         self._indices: dict[tuple, torch.Tensor] = {}
         self.starts, self.lengths = starts, lengths
         self.slots, self.has_initial_state = slots, has_initial_state
         self.num_requests = lengths.shape[0]
-        self.num_tokens = int(lengths.sum())
-        self.request = torch.repeat_interleave(torch.arange(self.num_requests, device=lengths.device), lengths)
-        self.position = torch.arange(self.num_tokens, device=lengths.device) - starts[self.request]
+        self.num_tokens = num_tokens
+        requests = torch.arange(self.num_requests, device=lengths.device)
+        self.request = torch.repeat_interleave(requests, lengths, output_size=num_tokens)
+        self.position = torch.arange(num_tokens, device=lengths.device) - starts.index_select(0, self.request)
 
     @classmethod
     def single(cls, tokens: int, device) -> _RequestLayout:
         zero = torch.zeros(1, dtype=torch.long, device=device)
-        return cls(zero, torch.full((1,), tokens, device=device), None, None)
+        return cls(zero, torch.full((1,), tokens, device=device), tokens, None, None)
 
     @classmethod
     def for_step(cls, metadata, device) -> _RequestLayout:
@@ -261,7 +264,8 @@ class _RequestLayout:
             initial.append(metadata.has_initial_states_p[:num_prefills].bool())
         lengths = torch.cat(lengths)
         starts = torch.cumsum(lengths, 0) - lengths
-        return cls(starts, lengths, torch.cat(slots).long(), torch.cat(initial))
+        num_tokens = num_decodes + (metadata.num_prefill_tokens if num_prefills else 0)
+        return cls(starts, lengths, num_tokens, torch.cat(slots).long(), torch.cat(initial))
 
     def window_index(self, history: int) -> torch.Tensor:
         """[tokens, history + 1]: rows in the frames of each token's inputs at lags history..0 (oldest first)."""

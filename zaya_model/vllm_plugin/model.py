@@ -180,9 +180,10 @@ class ZayaExperts(nn.Module):
     """Top-1 SwiGLU experts, fused weights `gate_up_proj` [E, 2I, H] (gate rows first) and `down_proj` [E, H, I].
 
     On CPU, with SwiGLU and widths the kernel tiles (multiples of 32), the experts run in vLLM's fused-experts
-    kernel (`prepare_fused_kernel` prepacks the weights once they are loaded). Elsewhere which expert a token takes
-    is a host-side decision, so that dispatch runs inside one custom op (`zaya_experts`) and the compiled graph
-    around it stays static.
+    kernel (`prepare_fused_kernel` prepacks the weights once they are loaded). On a GPU in bf16 they run as two
+    grouped matmuls (`grouped_experts`), with no host-side decision, so they stay in the compiled graph. Elsewhere
+    which experts got tokens is a host-side decision, so that dispatch runs inside one custom op (`zaya_experts`)
+    and the compiled graph around it stays static.
     """
 
     def __init__(self, config: ZayaConfig, prefix: str):
@@ -203,6 +204,9 @@ class ZayaExperts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, choice: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Expert outputs times `weight` for routed tokens, zero for skip-routed ones."""
         output = torch.empty_like(hidden_states)
+        if self.fused_kernel_isa is None and uses_grouped_experts(hidden_states):
+            grouped_experts(hidden_states, choice, weight, self.gate_up_proj, self.down_proj, self.act_fn, output)
+            return output
         if self.fused_kernel_isa is None:
             torch.ops.vllm.zaya_experts(hidden_states, choice, weight, output, self.prefix)
             return output
@@ -246,6 +250,41 @@ class ZayaExperts(nn.Module):
     def _expert(self, hidden_states: torch.Tensor, expert: int) -> torch.Tensor:
         gate, up = F.linear(hidden_states, self.gate_up_proj[expert]).split(self.intermediate_size, -1)
         return F.linear(self.act_fn(gate) * up, self.down_proj[expert])
+
+
+def uses_grouped_experts(hidden_states: torch.Tensor) -> bool:
+    """Grouped matmuls off CPU, in bf16 (the dtype `F.grouped_mm` takes on GPUs); on CPU they run below a plain
+    matmul's speed, so there the fused kernel or the per-expert loop runs."""
+    return hidden_states.device.type != "cpu" and hidden_states.dtype == torch.bfloat16
+
+
+def grouped_experts(
+    hidden_states: torch.Tensor,
+    choice: torch.Tensor,
+    weight: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    act_fn,
+    output: torch.Tensor,
+) -> None:
+    """Top-1 SwiGLU experts as two grouped matmuls: tokens sorted by class, each expert's rows one group.
+
+    Skip-routed tokens (class `num_experts`) sort last, past the last group, and get zero. Counting, sorting and
+    the group ends stay on the device (no `bincount`, whose output size is read on the host), so a step runs
+    without a host sync and can be captured in a CUDA graph.
+    """
+    num_experts, inner = gate_up_proj.shape[0], gate_up_proj.shape[1] // 2
+    counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=choice.device)
+    counts.scatter_add_(0, choice, torch.ones_like(choice, dtype=torch.int32))
+    ends = torch.cumsum(counts[:num_experts], 0, dtype=torch.int32)
+    order = torch.argsort(choice, stable=True)
+    sorted_states = hidden_states.index_select(0, order)
+    gate, up = F.grouped_mm(sorted_states, gate_up_proj.transpose(1, 2), offs=ends).split(inner, -1)
+    sorted_out = F.grouped_mm(act_fn(gate) * up, down_proj.transpose(1, 2), offs=ends)
+    # Rows past the last group are not written by the grouped matmul: select zero there, never multiply.
+    routed = (choice.index_select(0, order) < num_experts)[:, None]
+    sorted_out = torch.where(routed, sorted_out * weight.index_select(0, order), 0.0)
+    output.index_copy_(0, order, sorted_out.to(output.dtype))
 
 
 def fused_experts_isa(config: ZayaConfig, dtype: torch.dtype) -> str | None:
