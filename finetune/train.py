@@ -320,7 +320,14 @@ def _training_arguments(run: FineTuneRun, resolved: ResolvedHyperparameters, has
     if resolved.batch_size % processes:
         message = f"{resolved.batch_size} does not split evenly over {processes} data-parallel processes"
         raise FinetuneError(run.settings.setting("hyperparameters", "batch_size"), message)
-    distributed = {"ddp_backend": "gloo"} if processes > 1 and not torch.cuda.is_available() else {}
+    distributed: dict[str, Any] = {}
+    if processes > 1 and not torch.cuda.is_available():
+        distributed["ddp_backend"] = "gloo"
+    if processes > 1 and run.settings.adapter == "full":
+        # Full fine-tuning shards parameters, gradients and optimizer state over the processes (FSDP2), one
+        # decoder layer per unit; LoRA's few trainable weights are replicated (DDP).
+        distributed["fsdp"] = "full_shard auto_wrap"
+        distributed["fsdp_config"] = {"version": 2, "transformer_layer_cls_to_wrap": ["ZayaDecoderLayer"]}
     return dict(
         output_dir=os.path.join(run.output_dir, "checkpoints"),
         per_device_train_batch_size=resolved.batch_size // processes,

@@ -335,8 +335,13 @@ class Worker:
         # Its own session: a Ctrl-C at the worker's terminal reaches the worker, which pauses the child in order.
         process = subprocess.Popen(command, start_new_session=True)
         try:
-            message = f"Training process {process.pid} started" + (f" ({devices} devices)." if devices > 1 else ".")
-            run.write(jobs.record_event, message, data={"pid": process.pid, "devices": devices})
+            # Full fine-tuning shards the model over the processes (FSDP2); LoRA replicates it (DDP): finetune.train.
+            parallelism = "FSDP2" if fine_tune_run.settings.adapter == "full" else "DDP"
+            message = f"Training process {process.pid} started" + (
+                f" ({devices} devices, {parallelism})." if devices > 1 else "."
+            )
+            data = {"pid": process.pid, "devices": devices} | ({"parallelism": parallelism} if devices > 1 else {})
+            run.write(jobs.record_event, message, data=data)
             self._follow(run, process, files)
         finally:
             if process.poll() is None:  # leaving early (lost lease, database error): the child must not outlive it

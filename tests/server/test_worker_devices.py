@@ -1,6 +1,6 @@
 """Jobs on several devices: `devices` in the job request, and the worker training an attempt data-parallel with
-`torchrun` (here 2 gloo processes on the CPU): the same losses as one process, and a checkpoint that resumes on
-another number of processes."""
+`torchrun` (here 2 gloo processes on the CPU; LoRA replicated with DDP, full fine-tuning sharded with FSDP2): the
+same losses as one process, and a checkpoint that resumes on another number of processes."""
 
 from __future__ import annotations
 
@@ -20,6 +20,9 @@ from server.worker import Worker, WorkerConfig
 
 FAST = WorkerConfig(lease_seconds=60, heartbeat_seconds=0.5, max_attempts=3, poll_seconds=0.1)
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# How close 2 processes' losses stay to 1 process's over 4 steps. Under FSDP2 (full fine-tuning) gradients are
+# reduce-scattered and the optimizer steps on shards, which sums in another order than one process does.
+TOLERANCE = {"lora": 1e-4, "full": 1e-3}
 HYPERPARAMETERS = {"n_epochs": 50, "batch_size": 2, "max_steps": 4, "eval_every": 2, "learning_rate_multiplier": 5}
 
 
@@ -48,8 +51,8 @@ def base_model(sessions, tiny_model_dir) -> str:
     return "zaya-tiny"
 
 
-def job_body(base_model: str, training_file: str, **extra) -> dict:
-    method = {"type": "supervised", "supervised": {"hyperparameters": HYPERPARAMETERS}}
+def job_body(base_model: str, training_file: str, adapter: str = "lora", **extra) -> dict:
+    method = {"type": "supervised", "supervised": {"hyperparameters": HYPERPARAMETERS, "adapter": adapter}}
     return {"model": base_model, "training_file": training_file, "seed": 3, "method": method, **extra}
 
 
@@ -86,15 +89,15 @@ def train_losses(sessions, job_id: str) -> dict[int, float]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("adapter", ["lora", "full"])
 def test_two_processes_train_as_one_and_their_checkpoint_resumes_on_one(
-    client, auth, settings, sessions, base_model, training_file, tiny_model_dir, tmp_path
+    adapter, client, auth, settings, sessions, base_model, training_file, tiny_model_dir, tmp_path
 ):
     worker = Worker(settings, sessions, FAST, worker_id="test-worker")
     jobs = {}
     for devices in (1, 2):
-        created = client.post(
-            "/v1/fine_tuning/jobs", headers=auth("data"), json=job_body(base_model, training_file, devices=devices)
-        )
+        body = job_body(base_model, training_file, adapter, devices=devices)
+        created = client.post("/v1/fine_tuning/jobs", headers=auth("data"), json=body)
         assert created.status_code == 200 and created.json()["devices"] == devices, created.text
         jobs[devices] = created.json()["id"]
     while worker.run_once():
@@ -110,13 +113,15 @@ def test_two_processes_train_as_one_and_their_checkpoint_resumes_on_one(
         started = session.scalars(
             select(JobEvent).where(JobEvent.job_id == jobs[2], JobEvent.message.like("Training process %"))
         ).one()
-    assert started.message.endswith("started (2 devices).") and started.data["devices"] == 2
+    parallelism = {"lora": "DDP", "full": "FSDP2"}[adapter]
+    assert started.message.endswith(f"started (2 devices, {parallelism}).") and started.data["devices"] == 2
 
     one, two = train_losses(sessions, jobs[1]), train_losses(sessions, jobs[2])
     assert sorted(one) == sorted(two) == [1, 2, 3, 4]
     assert one[1] != one[4]  # it trained
+    tolerance = TOLERANCE[adapter]
     for step in one:
-        assert two[step] == pytest.approx(one[step], rel=1e-4), (step, one, two)
+        assert two[step] == pytest.approx(one[step], rel=tolerance), (step, one, two)
 
     # The two processes' checkpoint at step 2, resumed by one process, continues as the one-process run did.
     with sessions() as session:
@@ -127,7 +132,7 @@ def test_two_processes_train_as_one_and_their_checkpoint_resumes_on_one(
     ]
     files = AttemptFiles(tmp_path / "resume")
     files.directory.mkdir()
-    method = {"type": "supervised", "supervised": {"hyperparameters": HYPERPARAMETERS}}
+    method = {"type": "supervised", "supervised": {"hyperparameters": HYPERPARAMETERS, "adapter": adapter}}
     spec = {
         "model_dir": str(tiny_model_dir),
         "train_file": str(settings.files_dir / training_file),
@@ -151,4 +156,4 @@ def test_two_processes_train_as_one_and_their_checkpoint_resumes_on_one(
     }
     assert sorted(resumed) == [3, 4]
     for step in resumed:
-        assert resumed[step] == pytest.approx(one[step], rel=1e-4), (step, resumed, one)
+        assert resumed[step] == pytest.approx(one[step], rel=tolerance), (step, resumed, one)
