@@ -315,6 +315,10 @@ def test_upload_train_promote_and_chat(signed_in, screenshot):
     assert fine_tuned.startswith(f"ft:{BASE_MODEL}") and fine_tuned.endswith(job_id)
     # The run ended with answers generated for the validation file, scored as the page shows them.
     playwright_api.expect(data.locator("#job-evaluation")).to_contain_text("(4 examples)")
+    data.reload()  # the page as rendered for a finished job: what it trained and on how many devices
+    assert int(data.locator("#job-trained-tokens").inner_text()) > 0
+    assert data.locator("#job-devices").inner_text() == "1"
+    assert data.locator("#job-estimated-finish").inner_text() == "—"  # only a running job has one
     screenshot(data, "job")
     data.goto("/console/jobs")
     playwright_api.expect(data.locator("tr", has_text=job_id)).to_contain_text("succeeded")
