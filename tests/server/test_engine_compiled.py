@@ -82,12 +82,18 @@ def app(settings):
     return create_app(settings.model_copy(update={"local_engine": COMPILED}))
 
 
-def test_health_says_warming_while_the_decode_steps_compile_then_ready(
-    live_server, keys, sessions, model_dir, monkeypatch
-):
-    # Dynamo's and inductor's caches hold the graphs compiled by the test above, making the warm-up too quick to see.
+@pytest.fixture
+def uncached_compilation():
+    """Dynamo's and inductor's caches hold the graphs compiled by the test above: without them the warm-up takes
+    long enough to be seen."""
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        yield
+
+
+def test_health_says_warming_while_the_decode_steps_compile_then_ready(
+    live_server, keys, sessions, model_dir, uncached_compilation
+):
     with sessions() as session:
         version = ModelVersion(name="zaya-tiny", version=1, kind="full", path=str(model_dir))
         session.add(version)
