@@ -42,6 +42,9 @@ class VLLMEngineSettings(BaseModel):
     max_loaded_models: int = Field(default=1, ge=1)
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
     enforce_eager: bool = False
+    # Requests sharing a prompt prefix (a system prompt, a case template) skip its prefill: KV blocks and the CCA
+    # state at each block boundary are cached (vLLM's "align" mode for hybrid models).
+    enable_prefix_caching: bool = True
     enable_lora: bool = True
     max_loras: int = Field(default=4, ge=1)  # adapters in one batch
     max_lora_rank: int = Field(default=16, ge=1)

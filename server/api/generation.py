@@ -102,7 +102,7 @@ async def answer(
         choices = await unless_disconnected(request, generation.collect())
     if choices is None:  # nobody reads this answer
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    usage = Usage.of(generation.prompt_tokens, generation.completion_tokens)
+    usage = Usage.of(generation.prompt_tokens, generation.completion_tokens, generation.cached_tokens)
     return kind.of(response_id, created, model, choices, usage, logprobs=logprobs)
 
 
@@ -120,5 +120,6 @@ async def _events(
             yield error_event(error.message)
             return
         if include_usage:
-            yield writer.usage(Usage.of(generation.prompt_tokens, generation.completion_tokens))
+            usage = Usage.of(generation.prompt_tokens, generation.completion_tokens, generation.cached_tokens)
+            yield writer.usage(usage)
         yield DONE

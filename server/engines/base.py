@@ -65,6 +65,8 @@ class ChoiceDelta:
     finish_reason: str | None = None
     # Tokens generated so far by this choice, end-of-sequence tokens included.
     completion_tokens: int = 0
+    # Prompt tokens the engine took from its prefix cache instead of computing them (0 where it keeps none).
+    cached_prompt_tokens: int = 0
 
 
 class EngineError(Exception):

@@ -138,7 +138,7 @@ class VLLMEngine(Engine):
             enable_lora=settings.enable_lora,
             max_loras=settings.max_loras,
             max_lora_rank=settings.max_lora_rank,
-            enable_prefix_caching=False,  # the CCA state is kept per request, not per KV block
+            enable_prefix_caching=settings.enable_prefix_caching,
             **engine_core_executor(),
             seed=settings.seed,
             disable_log_stats=True,
@@ -243,7 +243,7 @@ class VLLMEngine(Engine):
         deltas: asyncio.Queue,
     ) -> None:
         detokenizer = StopStringDetokenizer(served.tokenizer, params.stop)
-        generated = 0
+        generated = cached = 0
         pending: list[TokenLogprob] = []  # logprobs of tokens whose text is still held back
         request_id = f"zaya-{secrets.token_hex(8)}-{index}"
         try:
@@ -271,8 +271,9 @@ class VLLMEngine(Engine):
                     if generated >= params.max_tokens:
                         text, finish = text + detokenizer.flush(), "length"
                         break
+                cached = output.num_cached_tokens or 0
                 if text or finish:
-                    deltas.put_nowait(ChoiceDelta(index, text, pending, finish, generated))
+                    deltas.put_nowait(ChoiceDelta(index, text, pending, finish, generated, cached))
                     pending = []
                 if finish:
                     return  # leaving the stream aborts the vLLM request (a stop string: it would go on)
@@ -281,7 +282,7 @@ class VLLMEngine(Engine):
             deltas.put_nowait(EngineError(f"Generation failed: {error}"))
             return
         # vLLM ended the choice without a token we finish on (it should not): close it anyway.
-        deltas.put_nowait(ChoiceDelta(index, detokenizer.flush(), [], "stop", generated))
+        deltas.put_nowait(ChoiceDelta(index, detokenizer.flush(), [], "stop", generated, cached))
 
     def _vllm_params(self, params: SamplingParams, index: int, served: _Served) -> VLLMSamplingParams:
         greedy = params.greedy

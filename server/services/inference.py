@@ -165,6 +165,7 @@ class Generation:
         self._record, self._first, self._deltas, self._rows = record, first, deltas, rows
         self.n = n
         self._tokens = [0] * n
+        self._cached_tokens = 0
         self._closed = False
 
     @property
@@ -175,6 +176,11 @@ class Generation:
     def completion_tokens(self) -> int:
         return self._record.completion_tokens
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from the engine's prefix cache (OpenAI's `prompt_tokens_details.cached_tokens`)."""
+        return self._cached_tokens
+
     async def deltas(self) -> AsyncIterator[ChoiceDelta]:
         """The choices' deltas, interleaved, as the engine releases them."""
         record, tokens = self._record, self._tokens
@@ -184,6 +190,7 @@ class Generation:
             while delta is not None:
                 tokens[delta.index] = delta.completion_tokens
                 record.completion_tokens = sum(tokens)
+                self._cached_tokens = max(self._cached_tokens, delta.cached_prompt_tokens)
                 yield delta
                 delta = await anext(self._deltas, None)
         except EngineError as error:

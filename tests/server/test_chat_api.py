@@ -59,6 +59,7 @@ def test_chat_completion_has_openai_shape_usage_and_an_inference_record(client, 
     usage = response.usage
     assert usage.prompt_tokens > 10 and 1 <= usage.completion_tokens <= 8
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert usage.prompt_tokens_details.cached_tokens == 0  # the local engine keeps no prefix cache
 
     [record] = records(sessions)
     assert record.endpoint == "chat.completions" and record.model_version_id == version_id

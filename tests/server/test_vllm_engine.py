@@ -21,7 +21,7 @@ import pytest
 import uvicorn
 from sqlalchemy import select
 from transformers import AutoTokenizer
-from vllm_helpers import ENGINE_ENV, build_adapter, build_checkpoint, hf_greedy
+from vllm_helpers import ENGINE_ENV, build_adapter, build_checkpoint, hf_greedy, random_prompts
 
 from server.app import create_app
 from server.db.migrations import upgrade
@@ -162,6 +162,21 @@ def test_greedy_chat_and_completions_equal_generate(stack):
         text, tokens = stack.expected("zaya-v", prompt, 24)
         assert response.choices[0].text == text
         assert response.usage.completion_tokens == len(tokens)
+
+
+def test_a_prompt_starting_with_a_cached_prefix_is_served_from_the_prefix_cache(stack):
+    """The engine runs with prefix caching on by default: a request whose prompt starts with another's first KV
+    block (128 tokens on CPU) reports them in `usage.prompt_tokens_details.cached_tokens`, as OpenAI's API does,
+    and still answers as `generate()` does."""
+    client = stack.client()
+    vocabulary = len(stack.tokenizer)
+    shared = random_prompts([160], vocabulary, seed=31)[0]
+    prompts = [shared + tail for tail in random_prompts([4, 9], vocabulary, seed=32)]
+    answers = [client.completions.create(model="zaya-v", prompt=p, max_tokens=8, temperature=0) for p in prompts]
+    assert answers[0].usage.prompt_tokens_details.cached_tokens == 0
+    assert answers[1].usage.prompt_tokens_details.cached_tokens == 128
+    for prompt, answer in zip(prompts, answers, strict=True):
+        assert answer.choices[0].text == stack.expected("zaya-v", prompt, 8)[0]
 
 
 def test_ignore_eos_generates_exactly_max_tokens_past_the_end_of_sequence(stack):

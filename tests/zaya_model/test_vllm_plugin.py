@@ -50,6 +50,7 @@ def engine(checkpoint):
         max_model_len=256,
         max_num_seqs=8,
         max_num_batched_tokens=MAX_BATCHED_TOKENS,
+        enable_prefix_caching=True,
         seed=0,
         enable_lora=True,
         max_lora_rank=8,
@@ -73,9 +74,43 @@ def test_register_adds_zaya_to_vllm_registry():
     assert "ZayaForCausalLM" in ModelRegistry.get_supported_archs()
 
 
-def test_prefix_caching_is_turned_off(engine):
-    # vLLM enables it by default for hybrid models; a prefix-cache hit would resume from a wrong CCA state.
-    assert engine.llm_engine.vllm_config.cache_config.enable_prefix_caching is False
+def greedy_with_cache_hits(engine, prompts, max_tokens: int, lora_request=None):
+    """Greedy tokens and log-probabilities (as `vllm_greedy`), and how many prompt tokens came from the cache."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    outputs = engine.generate(
+        [{"prompt_token_ids": prompt} for prompt in prompts], params, lora_request=lora_request, use_tqdm=False
+    )
+    generations, cached = [], []
+    for output in outputs:
+        tokens = list(output.outputs[0].token_ids)
+        logprobs = [step[token].logprob for step, token in zip(output.outputs[0].logprobs, tokens, strict=True)]
+        generations.append((tokens, logprobs))
+        cached.append(output.num_cached_tokens)
+    return generations, cached
+
+
+def test_requests_sharing_a_prefix_resume_from_its_cached_state(checkpoint, engine, adapters):
+    """Prefix caching in "align" mode: the shared prompt (longer than a KV block, prefilled in chunks of
+    MAX_BATCHED_TOKENS) is cached with the CCA state at its block boundary, so later requests skip that block and
+    still generate exactly what `generate()` does, i.e. what they generate without the cache. An adapter's requests
+    have a cache of their own: the base model's blocks are not reused for them."""
+    from vllm.lora.request import LoRARequest
+
+    _, base = checkpoint
+    cache = engine.llm_engine.vllm_config.cache_config
+    assert cache.enable_prefix_caching and cache.mamba_cache_mode == "align"
+    block = cache.block_size
+    shared = random_prompts([block + 40], base.config.vocab_size, seed=21)[0]
+    prompts = [shared + tail for tail in random_prompts([3, 19, 44], base.config.vocab_size, seed=22)]
+    adapter_path, adapter_model = adapters[0]
+    for model, lora in ((base, None), (adapter_model, LoRARequest("adapter0", 1, str(adapter_path)))):
+        expected = [hf_greedy(model, prompt, 12) for prompt in prompts]
+        first, first_cached = greedy_with_cache_hits(engine, prompts[:1], 12, lora)
+        rest, rest_cached = greedy_with_cache_hits(engine, prompts[1:], 12, lora)
+        assert first_cached == [0] and rest_cached == [block, block]
+        assert_same_generations(first + rest, expected)
 
 
 def test_expert_widths_choose_vllms_fused_cpu_kernel_or_our_dispatch(checkpoint):

@@ -35,7 +35,12 @@ from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.mamba.mamba_utils import get_conv_copy_spec
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid, SupportsLoRA
+from vllm.model_executor.models.interfaces import (
+    HasInnerState,
+    IsHybrid,
+    SupportsLoRA,
+    SupportsMambaPrefixCaching,
+)
 from vllm.platforms import current_platform
 from vllm.sequence import IntermediateTensors
 from vllm.utils.torch_utils import direct_register_custom_op
@@ -380,12 +385,17 @@ class ZayaModel(nn.Module):
         return self.norm(residual.to(dtype))
 
 
-class ZayaForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsLoRA):
+class ZayaForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsLoRA, SupportsMambaPrefixCaching):
     """vLLM entry class for `architectures: ["ZayaForCausalLM"]` checkpoints.
 
     LoRA: vLLM's per-request LoRA applies to the attention projections (q_proj, k_proj, v_proj_current,
     v_proj_delayed, o_proj), the names PEFT uses on `zaya_model`; the first four are slices of CCA's `fused_proj`.
     Router and expert weights are not LoRA targets.
+
+    Prefix caching: in vLLM's "align" mode the scheduler ends prefill chunks at KV block boundaries and keeps a CCA
+    state per block; vLLM copies a block's state into the next block's slot (`get_mamba_state_copy_func`) and the
+    state step reads and writes the slot it is given, so a request whose prompt starts with cached blocks resumes
+    from the state saved at the last of them.
     """
 
     packed_modules_mapping: dict[str, list[str]] = {"fused_proj": list(ZayaCCAProjection.projections)}
