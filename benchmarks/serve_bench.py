@@ -157,7 +157,7 @@ class Load:
 # --- checkpoints -----------------------------------------------------------------------------------------------------
 
 
-def build_checkpoints(directory: Path, sizes: Sizes) -> tuple[Path, Path]:
+def build_checkpoints(directory: Path, sizes: Sizes, max_positions: int = 1024) -> tuple[Path, Path]:
     """Our ZAYA (random, with routing spread over experts and skip) and a Qwen3-MoE of the same active size."""
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -170,7 +170,7 @@ def build_checkpoints(directory: Path, sizes: Sizes) -> tuple[Path, Path]:
         "\n".join(message["content"] for message in example["messages"])
         for example in generate_chat_examples(60, seed=0)
     ]
-    tokenizer = train_tokenizer(texts, vocab_size=1024, model_max_length=1024)
+    tokenizer = train_tokenizer(texts, vocab_size=1024, model_max_length=max_positions)
     common = dict(
         vocab_size=len(tokenizer),
         hidden_size=sizes.hidden,
@@ -180,7 +180,7 @@ def build_checkpoints(directory: Path, sizes: Sizes) -> tuple[Path, Path]:
         head_dim=sizes.head_dim,
         moe_intermediate_size=sizes.moe_intermediate,
         num_experts=sizes.experts,
-        max_position_embeddings=1024,
+        max_position_embeddings=max_positions,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
     )

@@ -1,0 +1,260 @@
+"""Prefix caching through our API: requests sharing a long system prompt, with the vLLM engine's prefix cache on
+and off.
+
+Run (needs `make install-vllm`):
+    .venv-vllm/bin/python benchmarks/prefix_bench.py [--smoke] [--out benchmarks/results/prefix_bench.json]
+
+The load the issue names: `--clients` (8) streaming clients at once, each sending one completion whose prompt is a
+shared `--prefix-tokens` (1,000) system prompt followed by its own `--question-tokens` (32) question, greedy,
+`--max-tokens` (64) new tokens with `ignore_eos`, for `--rounds` (4) rounds with new questions each round. One
+`zaya serve` process (`ZAYA_ENGINE=vllm`, LoRA off: compiled, eager under `--smoke`; serve_bench's model shape) per
+setting, run one after the other:
+`ZAYA_VLLM_ENABLE_PREFIX_CACHING=true` (the default) and `false`. Before the measured rounds each server answers one
+request with the shared prompt, as a deployment has answered earlier analysts: with the cache on, its KV blocks and
+CCA states are then cached. Reported per setting: time to first token (p50 / p99 over every request), output
+tokens/s (completion tokens over the rounds' wall time), and the prompt tokens served from the cache
+(`usage.prompt_tokens_details.cached_tokens`). Every answer must be exactly `--max-tokens` long.
+
+Targets (issue 36): time to first token with caching on >= 4x better than off; output tokens/s not lower.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.serve_bench import FULL, SMOKE, free_port  # noqa: E402
+
+DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "prefix_bench.json"
+START_TIMEOUT_S = 600
+TARGET_TTFT_RATIO = 4.0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny model, short prompts, 2 clients (CI)")
+    parser.add_argument("--clients", type=int, help="concurrent clients (default 8; smoke 2)")
+    parser.add_argument("--prefix-tokens", type=int, help="shared system prompt tokens (default 1000; smoke 300)")
+    parser.add_argument("--question-tokens", type=int, help="each request's own tokens (default 32; smoke 8)")
+    parser.add_argument("--max-tokens", type=int, help="new tokens per request (default 64; smoke 8)")
+    parser.add_argument("--rounds", type=int, help="rounds of requests, new questions each (default 4; smoke 2)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON report path")
+    args = parser.parse_args(argv)
+    defaults = (2, 300, 8, 8, 2) if args.smoke else (8, 1000, 32, 64, 4)
+    names = ("clients", "prefix_tokens", "question_tokens", "max_tokens", "rounds")
+    for name, default in zip(names, defaults, strict=True):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    return args
+
+
+def build_model(directory: Path, smoke: bool, positions: int) -> Path:
+    """serve_bench's ZAYA (random weights, routing spread over experts and skip), long enough for the prompts."""
+    from benchmarks.serve_bench import build_checkpoints
+
+    zaya_dir, _ = build_checkpoints(directory, SMOKE if smoke else FULL, max_positions=positions)
+    return zaya_dir
+
+
+def token_ids(rng: random.Random, count: int) -> list[int]:
+    return [rng.randrange(10, 1000) for _ in range(count)]
+
+
+class Server:
+    """`zaya serve` on the vLLM engine (LoRA off: compiled) with prefix caching on or off; SQLite in a temp dir."""
+
+    def __init__(self, model_dir: Path, workdir: Path, caching: bool, eager: bool) -> None:
+        self.model_dir, self.workdir, self.caching, self.eager = model_dir, workdir, caching, eager
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    async def __aenter__(self) -> Server:
+        import subprocess
+
+        import httpx
+
+        from server.db.migrations import upgrade
+        from server.db.session import make_engine, make_sessionmaker, session_scope
+        from server.services import registry
+        from server.services.keys import create_key
+
+        data_dir = self.workdir / f"caching-{'on' if self.caching else 'off'}"
+        data_dir.mkdir(parents=True)
+        database_url = f"sqlite:///{data_dir / 'zaya.db'}"
+        upgrade(database_url)
+        db = make_engine(database_url)
+        with session_scope(make_sessionmaker(db)) as session:
+            registry.register_version(session, name="bench", path=self.model_dir)
+            self.key = create_key(session, name="bench", role="analyst").secret
+        db.dispose()
+        env = {
+            **os.environ,
+            "ZAYA_ENGINE": "vllm",
+            "ZAYA_DATABASE_URL": database_url,
+            "ZAYA_DATA_DIR": str(data_dir),
+            "ZAYA_VLLM_ENABLE_LORA": "false",
+            "ZAYA_VLLM_ENABLE_PREFIX_CACHING": str(self.caching).lower(),
+            "ZAYA_RATE_LIMIT_REQUESTS_PER_MINUTE": str(10**6),
+        } | ({"ZAYA_VLLM_ENFORCE_EAGER": "true"} if self.eager else {})
+        self.log = open(data_dir / "server.log", "w")  # noqa: SIM115 (kept open for the server's lifetime)
+        command = [sys.executable, "-m", "zaya_cli", "serve", "--port", str(self.port)]
+        self.process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        async with httpx.AsyncClient(base_url=self.url) as client:
+            while True:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"zaya serve did not start: {(data_dir / 'server.log').read_text()[-3000:]}")
+                try:
+                    if (await client.get("/health")).status_code == 200:
+                        return self
+                except httpx.TransportError:
+                    pass
+                await asyncio.sleep(0.2)
+
+    async def __aexit__(self, *exc) -> None:
+        import subprocess
+
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self.log.close()
+
+    async def complete(self, client, prompt: list[int], max_tokens: int) -> dict:
+        """One streamed completion: time to first token, completion and cached prompt tokens (the usage chunk)."""
+        body = {
+            "model": "bench",
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": True,
+        }
+        headers = {"Authorization": f"Bearer {self.key}"}
+        started, first, usage = time.perf_counter(), None, None
+        async with client.stream("POST", f"{self.url}/v1/completions", json=body, headers=headers) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                event = json.loads(line[len("data: ") :])
+                if first is None and event["choices"]:
+                    first = time.perf_counter() - started
+                usage = event.get("usage") or usage
+        if usage is None or usage["completion_tokens"] != max_tokens:
+            raise RuntimeError(f"an answer was not exactly {max_tokens} tokens long: {usage}")
+        return {"ttft_s": first, "tokens": usage["completion_tokens"], "cached": cached_tokens(usage)}
+
+
+def cached_tokens(usage: dict) -> int:
+    return (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+
+async def measure(server: Server, args: argparse.Namespace, prefix: list[int], seed: int) -> dict:
+    import httpx
+
+    rng = random.Random(seed)
+    async with httpx.AsyncClient(timeout=600) as client:
+        await server.complete(client, prefix + token_ids(rng, args.question_tokens), args.max_tokens)  # warm-up
+        answers, seconds = [], 0.0
+        for _ in range(args.rounds):
+            prompts = [prefix + token_ids(rng, args.question_tokens) for _ in range(args.clients)]
+            started = time.perf_counter()
+            answers += await asyncio.gather(*(server.complete(client, p, args.max_tokens) for p in prompts))
+            seconds += time.perf_counter() - started
+    ttft = sorted(answer["ttft_s"] for answer in answers)
+    return {
+        "requests": len(answers),
+        "ttft_p50_s": statistics.median(ttft),
+        "ttft_p99_s": ttft[min(len(ttft) - 1, round(0.99 * (len(ttft) - 1)))],
+        "tokens_per_s": sum(answer["tokens"] for answer in answers) / seconds,
+        "cached_tokens_per_request": statistics.mean(answer["cached"] for answer in answers),
+        "seconds": seconds,
+    }
+
+
+async def run(args: argparse.Namespace, workdir: Path) -> dict:
+    positions = 1 << (args.prefix_tokens + args.question_tokens + args.max_tokens).bit_length()
+    model_dir = build_model(workdir / "model", args.smoke, positions)
+    prefix = token_ids(random.Random(0), args.prefix_tokens)
+    results = {}
+    for caching in (True, False):
+        async with Server(model_dir, workdir, caching, eager=args.smoke) as server:
+            results["on" if caching else "off"] = await measure(server, args, prefix, seed=1)
+    on, off = results["on"], results["off"]
+    ttft_ratio = off["ttft_p50_s"] / on["ttft_p50_s"]
+    throughput_ratio = on["tokens_per_s"] / off["tokens_per_s"]
+    return {
+        "caching": results,
+        "ttft_p50_off_over_on": ttft_ratio,
+        "tokens_per_s_on_over_off": throughput_ratio,
+        "targets": {
+            "ttft_ratio_min": TARGET_TTFT_RATIO,
+            "ttft_met": ttft_ratio >= TARGET_TTFT_RATIO,
+            "throughput_not_lower": throughput_ratio >= 1.0,
+        },
+    }
+
+
+def table(report: dict, args: argparse.Namespace) -> str:
+    lines = [
+        f"{args.clients} clients x {args.rounds} rounds; prompt = {args.prefix_tokens} shared + "
+        f"{args.question_tokens} own tokens; {args.max_tokens} new tokens",
+        f"{'prefix cache':<13} {'TTFT p50 s':>11} {'TTFT p99 s':>11} {'tokens/s':>9} {'cached tok/req':>15}",
+    ]
+    for name, result in report["caching"].items():
+        lines.append(
+            f"{name:<13} {result['ttft_p50_s']:>11.3f} {result['ttft_p99_s']:>11.3f} {result['tokens_per_s']:>9.1f} "
+            f"{result['cached_tokens_per_request']:>15.0f}"
+        )
+    lines.append(
+        f"TTFT off/on {report['ttft_p50_off_over_on']:.2f}x (target >= {TARGET_TTFT_RATIO:g}x); "
+        f"tokens/s on/off {report['tokens_per_s_on_over_off']:.2f}x (target >= 1)"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from zaya_model.atomic_io import write_json_atomic
+
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="prefix-bench-") as workdir:
+        measured = asyncio.run(run(args, Path(workdir)))
+    report = {
+        "mode": "smoke" if args.smoke else "full",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_average": os.getloadavg()},
+        "load": {name: getattr(args, name) for name in ("clients", "prefix_tokens", "question_tokens", "max_tokens")}
+        | {"rounds": args.rounds},
+        **measured,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(args.out, report)
+    print(table(report, args))
+    print(f"report: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":  # vLLM spawns processes: everything runs under this guard
+    sys.exit(main())
