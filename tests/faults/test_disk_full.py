@@ -121,8 +121,11 @@ def test_a_checkpoint_on_a_full_disk_fails_the_job_clearly_and_keeps_the_previou
             with sessions() as session:
                 return session.get(FineTuningJob, job_id)
 
-        # Right after the first checkpoint, the disk fills up (the worker is frozen meanwhile).
-        wait_for(lambda: checkpoint_steps() == [4], 240, stack, "the first checkpoint", poll=0.01)
+        # Right after the first checkpoint is published, the disk fills up (the worker and its training process are
+        # frozen meanwhile). The disk is watched, not the database: the worker records a checkpoint after its
+        # training process has moved on.
+        checkpoints = stack.data_dir / "jobs" / job_id / "attempt-1" / "checkpoints"
+        wait_for((checkpoints / "checkpoint-4").is_dir, 240, stack, "the first checkpoint", poll=0.002)
         freeze(worker)
         filler = fill(small_disk)
         thaw(worker)
@@ -130,7 +133,7 @@ def test_a_checkpoint_on_a_full_disk_fails_the_job_clearly_and_keeps_the_previou
             wait_for(lambda: job().status in ("succeeded", "failed", "cancelled"), 240, stack, "the job to end")
         finally:
             filler.unlink()
-        finished = job()
+        finished, recorded = job(), checkpoint_steps()
         with sessions() as session:
             versions = session.scalar(select(func.count()).where(ModelVersion.job_id == job_id))
 
@@ -140,7 +143,7 @@ def test_a_checkpoint_on_a_full_disk_fails_the_job_clearly_and_keeps_the_previou
     assert worker.poll() is None, "the worker died"
 
     # The previous checkpoint is whole (its weights and metrics read back); nothing half-written is left around it.
-    checkpoints = stack.data_dir / "jobs" / job_id / "attempt-1" / "checkpoints"
+    assert recorded == [4]
     assert sorted(path.name for path in checkpoints.iterdir()) == ["checkpoint-4"]
     assert json.loads((checkpoints / "checkpoint-4" / "metrics.json").read_text())["step"] == 4
     with safe_open(checkpoints / "checkpoint-4" / "adapter_model.safetensors", framework="pt") as weights:
