@@ -239,7 +239,14 @@ class Driver:
     @property
     def engine_cores(self) -> list:
         """vLLM's engine-core processes (the `core` role also counts their multiprocessing helpers)."""
-        return [process for process in self.roles.get("core", []) if "EngineCore" in process.name()]
+        import psutil
+
+        cores = []
+        for process in self.roles.get("core", []):
+            with contextlib.suppress(psutil.NoSuchProcess):  # a short-lived helper (a compile worker) may be gone
+                if "EngineCore" in process.name():
+                    cores.append(process)
+        return cores
 
 
 async def drive(system: str, path: str, concurrency: int, per_client: int, driver: Driver) -> Load:
