@@ -191,6 +191,12 @@ class FineTuneSettings(Strict):
     def lora(self) -> LoraSettings:
         return self.method.lora
 
+    @property
+    def data_parallelism(self) -> str:
+        """How several processes train one run: full fine-tuning shards parameters, gradients and optimizer state
+        (FSDP2), LoRA's few trainable weights are replicated (DDP)."""
+        return "FSDP2" if self.adapter == "full" else "DDP"
+
     def dataset_format_problem(self, found: str | None) -> str | None:
         """Why a dataset in format `found` (a validation report's) cannot train these settings, or None: a dpo run
         needs preference data, a supervised run any other format."""

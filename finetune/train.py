@@ -323,9 +323,7 @@ def _training_arguments(run: FineTuneRun, resolved: ResolvedHyperparameters, has
     distributed: dict[str, Any] = {}
     if processes > 1 and not torch.cuda.is_available():
         distributed["ddp_backend"] = "gloo"
-    if processes > 1 and run.settings.adapter == "full":
-        # Full fine-tuning shards parameters, gradients and optimizer state over the processes (FSDP2), one
-        # decoder layer per unit; LoRA's few trainable weights are replicated (DDP).
+    if processes > 1 and run.settings.data_parallelism == "FSDP2":  # one decoder layer per unit
         distributed["fsdp"] = "full_shard auto_wrap"
         distributed["fsdp_config"] = {"version": 2, "transformer_layer_cls_to_wrap": ["ZayaDecoderLayer"]}
     return dict(

@@ -335,8 +335,7 @@ class Worker:
         # Its own session: a Ctrl-C at the worker's terminal reaches the worker, which pauses the child in order.
         process = subprocess.Popen(command, start_new_session=True)
         try:
-            # Full fine-tuning shards the model over the processes (FSDP2); LoRA replicates it (DDP): finetune.train.
-            parallelism = "FSDP2" if fine_tune_run.settings.adapter == "full" else "DDP"
+            parallelism = fine_tune_run.settings.data_parallelism
             message = f"Training process {process.pid} started" + (
                 f" ({devices} devices, {parallelism})." if devices > 1 else "."
             )
