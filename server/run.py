@@ -1,8 +1,9 @@
 """`zaya run`: the whole embedded stack on one machine (what `make run` starts).
 
 1. `db upgrade` on `ZAYA_DATABASE_URL` (SQLite under `ZAYA_DATA_DIR` by default);
-2. a servable model: if no full model version is registered, a tiny ZAYA model and tokenizer are trained on the
-   synthetic bank corpus in seconds, saved atomically under `<data dir>/models/`, registered and aliased `production`;
+2. a servable model: if no full model version is registered, a tiny ZAYA model and tokenizer are pretrained on
+   synthetic bank chats in seconds (`finetune/bootstrap.py`), saved atomically under `<data dir>/models/`, registered
+   and aliased `production`;
 3. the API on 127.0.0.1:8000 plus, when `zaya worker` exists, a worker process. Ctrl-C stops both.
 """
 
@@ -23,7 +24,7 @@ BOOTSTRAP_MODEL_NAME = "zaya-tiny"
 WORKER_STOP_TIMEOUT_S = 30
 
 
-def ensure_local_model(settings: Settings, *, train_steps: int = 100) -> str:
+def ensure_local_model(settings: Settings, *, train_steps: int | None = None) -> str:
     """The model name to chat with: an existing full model version, else a freshly bootstrapped one."""
     from sqlalchemy import select
 
@@ -134,6 +135,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--host", help="bind address (default: ZAYA_HOST or 127.0.0.1)")
     run.add_argument("--port", type=int, help="port (default: ZAYA_PORT or 8000)")
     run.add_argument(
-        "--bootstrap-train-steps", type=int, default=100, help="training steps for the bootstrapped tiny model"
+        "--bootstrap-train-steps",
+        type=int,
+        default=None,
+        help="pretraining steps for the bootstrapped tiny model (default: the `bootstrap` preset's 100)",
     )
     run.set_defaults(func=_run)

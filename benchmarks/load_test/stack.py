@@ -34,11 +34,12 @@ def free_port() -> int:
 
 
 def build_model(directory: Path) -> Path:
-    """The tiny model `zaya run` bootstraps, untrained (random weights): fast, and all the engine needs."""
+    """The tiny model `zaya run` bootstraps, after one training step (near-random weights): fast, and all the engine
+    needs."""
     from finetune.bootstrap import build_tiny_model
 
     if not (directory / "config.json").is_file():
-        build_tiny_model(directory, train_steps=0)
+        build_tiny_model(directory, train_steps=1)
     return directory
 
 

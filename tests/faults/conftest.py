@@ -15,7 +15,8 @@ from .processes import assert_no_secret_logged
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> Path:
-    """The tiny random model `zaya run` bootstraps (tokenizer trained here), built once for the session."""
+    """The tiny model `zaya run` bootstraps, after one training step (tokenizer trained here), built once for the
+    session."""
     return build_model(tmp_path_factory.mktemp("model") / MODEL_NAME)
 
 

@@ -1,10 +1,11 @@
 """Pretraining presets: a model shape plus the training settings that suit it.
 
 `tiny` trains on 2 CPU cores in a minute or two (a few million parameters, short rows); `cpu` is smaller but reads
-rows of 512 tokens, long enough for chat fine-tuning on bank case files; `zaya1-base` is the full
-ZAYA1-base shape (`ZayaConfig.zaya1_base()`) with settings in the spirit of its pretraining (Muon + AdamW, long
-warmup, 4k rows), meant for an accelerator cluster. The model's vocabulary follows the tokenizer, so `model` holds
-every `ZayaConfig` field except the token ids and vocabulary size.
+rows of 512 tokens, long enough for chat fine-tuning on bank case files; `bootstrap` is the model `zaya run` trains
+in seconds when none is registered; `zaya1-base` is the full ZAYA1-base shape (`ZayaConfig.zaya1_base()`) with
+settings in the spirit of its pretraining (Muon + AdamW, long warmup, 4k rows), meant for an accelerator cluster.
+The model's vocabulary follows the tokenizer, so `model` holds every `ZayaConfig` field except the token ids and
+vocabulary size.
 """
 
 from __future__ import annotations
@@ -74,6 +75,32 @@ PRESETS: dict[str, PretrainSettings] = {
         max_steps=150,
         lr=3e-3,
         warmup_steps=15,
+    ),
+    # The model `zaya run` starts with when none is registered (`finetune/bootstrap.py`): trained in seconds on
+    # rendered bank chats, small enough for tests to train their own; 2,048 positions, the context the local engine
+    # serves. No checkpoint but the first and the last, no step watchdog (it needs a real stderr).
+    "bootstrap": PretrainSettings(
+        model=dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            moe_intermediate_size=64,
+            num_experts=4,
+            router_hidden_size=32,
+            max_position_embeddings=2048,
+        ),
+        tokenizer_vocab_size=640,
+        seq_len=96,
+        batch_size=4,
+        max_steps=100,
+        lr=1e-2,
+        warmup_steps=10,
+        eval_every=100_000,
+        save_every=100_000,
+        keep_last=1,
+        step_timeout_s=0,
     ),
     "zaya1-base": PretrainSettings(
         model=_ZAYA1_BASE_SHAPE,

@@ -97,15 +97,21 @@ class PretrainSettings(BaseModel):
         return PretrainSettings.model_validate({**self.model_dump(), **changes})
 
     def zaya_config(self, tokenizer) -> ZayaConfig:
-        """The model config for a tokenizer: vocabulary rounded up to a multiple of 64 (faster matmuls)."""
+        """The model config for a tokenizer: vocabulary rounded up to a multiple of 64 (faster matmuls); generation
+        stops at the end of a chat turn too where the tokenizer has one (`train_tokenizer`'s do)."""
         from ..configuration_zaya import ZayaConfig
+        from .tokenizer import generation_eos_token_ids
 
         vocab_size = -(-len(tokenizer) // 64) * 64
+        try:
+            eos_token_id = generation_eos_token_ids(tokenizer)
+        except ValueError:  # a tokenizer without chat turns
+            eos_token_id = tokenizer.eos_token_id
         return ZayaConfig(
             **self.model,
             vocab_size=vocab_size,
             bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
+            eos_token_id=eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
         )
 
