@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -48,7 +49,8 @@ async def greedy(engine: LocalEngine, model: ModelRef, prompt_ids: list[int], ma
 
 
 async def generate_all(settings: LocalEngineSettings, model: ModelRef, prompts: list[list[int]], wait_warm: bool):
-    """Each prompt alone, then all at once; with `wait_warm`, only after every batch size is compiled."""
+    """Each prompt alone, then all at once; with `wait_warm`, only after every batch size is compiled, and then
+    nothing may compile again (a request would wait for it): torch's "fail_on_recompile" stance fails the step."""
     engine = LocalEngine(settings)
     try:
         await engine.load_model(model)
@@ -56,8 +58,9 @@ async def generate_all(settings: LocalEngineSettings, model: ModelRef, prompts: 
         while wait_warm and engine.health()["status"] == "warming":
             assert time.monotonic() < deadline, "compiling the decode steps took too long"
             await asyncio.sleep(0.5)
-        alone = [await greedy(engine, model, prompt, 16) for prompt in prompts]
-        together = await asyncio.gather(*(greedy(engine, model, prompt, 16) for prompt in prompts))
+        with torch.compiler.set_stance("fail_on_recompile") if wait_warm else contextlib.nullcontext():
+            alone = [await greedy(engine, model, prompt, 16) for prompt in prompts]
+            together = await asyncio.gather(*(greedy(engine, model, prompt, 16) for prompt in prompts))
         return alone, list(together), engine.health(), engine.stats(model.version_id)
     finally:
         await engine.close()

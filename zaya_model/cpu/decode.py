@@ -187,8 +187,11 @@ class CompiledDecoder:
             buffers.shift_states,
         )
 
+    @torch.inference_mode()
     def warm(self, batch: int, capacity: int = CAPACITY_STEP) -> None:
-        """Compile the graph for `batch` rows now, on dummy inputs."""
+        """Compile the graph for `batch` rows now, on dummy inputs. Decoding runs in inference mode (the local engine,
+        `greedy_generate`), so the dummy buffers are made in it too: graphs guard on whether their inputs are
+        inference tensors, and a graph warmed on ordinary tensors would be compiled again at its first real step."""
         config = self.model.config
         cache = ZayaCache(config)
         dtype = self.model.dtype
@@ -202,14 +205,13 @@ class CompiledDecoder:
         buffers = StaticDecodeCache.adopt(cache, batch, capacity)
         attend = torch.zeros(batch, capacity, dtype=torch.bool)
         attend[:, :2] = True
-        with torch.inference_mode():
-            self(
-                torch.zeros(batch, 1, dtype=torch.long),
-                torch.ones(batch, 1, dtype=torch.long),
-                attend,
-                torch.ones(1, dtype=torch.long),
-                buffers,
-            )
+        self(
+            torch.zeros(batch, 1, dtype=torch.long),
+            torch.ones(batch, 1, dtype=torch.long),
+            attend,
+            torch.ones(1, dtype=torch.long),
+            buffers,
+        )
 
 
 __all__ = [
