@@ -113,6 +113,59 @@ def test_requests_sharing_a_prefix_resume_from_its_cached_state(checkpoint, engi
         assert_same_generations(first + rest, expected)
 
 
+# The preemption test's engine: KV blocks of this many tokens, and so few of them (attention and CCA state blocks
+# together) that its four requests cannot all grow to full length at once: vLLM then preempts the newest running
+# request and recomputes it later.
+PREEMPTION_BLOCK_SIZE = 32
+PREEMPTION_KV_BLOCKS = 10
+
+
+@pytest.fixture
+def small_cache_engine(checkpoint, monkeypatch):
+    """A prefix-caching engine as `engine`, without adapters, on a KV cache of PREEMPTION_KV_BLOCKS blocks, with
+    statistics on (for `get_metrics()`); shut down after the test."""
+    for key, value in ENGINE_ENV.items():
+        monkeypatch.setenv(key, value)
+    from vllm import LLM
+
+    llm = LLM(
+        model=str(checkpoint[0]),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=128,
+        max_num_seqs=4,
+        max_num_batched_tokens=MAX_BATCHED_TOKENS,
+        enable_prefix_caching=True,
+        block_size=PREEMPTION_BLOCK_SIZE,
+        num_gpu_blocks_override=PREEMPTION_KV_BLOCKS,
+        disable_log_stats=False,
+        seed=0,
+    )
+    yield llm
+    llm.llm_engine.engine_core.shutdown()
+
+
+def test_preempted_requests_resume_with_prefix_caching_and_generate_what_generate_does(checkpoint, small_cache_engine):
+    """Preemption with prefix caching ("align" mode): requests sharing a prompt prefix grow past what the small KV
+    cache holds, so the scheduler preempts running requests, frees their KV and CCA state blocks, and later
+    recomputes them, from the start or from the shared prefix's state cached at its block boundary (both happen
+    here). A resumed request whose state slot is stale, or another request's, generates different tokens a few steps
+    on, so its tokens and log-probabilities must still equal `generate()`'s; vLLM's preemption counter shows that
+    preemption did happen (otherwise this test proves nothing)."""
+    _, model = checkpoint
+    llm = small_cache_engine
+    cache = llm.llm_engine.vllm_config.cache_config
+    assert cache.mamba_cache_mode == "align" and cache.block_size == PREEMPTION_BLOCK_SIZE
+    shared = random_prompts([PREEMPTION_BLOCK_SIZE + 8], model.config.vocab_size, seed=31)[0]
+    prompts = [shared + tail for tail in random_prompts([1, 3, 5, 7], model.config.vocab_size, seed=32)]
+    expected = [hf_greedy(model, prompt, 80) for prompt in prompts]
+
+    generations, _ = greedy_with_cache_hits(llm, prompts, 80)
+    preemptions = sum(metric.value for metric in llm.get_metrics() if metric.name == "vllm:num_preemptions")
+    assert preemptions > 0
+    assert_same_generations(generations, expected)
+
+
 def test_expert_widths_choose_vllms_fused_cpu_kernel_or_our_dispatch(checkpoint):
     import torch
 
