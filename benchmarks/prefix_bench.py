@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import os
@@ -31,6 +32,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -42,7 +44,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.serve_bench import FULL, SMOKE, free_port  # noqa: E402
+from benchmarks.load_test.stack import MODEL_NAME, Stack  # noqa: E402
+from benchmarks.serve_bench import FULL, SMOKE  # noqa: E402
 
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "prefix_bench.json"
 START_TIMEOUT_S = 600
@@ -79,109 +82,66 @@ def token_ids(rng: random.Random, count: int) -> list[int]:
     return [rng.randrange(10, 1000) for _ in range(count)]
 
 
-class Server:
-    """`zaya serve` on the vLLM engine (LoRA off: compiled) with prefix caching on or off; SQLite in a temp dir."""
+@contextlib.asynccontextmanager
+async def caching_server(model_dir: Path, workdir: Path, caching: bool, eager: bool) -> AsyncIterator[Stack]:
+    """`zaya serve` on the vLLM engine (LoRA off: compiled) with prefix caching on or off, on a stack of its own
+    (SQLite in a temp dir, the model registered, a key per role), once `/health` says it is ready."""
+    env = {
+        "ZAYA_ENGINE": "vllm",
+        "ZAYA_VLLM_ENABLE_LORA": "false",
+        "ZAYA_VLLM_ENABLE_PREFIX_CACHING": str(caching).lower(),
+        "ZAYA_RATE_LIMIT_REQUESTS_PER_MINUTE": str(10**6),
+        "OMP_NUM_THREADS": str(os.cpu_count()),  # torch's own default: the stack's processes get 1 otherwise
+    } | ({"ZAYA_VLLM_ENFORCE_EAGER": "true"} if eager else {})
+    with Stack(workdir / f"caching-{'on' if caching else 'off'}", env=env) as stack:
+        stack.prepare(model_dir)
+        stack.start_server(wait=False)
+        await asyncio.to_thread(stack.wait_until_healthy, START_TIMEOUT_S)
+        yield stack
 
-    def __init__(self, model_dir: Path, workdir: Path, caching: bool, eager: bool) -> None:
-        self.model_dir, self.workdir, self.caching, self.eager = model_dir, workdir, caching, eager
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
 
-    async def __aenter__(self) -> Server:
-        import subprocess
-
-        import httpx
-
-        from server.db.migrations import upgrade
-        from server.db.session import make_engine, make_sessionmaker, session_scope
-        from server.services import registry
-        from server.services.keys import create_key
-
-        data_dir = self.workdir / f"caching-{'on' if self.caching else 'off'}"
-        data_dir.mkdir(parents=True)
-        database_url = f"sqlite:///{data_dir / 'zaya.db'}"
-        upgrade(database_url)
-        db = make_engine(database_url)
-        with session_scope(make_sessionmaker(db)) as session:
-            registry.register_version(session, name="bench", path=self.model_dir)
-            self.key = create_key(session, name="bench", role="analyst").secret
-        db.dispose()
-        env = {
-            **os.environ,
-            "ZAYA_ENGINE": "vllm",
-            "ZAYA_DATABASE_URL": database_url,
-            "ZAYA_DATA_DIR": str(data_dir),
-            "ZAYA_VLLM_ENABLE_LORA": "false",
-            "ZAYA_VLLM_ENABLE_PREFIX_CACHING": str(self.caching).lower(),
-            "ZAYA_RATE_LIMIT_REQUESTS_PER_MINUTE": str(10**6),
-        } | ({"ZAYA_VLLM_ENFORCE_EAGER": "true"} if self.eager else {})
-        self.log = open(data_dir / "server.log", "w")  # noqa: SIM115 (kept open for the server's lifetime)
-        command = [sys.executable, "-m", "zaya_cli", "serve", "--port", str(self.port)]
-        self.process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        async with httpx.AsyncClient(base_url=self.url) as client:
-            while True:
-                if self.process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"zaya serve did not start: {(data_dir / 'server.log').read_text()[-3000:]}")
-                try:
-                    if (await client.get("/health")).status_code == 200:
-                        return self
-                except httpx.TransportError:
-                    pass
-                await asyncio.sleep(0.2)
-
-    async def __aexit__(self, *exc) -> None:
-        import subprocess
-
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-        self.log.close()
-
-    async def complete(self, client, prompt: list[int], max_tokens: int) -> dict:
-        """One streamed completion: time to first token, completion and cached prompt tokens (the usage chunk)."""
-        body = {
-            "model": "bench",
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "ignore_eos": True,
-        }
-        headers = {"Authorization": f"Bearer {self.key}"}
-        started, first, usage = time.perf_counter(), None, None
-        async with client.stream("POST", f"{self.url}/v1/completions", json=body, headers=headers) as response:
-            response.raise_for_status()
-            async for line in response.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                event = json.loads(line[len("data: ") :])
-                if first is None and event["choices"]:
-                    first = time.perf_counter() - started
-                usage = event.get("usage") or usage
-        if usage is None or usage["completion_tokens"] != max_tokens:
-            raise RuntimeError(f"an answer was not exactly {max_tokens} tokens long: {usage}")
-        return {"ttft_s": first, "tokens": usage["completion_tokens"], "cached": cached_tokens(usage)}
+async def complete(client, stack: Stack, prompt: list[int], max_tokens: int) -> dict:
+    """One streamed completion: time to first token, completion and cached prompt tokens (the usage chunk)."""
+    body = {
+        "model": MODEL_NAME,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
+    started, first, usage = time.perf_counter(), None, None
+    url = f"{stack.url}/v1/completions"
+    async with client.stream("POST", url, json=body, headers=stack.headers("analyst")) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[len("data: ") :])
+            if first is None and event["choices"]:
+                first = time.perf_counter() - started
+            usage = event.get("usage") or usage
+    if usage is None or usage["completion_tokens"] != max_tokens:
+        raise RuntimeError(f"an answer was not exactly {max_tokens} tokens long: {usage}")
+    return {"ttft_s": first, "tokens": usage["completion_tokens"], "cached": cached_tokens(usage)}
 
 
 def cached_tokens(usage: dict) -> int:
     return (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
 
 
-async def measure(server: Server, args: argparse.Namespace, prefix: list[int], seed: int) -> dict:
+async def measure(stack: Stack, args: argparse.Namespace, prefix: list[int], seed: int) -> dict:
     import httpx
 
     rng = random.Random(seed)
     async with httpx.AsyncClient(timeout=600) as client:
-        await server.complete(client, prefix + token_ids(rng, args.question_tokens), args.max_tokens)  # warm-up
+        await complete(client, stack, prefix + token_ids(rng, args.question_tokens), args.max_tokens)  # warm-up
         answers, seconds = [], 0.0
         for _ in range(args.rounds):
             prompts = [prefix + token_ids(rng, args.question_tokens) for _ in range(args.clients)]
             started = time.perf_counter()
-            answers += await asyncio.gather(*(server.complete(client, p, args.max_tokens) for p in prompts))
+            answers += await asyncio.gather(*(complete(client, stack, p, args.max_tokens) for p in prompts))
             seconds += time.perf_counter() - started
     ttft = sorted(answer["ttft_s"] for answer in answers)
     return {
@@ -200,8 +160,8 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict:
     prefix = token_ids(random.Random(0), args.prefix_tokens)
     results = {}
     for caching in (True, False):
-        async with Server(model_dir, workdir, caching, eager=args.smoke) as server:
-            results["on" if caching else "off"] = await measure(server, args, prefix, seed=1)
+        async with caching_server(model_dir, workdir, caching, eager=args.smoke) as stack:
+            results["on" if caching else "off"] = await measure(stack, args, prefix, seed=1)
     on, off = results["on"], results["off"]
     ttft_ratio = off["ttft_p50_s"] / on["ttft_p50_s"]
     throughput_ratio = on["tokens_per_s"] / off["tokens_per_s"]
