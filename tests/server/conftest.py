@@ -144,21 +144,14 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from finetune.datasets.synthetic import generate_chat_examples
     from zaya_model import ZayaConfig, ZayaForCausalLM
     from zaya_model.pretrain import generation_eos_token_ids, train_tokenizer
+    from zaya_model.pretrain.presets import MICRO_MODEL
 
     conversations = [example["messages"] for example in generate_chat_examples(40, seed=0)]
     texts = ["\n".join(message["content"] for message in conversation) for conversation in conversations]
     tokenizer = train_tokenizer(texts, vocab_size=400, model_max_length=256)
     config = ZayaConfig(
+        **{**MICRO_MODEL, "num_experts": 2, "max_position_embeddings": 256},
         vocab_size=len(tokenizer),
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        moe_intermediate_size=32,
-        num_experts=2,
-        router_hidden_size=16,
-        max_position_embeddings=256,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=generation_eos_token_ids(tokenizer),
