@@ -91,9 +91,8 @@ async def caching_server(model_dir: Path, workdir: Path, caching: bool, eager: b
         "ZAYA_VLLM_ENABLE_LORA": "false",
         "ZAYA_VLLM_ENABLE_PREFIX_CACHING": str(caching).lower(),
         "ZAYA_RATE_LIMIT_REQUESTS_PER_MINUTE": str(10**6),
-        "OMP_NUM_THREADS": str(os.cpu_count()),  # torch's own default: the stack's processes get 1 otherwise
     } | ({"ZAYA_VLLM_ENFORCE_EAGER": "true"} if eager else {})
-    with Stack(workdir / f"caching-{'on' if caching else 'off'}", env=env) as stack:
+    with Stack(workdir / f"caching-{'on' if caching else 'off'}", env=env, torch_threads=None) as stack:
         stack.prepare(model_dir)
         stack.start_server(wait=False)
         await asyncio.to_thread(stack.wait_until_healthy, START_TIMEOUT_S)

@@ -56,7 +56,6 @@ import json
 import os
 import platform
 import secrets
-import socket
 import statistics
 import subprocess
 import sys
@@ -74,6 +73,8 @@ os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.load_test.stack import MODEL_NAME, Stack, free_port  # noqa: E402
 
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "serve_bench.json"
 SERVER_START_TIMEOUT_S = 600
@@ -490,32 +491,21 @@ async def api_server(
 
 @contextlib.asynccontextmanager
 async def _served_api(kind: str, checkpoint: Path, prompt: list[int], sizes: Sizes, data_dir: Path, database_url: str):
-    from server.db.migrations import upgrade
-    from server.db.session import make_engine, make_sessionmaker, session_scope
-    from server.services import registry
-    from server.services.keys import create_key
-
-    upgrade(database_url)
-    db = make_engine(database_url)
-    with session_scope(make_sessionmaker(db)) as session:
-        registry.register_version(session, name="bench", path=checkpoint)
-        key = create_key(session, name="bench", role="analyst").secret
-    db.dispose()
-
-    port = free_port()
+    """`zaya serve` with `ZAYA_ENGINE=kind` on a load-test `Stack` (migrated, the model registered, a key per role)."""
     env = {
-        **os.environ,
         "ZAYA_ENGINE": kind,
-        "ZAYA_DATABASE_URL": database_url,
-        "ZAYA_DATA_DIR": str(data_dir),
         "ZAYA_LOCAL_ENGINE_MAX_BATCH_SIZE": str(max(sizes.concurrency)),
         # The request-cost load sends more than the default 600 requests a minute (the check itself still runs).
         "ZAYA_RATE_LIMIT_REQUESTS_PER_MINUTE": str(10**6),
     }
-    command = [sys.executable, "-m", "zaya_cli", "serve", "--port", str(port)]  # `zaya serve`
-    headers = {"Authorization": f"Bearer {key}"}
-    async with _streamed_server(command, env, data_dir / "server.log", port, prompt, sizes, headers) as driver:
-        yield driver
+    with Stack(data_dir, database_url=database_url, env=env, torch_threads=None) as stack:
+        stack.prepare(checkpoint)
+        server = stack.start_server(wait=False)
+        streamed = _streamed_server(
+            server, "zaya serve", stack.server_log, stack.port, MODEL_NAME, prompt, sizes, stack.headers("analyst")
+        )
+        async with streamed as driver:
+            yield driver
 
 
 @contextlib.asynccontextmanager
@@ -531,36 +521,45 @@ async def vllm_openai_server(checkpoint: Path, prompt: list[int], sizes: Sizes, 
     command += ["--served-model-name", "bench", "--dtype", "float32", "--no-enable-prefix-caching"]
     command += ["--distributed-executor-backend", "uni", "--disable-log-stats", "--port", str(port)]
     command += ["--uvicorn-log-level", "warning"]
-    async with _streamed_server(command, env, workdir / "vllm-serve.log", port, prompt, sizes, {}) as driver:
-        if placement:
-            from server.engines.cpu_placement import pin_process
+    log_path = workdir / "vllm-serve.log"
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        async with _streamed_server(server, "vllm serve", log_path, port, "bench", prompt, sizes, {}) as driver:
+            if placement:
+                from server.engines.cpu_placement import pin_process
 
-            # As `CpuPlacement` places our API server and its engine core (vLLM has no such option for its own).
-            for process in driver.roles["server"]:
-                pin_process(placement.front_end, process.pid)
-            for process in driver.engine_cores:
-                pin_process(placement.compute, process.pid)
-        yield driver
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+                # As `CpuPlacement` places our API server and its engine core (vLLM has no such option for its own).
+                for process in driver.roles["server"]:
+                    pin_process(placement.front_end, process.pid)
+                for process in driver.engine_cores:
+                    pin_process(placement.compute, process.pid)
+            yield driver
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
 
 
 @contextlib.asynccontextmanager
 async def _streamed_server(
-    command: list[str], env: dict, log_path: Path, port: int, prompt: list[int], sizes: Sizes, headers: dict
+    server: subprocess.Popen,
+    name: str,
+    log_path: Path,
+    port: int,
+    model: str,
+    prompt: list[int],
+    sizes: Sizes,
+    headers: dict,
 ):
-    """An OpenAI-compatible server process started by `command` on `port`, with streaming clients in this process
-    sending `/v1/completions` of `prompt` (model "bench")."""
+    """Streaming clients in this process sending `/v1/completions` of `prompt` to `model` on the OpenAI-compatible
+    server `server` (started by the caller, which stops it) on `port`, once its `/health` answers 200."""
     import aiohttp
     import psutil
 
-    log = open(log_path, "w")  # noqa: SIM115 (kept open for the server's lifetime)
-    server = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    body = {"model": "bench", "prompt": prompt, "max_tokens": sizes.max_tokens, "temperature": 0, "stream": True}
+    body = {"model": model, "prompt": prompt, "max_tokens": sizes.max_tokens, "temperature": 0, "stream": True}
     # vLLM's extra parameter, which our API takes too: every answer is exactly max_tokens long.
     body |= {"stream_options": {"include_usage": True}, "ignore_eos": True}
     # aiohttp, as vLLM's own serving benchmark. The clients share this machine's cores with the server, so they take
@@ -586,7 +585,7 @@ async def _streamed_server(
         deadline = time.monotonic() + SERVER_START_TIMEOUT_S
         while True:
             if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{command[2]} did not start: {log_path.read_text()[-3000:]}")
+                raise RuntimeError(f"{name} did not start: {log_path.read_text()[-3000:]}")
             try:
                 async with client.get("/health") as health:
                     if health.status == 200:
@@ -595,18 +594,12 @@ async def _streamed_server(
                 pass
             await asyncio.sleep(0.2)
         tokens, _ = await one_request()  # loads the model in the server
-        check_token_counts(f"{' '.join(command[2:4])} warm-up", [tokens], sizes.max_tokens, 1)
+        check_token_counts(f"{name} warm-up", [tokens], sizes.max_tokens, 1)
         served = psutil.Process(server.pid)
         roles = {"server": [served], "client": [psutil.Process()], "core": served.children(True)}
         yield Driver(one_request, roles, sizes.max_tokens)
     finally:
         await client.close()
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        log.close()
 
 
 # What the clients look for in the stream: the first chunk with a choice, and (kept at the end) the usage chunk.

@@ -52,6 +52,9 @@ class Stack:
     # Where the processes' logs go (default: the data dir; elsewhere when the data dir is made to fill up).
     log_dir: Path | None = None
     port: int = field(default_factory=free_port)
+    # Torch threads of each process: one, as many processes share the cores in load and fault tests; None leaves
+    # torch's default (a benchmark's one server).
+    torch_threads: int | None = 1
     keys: dict[str, str] = field(default_factory=dict)
     server: subprocess.Popen | None = None
     workers: list[subprocess.Popen] = field(default_factory=list)
@@ -79,7 +82,7 @@ class Stack:
             **os.environ,
             "ZAYA_DATA_DIR": str(self.data_dir),
             "ZAYA_DATABASE_URL": self.database_url,
-            "OMP_NUM_THREADS": "1",
+            **({"OMP_NUM_THREADS": str(self.torch_threads)} if self.torch_threads else {}),
             "HF_HUB_OFFLINE": "1",
             "TOKENIZERS_PARALLELISM": "false",
             **self.env,
