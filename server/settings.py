@@ -45,6 +45,9 @@ class VLLMEngineSettings(BaseModel):
     # Requests sharing a prompt prefix (a system prompt, a case template) skip its prefill: KV blocks and the CCA
     # state at each block boundary are cached (vLLM's "align" mode for hybrid models).
     enable_prefix_caching: bool = True
+    # Tokens per KV block (None: vLLM's choice for the device, 128 on CPU). A shared prefix is cached in whole
+    # blocks, so smaller blocks leave less of it to prefill again.
+    block_size: int | None = Field(default=None, ge=1)
     enable_lora: bool = True
     max_loras: int = Field(default=4, ge=1)  # adapters in one batch
     max_lora_rank: int = Field(default=16, ge=1)

