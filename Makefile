@@ -48,6 +48,7 @@ test-vllm: install-vllm
 
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 # Debian's chromium for the console's browser tests (driven by Playwright; `playwright install` is never run). The
 # test uses the `chromium` on PATH, as this check does.

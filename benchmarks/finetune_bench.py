@@ -55,9 +55,17 @@ DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "finetune_bench.json"
 # "+skip_logits": ours' LM head on the trained positions only, as `zaya finetune` runs it (a different computation of
 # the same loss, reported apart from the comparisons).
 VARIANTS = (
-    "ours_full", "ours_lora", "ours_lora+gc", "ours_full+compile", "ours_lora+compile",
-    "upstream_full", "upstream_lora", "upstream_full+compile", "upstream_lora+compile",
-    "ours_full+skip_logits", "ours_lora+skip_logits",
+    "ours_full",
+    "ours_lora",
+    "ours_lora+gc",
+    "ours_full+compile",
+    "ours_lora+compile",
+    "upstream_full",
+    "upstream_lora",
+    "upstream_full+compile",
+    "upstream_lora+compile",
+    "ours_full+skip_logits",
+    "ours_lora+skip_logits",
 )
 UPSTREAM_COMPILED = ("upstream_full+compile", "upstream_lora+compile")
 QUICK_VARIANTS = tuple(v for v in VARIANTS if v not in UPSTREAM_COMPILED)

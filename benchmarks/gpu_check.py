@@ -120,8 +120,15 @@ def wide_model(layers: int, vocab_size: int) -> dict:
     """A ZAYA1-base-wide layer stack: `ZayaConfig.zaya1_base()`'s widths, `layers` blocks, upstream's behaviour for
     what upstream cannot express (skip class outputs zero, residual in fp32)."""
     base = ZayaConfig.zaya1_base()
-    widths = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "moe_intermediate_size",
-              "num_experts", "router_hidden_size")
+    widths = (
+        "hidden_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "moe_intermediate_size",
+        "num_experts",
+        "router_hidden_size",
+    )
     return {key: getattr(base, key) for key in widths} | {"num_hidden_layers": layers, "vocab_size": vocab_size}
 
 
@@ -669,8 +676,13 @@ def targets(report: dict) -> dict:
     for row in report["rows"]:
         if row["phase"] == "train" and row["precision"] == "autocast" and row["shape"] == report["wide_shape"]:
             value = row.get("best_over_best")
-            return {"wide_train_best_over_best": {"value": value, "min": TARGET_WIDE_TRAIN,
-                                                  "met": value is not None and value >= TARGET_WIDE_TRAIN}}
+            return {
+                "wide_train_best_over_best": {
+                    "value": value,
+                    "min": TARGET_WIDE_TRAIN,
+                    "met": value is not None and value >= TARGET_WIDE_TRAIN,
+                }
+            }
     return {}
 
 

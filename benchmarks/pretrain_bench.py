@@ -451,8 +451,11 @@ def table(report: dict) -> str:
             f"{_cell(mfu.get('upstream_compiled'), '.1%')} | {_cell(speed.get('ours_2proc_none'), '.0f')} | "
             f"{_cell(speed.get('ours_2proc_fsdp'), '.0f')} |"
         )
-    lines += ["", "Targets: best/best >= 1 each dtype (issue 36); ours/upstream eager >= 2x in fp32 (issue 3); ours "
-              "MFU >= 50% of the matmul, each dtype, eager and compiled (issue 3)"]
+    lines += [
+        "",
+        "Targets: best/best >= 1 each dtype (issue 36); ours/upstream eager >= 2x in fp32 (issue 3); ours "
+        "MFU >= 50% of the matmul, each dtype, eager and compiled (issue 3)",
+    ]
     for entry in report["results"]:
         for name, target in entry["targets"].items():
             lines.append(

@@ -188,8 +188,10 @@ def answering_services(environ: dict[str, str], log=print) -> Iterator[dict[str,
         if not postgres_answers(postgres_url):
             database = urlsplit(postgres_url).path.lstrip("/") or "postgres"
             postgres = servers.enter_context(PrivatePostgres.running(database))
-            log(f"{POSTGRES_URL_ENV}: {postgres_url} does not answer; a private PostgreSQL serves this run at port "
-                f"{postgres.port} ({postgres.directory})")
+            log(
+                f"{POSTGRES_URL_ENV}: {postgres_url} does not answer; a private PostgreSQL serves this run at port "
+                f"{postgres.port} ({postgres.directory})"
+            )
             postgres_url = postgres.url(database)
         if not redis_answers(redis_url):
             redis = servers.enter_context(PrivateRedis.running())

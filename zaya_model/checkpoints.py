@@ -84,25 +84,60 @@ _LEGACY_IMPLEMENTATION_FIELDS = (
 _LEGACY_CONSUMED_FIELDS = {
     *_LEGACY_FIXED_VALUES,
     *_LEGACY_IMPLEMENTATION_FIELDS,
-    "zaya_layers", "num_hidden_layers", "num_experts",
-    "cca_num_q_heads", "num_attention_heads",
-    "num_query_groups_list", "num_query_groups", "num_key_value_heads",
-    "kv_channels", "head_dim",
-    "ffn_hidden_size_list", "ffn_hidden_size",
+    "zaya_layers",
+    "num_hidden_layers",
+    "num_experts",
+    "cca_num_q_heads",
+    "num_attention_heads",
+    "num_query_groups_list",
+    "num_query_groups",
+    "num_key_value_heads",
+    "kv_channels",
+    "head_dim",
+    "ffn_hidden_size_list",
+    "ffn_hidden_size",
     "zaya_mlp_expansion",
-    "norm_epsilon", "rms_norm_eps", "layernorm_epsilon",
-    "rope_theta", "rotary_base", "partial_rotary_factor", "rope_scaling", "swa_layers", "swa_rotary_base",
-    "cca_time0", "cca_time1",
-    "skip_expert_mode", "residual_in_fp32", "tie_word_embeddings",
-    "model_type", "architectures",
+    "norm_epsilon",
+    "rms_norm_eps",
+    "layernorm_epsilon",
+    "rope_theta",
+    "rotary_base",
+    "partial_rotary_factor",
+    "rope_scaling",
+    "swa_layers",
+    "swa_rotary_base",
+    "cca_time0",
+    "cca_time1",
+    "skip_expert_mode",
+    "residual_in_fp32",
+    "tie_word_embeddings",
+    "model_type",
+    "architectures",
 }
 
 # Upstream fields read by `upstream_config_to_legacy`; everything else is carried over unchanged.
 _UPSTREAM_CONSUMED_FIELDS = {
-    "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
-    "moe_intermediate_size", "num_experts", "num_experts_per_tok", "router_hidden_size", "rope_parameters",
-    "layer_types", "sliding_window", "cca_time0", "cca_time1", "skip_expert_mode", "router_rms_norm_eps",
-    "residual_in_fp32", "tie_word_embeddings", "model_type", "architectures",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "rms_norm_eps",
+    "moe_intermediate_size",
+    "num_experts",
+    "num_experts_per_tok",
+    "router_hidden_size",
+    "rope_parameters",
+    "layer_types",
+    "sliding_window",
+    "cca_time0",
+    "cca_time1",
+    "skip_expert_mode",
+    "router_rms_norm_eps",
+    "residual_in_fp32",
+    "tie_word_embeddings",
+    "model_type",
+    "architectures",
 }
 
 
@@ -181,21 +216,24 @@ def legacy_config_to_upstream(config_dict: Mapping[str, Any]) -> dict[str, Any]:
     if any(legacy.get("swa_layers") or []):
         raise ValueError("swa_layers: sliding-window attention layers are not supported")
 
-    num_heads = _one_value(legacy, _first_present(legacy, ("cca_num_q_heads", "num_attention_heads")), attention,
-                           num_sub_layers)
+    num_heads = _one_value(
+        legacy, _first_present(legacy, ("cca_num_q_heads", "num_attention_heads")), attention, num_sub_layers
+    )
     kv_field = _first_present(legacy, ("num_query_groups_list", "num_query_groups", "num_key_value_heads"))
     num_kv_heads = _one_value(legacy, kv_field, attention, num_sub_layers)
     if legacy.get("num_key_value_heads") not in (None, num_kv_heads):
-        raise ValueError(f"num_key_value_heads={legacy['num_key_value_heads']} disagrees with {kv_field} "
-                         f"({num_kv_heads})")
+        raise ValueError(
+            f"num_key_value_heads={legacy['num_key_value_heads']} disagrees with {kv_field} ({num_kv_heads})"
+        )
     if legacy.get("kv_channels") is not None:
         head_dim = legacy["kv_channels"]
     elif legacy.get("head_dim") is not None:
         head_dim = legacy["head_dim"]
     else:  # Zyphra's code derives it from the nominal (uncompressed) head count
         head_dim = legacy["hidden_size"] // legacy["num_attention_heads"]
-    fc1_width = _one_value(legacy, _first_present(legacy, ("ffn_hidden_size_list", "ffn_hidden_size")), moe,
-                           num_sub_layers)
+    fc1_width = _one_value(
+        legacy, _first_present(legacy, ("ffn_hidden_size_list", "ffn_hidden_size")), moe, num_sub_layers
+    )
     if fc1_width % 2:
         raise ValueError(f"ffn_hidden_size_list: the fc1 width {fc1_width} (gate and up together) must be even")
     router_hidden_size = _one_value(legacy, "zaya_mlp_expansion", moe, num_sub_layers)
@@ -264,8 +302,10 @@ def upstream_config_to_legacy(config_dict: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"rope_parameters: rope_type {rope['rope_type']!r} cannot be written as legacy")
     hidden_size, head_dim = upstream["hidden_size"], upstream["head_dim"]
     if hidden_size % head_dim:
-        raise ValueError(f"head_dim={head_dim} must divide hidden_size={hidden_size}: legacy configs derive head_dim "
-                         "from a nominal head count")
+        raise ValueError(
+            f"head_dim={head_dim} must divide hidden_size={hidden_size}: legacy configs derive head_dim "
+            "from a nominal head count"
+        )
     num_heads, num_kv_heads = upstream["num_attention_heads"], upstream["num_key_value_heads"]
     num_experts = upstream["num_experts"]
     rms_norm_eps = upstream["rms_norm_eps"]
@@ -377,8 +417,9 @@ def _renamed_tensors(num_blocks: int) -> tuple[list[tuple[str, str]], list[tuple
     ]
     required += [(f"model.layers.0.res_scale.{f}", f"model.input_{f}") for f in INPUT_SCALE_FIELDS]
     last = num_blocks - 1
-    required += [(f"model.res_scale.{f}", f"model.layers.{last}.post_mlp_residual_scale.{f}")
-                 for f in RESIDUAL_SCALE_FIELDS]
+    required += [
+        (f"model.res_scale.{f}", f"model.layers.{last}.post_mlp_residual_scale.{f}") for f in RESIDUAL_SCALE_FIELDS
+    ]
     optional = [(name, name) for name in _OPTIONAL_TOP_LEVEL_TENSORS]
     for block in range(num_blocks):
         attention, moe = f"model.layers.{2 * block}.", f"model.layers.{2 * block + 1}."
@@ -389,10 +430,13 @@ def _renamed_tensors(num_blocks: int) -> tuple[list[tuple[str, str]], list[tuple
         if block > 0:
             required.append((moe + _EDA_TENSOR[0], upstream + _EDA_TENSOR[1]))
             # Sub-layer 2i's residual merge takes the previous block's MoE output.
-            required += [(f"{attention}res_scale.{f}", f"model.layers.{block - 1}.post_mlp_residual_scale.{f}")
-                         for f in RESIDUAL_SCALE_FIELDS]
-        required += [(f"{moe}res_scale.{f}", f"{upstream}post_attention_residual_scale.{f}")
-                     for f in RESIDUAL_SCALE_FIELDS]
+            required += [
+                (f"{attention}res_scale.{f}", f"model.layers.{block - 1}.post_mlp_residual_scale.{f}")
+                for f in RESIDUAL_SCALE_FIELDS
+            ]
+        required += [
+            (f"{moe}res_scale.{f}", f"{upstream}post_attention_residual_scale.{f}") for f in RESIDUAL_SCALE_FIELDS
+        ]
     return required, optional
 
 
@@ -450,10 +494,13 @@ def legacy_state_dict_to_upstream(state_dict: Mapping[str, torch.Tensor], num_bl
         raise ValueError("legacy state dict has no expert weights in model.layers.1.zaya_block.experts")
     required_experts = {
         _legacy_expert_name(block, expert, fc)
-        for block in range(num_blocks) for expert in range(num_experts) for fc in _EXPERT_PROJECTIONS
+        for block in range(num_blocks)
+        for expert in range(num_experts)
+        for fc in _EXPERT_PROJECTIONS
     }
-    _check_names("legacy", set(state_dict), {old for old, _ in required} | required_experts,
-                 {old for old, _ in optional})
+    _check_names(
+        "legacy", set(state_dict), {old for old, _ in required} | required_experts, {old for old, _ in optional}
+    )
 
     upstream = {new: state_dict[old] for old, new in [*required, *optional] if old in state_dict}
     for (block, projection), by_expert in expert_groups.items():
@@ -472,8 +519,11 @@ def upstream_state_dict_to_legacy(state_dict: Mapping[str, torch.Tensor], num_bl
     """
     _check_num_blocks(num_blocks)
     required, optional = _renamed_tensors(num_blocks)
-    fused = [f"model.layers.{block}.mlp.experts.{projection}"
-             for block in range(num_blocks) for projection in _EXPERT_PROJECTIONS.values()]
+    fused = [
+        f"model.layers.{block}.mlp.experts.{projection}"
+        for block in range(num_blocks)
+        for projection in _EXPERT_PROJECTIONS.values()
+    ]
     _check_names("upstream", set(state_dict), {new for _, new in required} | set(fused), {new for _, new in optional})
 
     legacy = {old: state_dict[new] for old, new in [*required, *optional] if new in state_dict}
@@ -481,8 +531,9 @@ def upstream_state_dict_to_legacy(state_dict: Mapping[str, torch.Tensor], num_bl
         for fc, projection in _EXPERT_PROJECTIONS.items():
             name = f"model.layers.{block}.mlp.experts.{projection}"
             if state_dict[name].dim() != 3:
-                raise ValueError(f"{name}: expected a 3-D [experts, out, in] tensor, got shape "
-                                 f"{tuple(state_dict[name].shape)}")
+                raise ValueError(
+                    f"{name}: expected a 3-D [experts, out, in] tensor, got shape {tuple(state_dict[name].shape)}"
+                )
             for expert, weight in enumerate(state_dict[name].unbind(0)):
                 legacy[_legacy_expert_name(block, expert, fc)] = weight
     return legacy
@@ -551,8 +602,9 @@ def load_legacy_checkpoint(path: str | os.PathLike) -> tuple[dict[str, Any], dic
     state_dict = legacy_state_dict_to_upstream(_open_safetensors(directory), config["num_hidden_layers"])
     num_experts = state_dict["model.layers.0.mlp.experts.gate_up_proj"].shape[0]
     if num_experts != config["num_experts"]:
-        raise ValueError(f"{directory}: the weights hold {num_experts} experts per layer, config.json says "
-                         f"{config['num_experts']}")
+        raise ValueError(
+            f"{directory}: the weights hold {num_experts} experts per layer, config.json says {config['num_experts']}"
+        )
     return config, state_dict
 
 

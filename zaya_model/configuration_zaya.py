@@ -75,8 +75,9 @@ class ZayaConfig(PreTrainedConfig):
             self.layer_types = ["hybrid"] * self.num_hidden_layers
         self.layer_types = list(self.layer_types)
         if self.rope_parameters is None:
-            self.rope_parameters = {"hybrid": {"rope_type": "default", "rope_theta": 5_000_000.0,
-                                               "partial_rotary_factor": 0.5}}
+            self.rope_parameters = {
+                "hybrid": {"rope_type": "default", "rope_theta": 5_000_000.0, "partial_rotary_factor": 0.5}
+            }
         elif "rope_theta" in self.rope_parameters:
             # A flat dict (one rope for every layer) is normalised to the upstream per-layer-type form.
             self.rope_parameters = {"hybrid": dict(self.rope_parameters)}
@@ -135,8 +136,9 @@ class ZayaConfig(PreTrainedConfig):
             "num_experts": 16,
             "router_hidden_size": 256,
             "max_position_embeddings": 32768,
-            "rope_parameters": {"hybrid": {"rope_type": "default", "rope_theta": 1_000_000.0,
-                                           "partial_rotary_factor": 0.5}},
+            "rope_parameters": {
+                "hybrid": {"rope_type": "default", "rope_theta": 1_000_000.0, "partial_rotary_factor": 0.5}
+            },
             "rms_norm_eps": 1e-5,
             "pad_token_id": 0,
             "bos_token_id": 2,

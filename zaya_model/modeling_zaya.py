@@ -220,9 +220,7 @@ class ZayaCCAProjection(nn.Module):
         queries = queries.view(batch, seq, self.num_key_value_heads, self.num_key_value_groups, self.head_dim)
         keys = keys.view(batch, seq, self.num_key_value_heads, 1, self.head_dim)
         query_skip = (queries + keys) * 0.5
-        skip = torch.cat(
-            (query_skip.view(batch, seq, self.num_heads, self.head_dim), query_skip.mean(dim=3)), dim=2
-        )
+        skip = torch.cat((query_skip.view(batch, seq, self.num_heads, self.head_dim), query_skip.mean(dim=3)), dim=2)
         # Queries and keys stay one tensor [batch, seq, heads + kv_heads, head_dim] through norm and RoPE.
         query_key = convolved.view(batch, seq, self.num_heads + self.num_key_value_heads, self.head_dim) + skip
 
@@ -740,8 +738,14 @@ class ZayaModel(ZayaPreTrainedModel):
             if output_hidden_states:
                 all_hidden_states.append(residual)
             residual, router_states, router_logits, choice = layer(
-                residual, router_states, position_embeddings, causal_mask, lag_masks, past_key_values,
-                padding_mask, **kwargs,
+                residual,
+                router_states,
+                position_embeddings,
+                causal_mask,
+                lag_masks,
+                past_key_values,
+                padding_mask,
+                **kwargs,
             )
             all_choices.append(choice)
             if output_router_logits:

@@ -17,7 +17,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
-
 @dataclass(frozen=True)
 class ModelRef:
     """A model version on disk: a full checkpoint (`from_pretrained`) or a PEFT adapter directory."""

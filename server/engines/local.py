@@ -55,6 +55,7 @@ from zaya_model.cpu.decode import CompiledDecoder, StaticDecodeCache, capacity_f
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass
 class _Request:
     prompt_token_ids: list[int]
@@ -379,10 +380,18 @@ class _Scheduler:
             return
         length = max(self.mask.shape[1], mask.shape[1])
         for running, new in zip(self.cache.layers, cache.layers, strict=True):
-            running.keys = torch.cat([_left_pad(running.keys[:, :, : running.length], length),
-                                      _left_pad(new.keys[:, :, : new.length], length)])
-            running.values = torch.cat([_left_pad(running.values[:, :, : running.length], length),
-                                        _left_pad(new.values[:, :, : new.length], length)])
+            running.keys = torch.cat(
+                [
+                    _left_pad(running.keys[:, :, : running.length], length),
+                    _left_pad(new.keys[:, :, : new.length], length),
+                ]
+            )
+            running.values = torch.cat(
+                [
+                    _left_pad(running.values[:, :, : running.length], length),
+                    _left_pad(new.values[:, :, : new.length], length),
+                ]
+            )
             running.length = length
             running.conv_state = torch.cat([running.conv_state, new.conv_state])
             running.shift_state = torch.cat([running.shift_state, new.shift_state])

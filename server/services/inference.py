@@ -329,9 +329,7 @@ class InferenceService:
         return report
 
     # --- the request flow -------------------------------------------------------------------------------------
-    async def start_generation(
-        self, key_id: str, model: str, prompt: Prompt, options: GenerationOptions
-    ) -> Generation:
+    async def start_generation(self, key_id: str, model: str, prompt: Prompt, options: GenerationOptions) -> Generation:
         """Resolve `model`, check and charge the request, and start generating; refusals are recorded and raised."""
         record = _Record(key_id, prompt.endpoint, model)
         try:

@@ -11,8 +11,15 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # --quick leaves out upstream compiled (compiling upstream on CPU takes minutes) and says so.
 VARIANTS = (
-    "ours_full", "ours_lora", "ours_lora+gc", "ours_full+compile", "ours_lora+compile",
-    "upstream_full", "upstream_lora", "ours_full+skip_logits", "ours_lora+skip_logits",
+    "ours_full",
+    "ours_lora",
+    "ours_lora+gc",
+    "ours_full+compile",
+    "ours_lora+compile",
+    "upstream_full",
+    "upstream_lora",
+    "ours_full+skip_logits",
+    "ours_lora+skip_logits",
 )
 
 

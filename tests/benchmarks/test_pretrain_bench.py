@@ -40,8 +40,13 @@ def test_quick_pretrain_benchmark_reports_speed_mfu_and_checkpoint_stall(tmp_pat
             assert len(entry["tokens_per_s"][impl]) == 3 and all(map(_positive, entry["tokens_per_s"][impl]))
             assert _positive(entry["gflops"][impl]) and 0 < entry["mfu_vs_matmul"][impl] < 1
         assert "upstream_compiled" in entry["not_measured"] and "upstream_compiled" not in entry["tokens_per_s"]
-        for ratio in ("ours_over_trainer", "ours_over_upstream", "best_over_best", "trainer_ours_over_upstream",
-                      "flops_per_token"):
+        for ratio in (
+            "ours_over_trainer",
+            "ours_over_upstream",
+            "best_over_best",
+            "trainer_ours_over_upstream",
+            "flops_per_token",
+        ):
             assert _positive(entry[ratio])
         median = entry["median_tokens_per_s"]
         assert math.isclose(entry["ours_over_upstream"], median["ours"] / median["upstream"])

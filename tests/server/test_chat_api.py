@@ -92,8 +92,12 @@ def test_streaming_matches_the_whole_answer_and_reports_usage_last(client):
 @pytest.mark.parametrize(
     ("path", "fields", "whole", "chunk"),
     [
-        ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 2}, ChatCompletion,
-         ChatCompletionChunk),
+        (
+            "/v1/chat/completions",
+            {"messages": MESSAGES, "logprobs": True, "top_logprobs": 2},
+            ChatCompletion,
+            ChatCompletionChunk,
+        ),
         ("/v1/completions", {"prompt": "Case", "logprobs": 2}, Completion, CompletionChunk),
     ],
 )
@@ -216,7 +220,11 @@ def test_text_completions_plain_streamed_and_with_logprobs(client):
     assert all(len(top) <= 2 for top in choice.logprobs.top_logprobs)
     assert whole.usage.completion_tokens <= 6
     streamed = client.completions.create(
-        model="zaya-tiny", prompt=prompt, max_tokens=6, temperature=0, stream=True,
+        model="zaya-tiny",
+        prompt=prompt,
+        max_tokens=6,
+        temperature=0,
+        stream=True,
         stream_options={"include_usage": True},
     )
     chunks = list(streamed)
@@ -278,8 +286,11 @@ def test_model_strings_resolve_by_alias_version_and_fine_tuned_name(client, sess
         session.add(training_file)
         session.flush()
         job = FineTuningJob(
-            model="zaya-tiny", training_file_id=training_file.id, status=JobStatus.succeeded,
-            fine_tuned_model="ft:zaya-tiny:zaya:bank:ftjob-1", result_model_version_id=newer.id,
+            model="zaya-tiny",
+            training_file_id=training_file.id,
+            status=JobStatus.succeeded,
+            fine_tuned_model="ft:zaya-tiny:zaya:bank:ftjob-1",
+            result_model_version_id=newer.id,
         )
         session.add(job)
         session.commit()
@@ -378,7 +389,9 @@ def test_a_client_that_gives_up_on_a_whole_answer_stops_the_generation(live_serv
     body = {"model": "zaya-tiny", "prompt": "Case", "max_tokens": 1900, "temperature": 0}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(
-            f"{live_server}/v1/completions", json=body, headers={"Authorization": f"Bearer {keys['analyst']}"},
+            f"{live_server}/v1/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {keys['analyst']}"},
             timeout=httpx.Timeout(10, read=1.0),
         )
     stats = app.state.inference.engine.stats(version_id)

@@ -66,4 +66,3 @@ def test_stop_strings_are_cut_and_never_split_across_deltas(tokenizer):
     # A tail that starts a stop string and then stops matching is released: nothing is lost.
     deltas, detokenizer = stream(tokenizer, ids, stop=("Disposition: close",))
     assert not detokenizer.stopped and "".join(deltas) == text
-

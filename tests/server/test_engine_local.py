@@ -240,8 +240,9 @@ def test_adapters_are_merged_per_version_and_bad_ones_fail_at_load(model_dir, ba
     assert with_adapter[0]["text"] != without[0]["text"]
 
 
-def test_all_models_decode_on_one_thread_and_loading_leaves_no_thread_behind(model_dir, base, tokenizer, tmp_path,
-                                                                               monkeypatch):
+def test_all_models_decode_on_one_thread_and_loading_leaves_no_thread_behind(
+    model_dir, base, tokenizer, tmp_path, monkeypatch
+):
     """Torch work on a second long-lived thread slows every op of the decoding one (`server.engines.threads`)."""
     torch.manual_seed(0)
     lora = peft.LoraConfig(r=4, lora_alpha=32, target_modules=["q_proj"], init_lora_weights=False)

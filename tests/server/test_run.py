@@ -24,7 +24,10 @@ def test_a_model_is_bootstrapped_registered_and_reused(settings, sessions):
         [version] = session.scalars(select(ModelVersion)).all()
         [alias] = session.scalars(select(ModelAlias)).all()
     assert (version.name, version.kind, alias.alias, alias.version_id) == (
-        BOOTSTRAP_MODEL_NAME, "full", "production", version.id
+        BOOTSTRAP_MODEL_NAME,
+        "full",
+        "production",
+        version.id,
     )
     directory = settings.data_dir / "models" / BOOTSTRAP_MODEL_NAME
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in directory.iterdir()}

@@ -219,7 +219,8 @@ def test_legacy_names_follow_the_spec():
         expected |= {f"{router}router_mlp.4.weight", f"{router}rmsnorm_eda.weight", f"{router}balancing_biases"}
         expected |= {
             f"model.layers.{sub_layer}.zaya_block.experts.local_experts.{e}.linear_fc{fc}.weight"
-            for e in range(4) for fc in (1, 2)
+            for e in range(4)
+            for fc in (1, 2)
         }
         expected.add(f"model.layers.{sub_layer}.input_norm.weight")
     expected.add("model.layers.3.zaya_block.router.router_states_scale")  # no EDA on the first MoE layer
@@ -351,7 +352,9 @@ def test_zyphra_legacy_checkpoint_loads_with_scaled_input_skip(tmp_path):
 
     config, _ = load_legacy_checkpoint(tmp_path / "ckpt")
     assert (config["skip_expert_mode"], config["router_rms_norm_eps"], config["residual_in_fp32"]) == (
-        "scaled_input", 1e-6, False,
+        "scaled_input",
+        1e-6,
+        False,
     )
 
 
@@ -386,8 +389,9 @@ def test_save_is_atomic_and_refuses_to_clobber(tmp_path):
     save_legacy_checkpoint(source.config.to_dict(), source.state_dict(), out_dir, overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
     assert not (out_dir / "keep.txt").exists()
-    assert_bit_exact(load_legacy_checkpoint(out_dir)[1],
-                     {k: v for k, v in source.state_dict().items() if k != "lm_head.weight"})
+    assert_bit_exact(
+        load_legacy_checkpoint(out_dir)[1], {k: v for k, v in source.state_dict().items() if k != "lm_head.weight"}
+    )
 
 
 def test_loading_rejects_an_upstream_checkpoint(tmp_path):

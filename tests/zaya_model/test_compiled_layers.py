@@ -107,8 +107,9 @@ def test_compiled_prefill_then_eager_decoding_equals_eager_generation(monkeypatc
     for row, prompt in enumerate(prompts):  # left-padded, as a batch of prompts is
         input_ids[row, width - len(prompt) :] = prompt
         attention_mask[row, width - len(prompt) :] = 1
-    kwargs = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, output_logits=True,
-                  return_dict_in_generate=True)
+    kwargs = dict(
+        max_new_tokens=10, min_new_tokens=10, do_sample=False, output_logits=True, return_dict_in_generate=True
+    )
     expected = eager.generate(input_ids, attention_mask=attention_mask, **kwargs)
     before = compiled_calls()
     got = compiled.generate(input_ids, attention_mask=attention_mask, **kwargs)

@@ -44,8 +44,11 @@ def test_experts_under_bf16_autocast_pad_groups_and_match_the_per_token_computat
     def bf16(t):
         return t.to(torch.bfloat16).float()
 
-    leaves = [hidden.detach().clone().requires_grad_(), experts.gate_up_proj.detach().clone().requires_grad_(),
-              experts.down_proj.detach().clone().requires_grad_()]
+    leaves = [
+        hidden.detach().clone().requires_grad_(),
+        experts.gate_up_proj.detach().clone().requires_grad_(),
+        experts.down_proj.detach().clone().requires_grad_(),
+    ]
     x, gate_up, down = leaves
     gate, up = torch.einsum("th,toh->to", bf16(x), bf16(gate_up)[index]).chunk(2, dim=-1)
     intermediate = bf16(torch.nn.functional.silu(bf16(gate)) * bf16(up))

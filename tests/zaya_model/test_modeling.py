@@ -120,8 +120,9 @@ def test_left_padding_does_not_change_any_sequence(tiny_model):
     for row, prompt in enumerate(prompts):
         input_ids[row, width - len(prompt) :] = prompt
         attention_mask[row, width - len(prompt) :] = 1
-    kwargs = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, output_logits=True,
-                  return_dict_in_generate=True)
+    kwargs = dict(
+        max_new_tokens=12, min_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True
+    )
     batched = tiny_model.generate(input_ids, attention_mask=attention_mask, **kwargs)
     for row, prompt in enumerate(prompts):
         alone = tiny_model.generate(prompt[None], **kwargs)

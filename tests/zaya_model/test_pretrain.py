@@ -48,8 +48,26 @@ def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(corpus, tokeni
 
 def test_cli_trains_a_loadable_model_and_rerun_resumes(corpus, tmp_path):
     output = tmp_path / "run"
-    common = ["pretrain", "--data", str(corpus), "--output", str(output), "--seq-len", "32", "--batch-size", "2",
-              "--vocab-size", "320", "--dtype", "fp32", "--save-every", "2", "--eval-every", "2", "--no-progress"]
+    common = [
+        "pretrain",
+        "--data",
+        str(corpus),
+        "--output",
+        str(output),
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "2",
+        "--vocab-size",
+        "320",
+        "--dtype",
+        "fp32",
+        "--save-every",
+        "2",
+        "--eval-every",
+        "2",
+        "--no-progress",
+    ]
     assert main([*common, "--max-steps", "2"]) == 0
     assert main([*common, "--max-steps", "4"]) == 0
     events = metrics(output)
@@ -81,9 +99,26 @@ def test_sigterm_saves_a_checkpoint_and_exits_for_a_restart(corpus, tokenizer_di
     import multiprocessing
 
     output = tmp_path / "run"
-    argv = ["pretrain", "--data", str(corpus), "--output", str(output), "--tokenizer", str(tokenizer_dir),
-            "--seq-len", "32", "--batch-size", "2", "--dtype", "fp32", "--max-steps", "100000",
-            "--save-every", "100000", "--no-progress"]
+    argv = [
+        "pretrain",
+        "--data",
+        str(corpus),
+        "--output",
+        str(output),
+        "--tokenizer",
+        str(tokenizer_dir),
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "2",
+        "--dtype",
+        "fp32",
+        "--max-steps",
+        "100000",
+        "--save-every",
+        "100000",
+        "--no-progress",
+    ]
     # A forked child runs the real command (a fresh interpreter would spend most of the test importing torch).
     process = multiprocessing.get_context("fork").Process(target=_run_cli, args=(argv, tmp_path / "stdout"))
     process.start()
@@ -351,8 +386,9 @@ def test_grad_accumulation_matches_one_larger_batch(corpus, tokenizer_dir, tmp_p
 
 
 def test_muon_trains_two_dimensional_weights(corpus, tokenizer_dir, tmp_path):
-    trainer = Pretrainer(corpus, tmp_path / "run", MICRO.replace(max_steps=2, optimizer="muon"),
-                         tokenizer_path=tokenizer_dir)
+    trainer = Pretrainer(
+        corpus, tmp_path / "run", MICRO.replace(max_steps=2, optimizer="muon"), tokenizer_path=tokenizer_dir
+    )
     assert [type(o).__name__ for o in trainer.optimizers] == ["AdamW", "Muon"]
     assert all(p.ndim == 2 for group in trainer.optimizers[1].param_groups for p in group["params"])
     trainer.train()

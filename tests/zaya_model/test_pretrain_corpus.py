@@ -16,8 +16,9 @@ from zaya_model.pretrain.corpus import (
 )
 from zaya_model.pretrain.tokenizer import train_tokenizer
 
-DOCUMENTS = [f"Case {i}: customer {i * 7} sent {i * 13} USD to account {i % 5}." + " More." * (i % 9)
-             for i in range(60)]
+DOCUMENTS = [
+    f"Case {i}: customer {i * 7} sent {i * 13} USD to account {i % 5}." + " More." * (i % 9) for i in range(60)
+]
 
 
 @pytest.fixture(scope="module")
@@ -75,10 +76,7 @@ def test_rows_restart_positions_at_each_document_and_round_trip(corpus_dir, toke
     assert torch.all((steps == 1) | (positions[1:] == 0))
 
     train_docs = list(iter_split(files, "train", spec.seed, spec.validation_fraction))
-    decoded = [
-        tokenizer.decode(ids[s + 1 : e - 1].tolist())
-        for s, e in zip(starts, starts[1:], strict=False)
-    ]
+    decoded = [tokenizer.decode(ids[s + 1 : e - 1].tolist()) for s, e in zip(starts, starts[1:], strict=False)]
     assert all(ids[e - 1] == tokenizer.eos_token_id for e in starts[1:])
     assert decoded == train_docs[: len(decoded)]
     assert len(decoded) > 20

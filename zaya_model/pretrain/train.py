@@ -100,7 +100,14 @@ CHECKPOINTS_DIR = "checkpoints"
 # Settings a resumed run must share with the run that wrote the checkpoints (the rest may change, e.g. max_steps).
 # The global batch (batch_size x processes) must match too: a run may resume on a different number of processes.
 RESUME_INVARIANTS = (
-    "model", "tokenizer_vocab_size", "seq_len", "grad_accum", "optimizer", "seed", "validation_fraction", "sharding",
+    "model",
+    "tokenizer_vocab_size",
+    "seq_len",
+    "grad_accum",
+    "optimizer",
+    "seed",
+    "validation_fraction",
+    "sharding",
 )
 _DEFAULTS = PretrainSettings()  # for settings added after a run.json was written
 
@@ -580,7 +587,7 @@ class Pretrainer:
         self._log({"event": "exported", "step": self.step, "directory": str(self.output)})
 
     def _stop_reason(self) -> str | None:
-        """"sigterm" or the hooks' "pause"/"cancel" when the run should stop after this step, else None."""
+        """ "sigterm" or the hooks' "pause"/"cancel" when the run should stop after this step, else None."""
         request = self.hooks.should_stop()
         if request is not None and request not in STOP_REASONS:
             raise ValueError(f"should_stop() returned {request!r}; expected None, 'cancel' or 'pause'")

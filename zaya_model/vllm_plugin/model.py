@@ -221,7 +221,16 @@ class ZayaExperts(nn.Module):
         expert = torch.where(routed, choice, 0).to(torch.int32)[:, None]
         weight = torch.where(routed[:, None], weight, 0.0).to(torch.float32)
         torch.ops._C.cpu_fused_moe(
-            output, hidden_states, self.gate_up_proj, self.down_proj, None, None, weight, expert, False, "silu",
+            output,
+            hidden_states,
+            self.gate_up_proj,
+            self.down_proj,
+            None,
+            None,
+            weight,
+            expert,
+            False,
+            "silu",
             self.fused_kernel_isa,
         )
         return output

@@ -16,8 +16,7 @@ OWNER = "zaya"
 @router.get("", name="models.list")
 def list_models(session: SessionDep, _: AnalystDep) -> ListResponse[ModelObject]:
     data = [
-        ModelObject(id=name, created=created, owned_by=OWNER)
-        for name, created in model_service.list_model_ids(session)
+        ModelObject(id=name, created=created, owned_by=OWNER) for name, created in model_service.list_model_ids(session)
     ]
     return ListResponse[ModelObject](data=data)
 

@@ -78,7 +78,10 @@ def test_alias_moves_made_before_move_numbers_are_numbered_in_order(tmp_path, fr
             with engine.connect() as connection:
                 numbered = connection.execute(text("SELECT alias, sequence FROM alias_history ORDER BY id")).all()
             assert [tuple(row) for row in numbered] == [
-                ("production", 1), ("staging", 1), ("production", 2), ("production", 3)
+                ("production", 1),
+                ("staging", 1),
+                ("production", 2),
+                ("production", 3),
             ]
         finally:
             engine.dispose()
