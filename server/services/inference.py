@@ -35,8 +35,8 @@ from server.engines.base import (
     SamplingParams,
     TokenLogprob,
 )
+from server.engines.heap import freeze_startup_heap
 from server.errors import APIError, GenerationFailed, InvalidRequest, ServiceUnavailable, TooManyRequests
-from server.heap import freeze_startup_heap
 from server.services.model_resolution import ServableModel, resolve
 from server.settings import Settings
 
