@@ -23,7 +23,7 @@ FORBIDDEN = {
     # The dispatcher names the command modules by string: it imports only the leaf.
     "zaya_cli": {"zaya_model", "finetune", "server"},
 }
-# Engines share helpers through modules of their own (`server.engines.model_files`), never through each other.
+# Engines share helpers through `server.engines.base` and modules of their own, never through each other.
 ENGINE_MODULES = {"server.engines.local", "server.engines.vllm"}
 
 

@@ -196,16 +196,12 @@ class Engine(abc.ABC):
     # --- shared ---------------------------------------------------------------------------------------------
     async def tokenizer(self, model: ModelRef) -> PreTrainedTokenizerBase:
         """The tokenizer (and chat template) of a full model version, loading it if needed."""
-        from server.engines.model_files import load_model_tokenizer  # model_files imports this module
-
         if model.version_id not in self._tokenizers:
             self._tokenizers[model.version_id] = await asyncio.to_thread(load_model_tokenizer, model)
         return self._tokenizers[model.version_id]
 
     async def context_length(self, model: ModelRef) -> int:
         """Most tokens (prompt plus completion) one sequence may hold."""
-        from server.engines.model_files import load_model_config  # model_files imports this module
-
         if model.version_id not in self._context:
             config = await asyncio.to_thread(load_model_config, model)
             self._context[model.version_id] = self._context_limit(config)
@@ -264,3 +260,34 @@ class Engine(abc.ABC):
             raise EngineError(
                 f"logit_bias: token ids must be in [0, {vocabulary}); got {outside[0]}.", param="logit_bias"
             )
+
+
+# --- what every engine reads from a model version's directory ----------------------------------------------------
+END_OF_TURN_TOKEN = "<|im_end|>"
+
+
+def end_of_sequence_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """End of turn (chat answers) and end of text (raw completions): a choice stops at either."""
+    ids = {tokenizer.eos_token_id}
+    end_of_turn = tokenizer.convert_tokens_to_ids(END_OF_TURN_TOKEN)
+    if isinstance(end_of_turn, int) and end_of_turn != tokenizer.unk_token_id:
+        ids.add(end_of_turn)
+    return frozenset(i for i in ids if i is not None)
+
+
+def load_model_tokenizer(model: ModelRef) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model.path)
+    except Exception as error:
+        raise ModelLoadError(f"Model version {model.version_id} has no loadable tokenizer: {error}") from error
+
+
+def load_model_config(model: ModelRef) -> ZayaConfig:
+    from zaya_model import ZayaConfig
+
+    try:
+        return ZayaConfig.from_pretrained(model.path)
+    except Exception as error:
+        raise ModelLoadError(f"Model version {model.version_id} has no loadable config: {error}") from error

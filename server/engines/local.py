@@ -45,8 +45,8 @@ from server.engines.base import (
     ModelRef,
     SamplingParams,
     TokenLogprob,
+    end_of_sequence_ids,
 )
-from server.engines.model_files import end_of_sequence_ids
 from server.engines.output import ChoiceOutput
 from server.engines.sampling import TokenSampler, choice_generator
 from server.engines.threads import on_own_thread

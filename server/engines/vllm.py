@@ -42,9 +42,9 @@ from server.engines.base import (
     ModelRef,
     SamplingParams,
     TokenLogprob,
+    end_of_sequence_ids,
 )
 from server.engines.cpu_placement import CpuPlacement
-from server.engines.model_files import end_of_sequence_ids
 from server.engines.output import ChoiceOutput
 from server.engines.sampling import choice_seed
 from server.settings import VLLMEngineSettings

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 from finetune.bootstrap import build_tiny_model
 from server.api.inference.responses import ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk
 from server.db.models import AuditLog, File, FineTuningJob, InferenceRecord, JobStatus, ModelAlias, ModelVersion
-from server.engines.model_files import end_of_sequence_ids
+from server.engines.base import end_of_sequence_ids
 from zaya_model import ZayaForCausalLM
 
 MESSAGES = [{"role": "user", "content": "Summarise case CASE-7 for the investigations queue."}]
