@@ -125,7 +125,8 @@ def _models_register(args: argparse.Namespace) -> int:
             )
     finally:
         engine.dispose()
-    print(f"registered {version.name} version {version.version} ({version.kind}) as {version.id}")
+    print(f"registered {version.name} version {version.version} ({version.kind}); its id, for the admin API:")
+    print(version.id)
     return 0
 
 

@@ -112,11 +112,13 @@ def test_zaya_models_register_cli(settings, sessions, tiny_model_dir, tmp_path, 
     shutil.copytree(tiny_model_dir, copy)
 
     assert main(["models", "register", str(copy), "--name", "bank-model", "--description", "from CLI"]) == 0
-    assert "registered bank-model version 1 (full)" in capsys.readouterr().out
+    printed = capsys.readouterr().out.splitlines()
+    assert "registered bank-model version 1 (full)" in printed[-2]
     assert main(["models", "register", str(tmp_path / "nothing"), "--name", "bank-model"]) == 1
     assert "is not a directory" in capsys.readouterr().err
     with sessions() as session:
         version = find_version(session, "bank-model")
         assert (version.version, version.description, version.path) == (1, "from CLI", str(copy.resolve()))
+        assert printed[-1] == version.id  # the last line: scripts read it with `tail -n1`
         audit = session.query(AuditLog).filter_by(action="admin_models.register").one()
         assert (audit.target, audit.method) == (version.id, "CLI")
