@@ -38,7 +38,9 @@ from server.engines.base import (
     ChoiceDelta,
     Engine,
     EngineError,
+    EngineFailure,
     EngineOverloaded,
+    EngineUnavailable,
     ModelLoadError,
     ModelRef,
     SamplingParams,
@@ -54,6 +56,10 @@ from zaya_model.cache_zaya import ZayaCache
 from zaya_model.cpu.decode import CompiledDecoder, StaticDecodeCache, capacity_for
 
 logger = logging.getLogger(__name__)
+
+# A request that met its model being unloaded finds it loaded again on retry.
+MODEL_UNLOADED = "The model was unloaded; retry shortly."
+UNLOADED_RETRY_AFTER_S = 1
 
 
 @dataclass
@@ -200,7 +206,7 @@ class _Scheduler:
     def submit(self, request: _Request) -> None:
         with self.waiting_lock:
             if self.closing:
-                raise EngineError("The model was unloaded.")
+                raise EngineUnavailable(MODEL_UNLOADED, retry_after_s=UNLOADED_RETRY_AFTER_S)
             # Room now in the batch plus the queue bound; read racily from the event loop, which is close enough.
             capacity = max(self.settings.max_batch_size - len(self.rows), 0) + self.settings.max_queued_requests
             if self.waiting >= capacity:
@@ -234,11 +240,11 @@ class _Scheduler:
                 self._drop_finished()
         except Exception as error:  # a failed forward fails its batch, never the engine
             logger.exception("local engine step failed")
-            self._fail_all(EngineError(f"Generation failed: {error}"))
+            self._fail_all(EngineFailure(f"Generation failed: {error}"))
         return bool(self.rows or self.backlog)
 
     def retire(self) -> None:
-        self._fail_all(EngineError("The model was unloaded."))
+        self._fail_all(EngineUnavailable(MODEL_UNLOADED, retry_after_s=UNLOADED_RETRY_AFTER_S))
         self.closed.set()
 
     def _take_waiting(self) -> list[_Request]:

@@ -30,7 +30,9 @@ from server.engines.base import (
     ChoiceDelta,
     Engine,
     EngineError,
+    EngineFailure,
     EngineOverloaded,
+    EngineUnavailable,
     ModelLoadError,
     SamplingParams,
     TokenLogprob,
@@ -195,7 +197,7 @@ class Generation:
                 delta = await anext(self._deltas, None)
         except EngineError as error:
             record.status_code = 500
-            raise GenerationFailed(error.message) from error
+            raise GenerationFailed(error.message, code="engine_failure") from error
         record.status_code = 200
 
     async def collect(self) -> list[FinishedChoice]:
@@ -328,6 +330,14 @@ class InferenceService:
                 report["status"] = details.get("status", "unavailable")
         return report
 
+    async def tokenizer(self, model: str) -> PreTrainedTokenizerBase:
+        """The tokenizer `model` is served with (resolved as a request's `model` is); 404 or 503 as a request gets."""
+        servable = await self.reads.run(resolve, model)
+        try:
+            return await self.engine.tokenizer(servable.base)
+        except ModelLoadError as error:
+            raise ServiceUnavailable(error.message, code="model_unavailable") from error
+
     # --- the request flow -------------------------------------------------------------------------------------
     async def start_generation(self, key_id: str, model: str, prompt: Prompt, options: GenerationOptions) -> Generation:
         """Resolve `model`, check and charge the request, and start generating; refusals are recorded and raised."""
@@ -393,11 +403,22 @@ async def _first_delta(deltas: AsyncIterator[ChoiceDelta]) -> ChoiceDelta:
     """Start generating and wait for the first output, so refusals still become proper errors."""
     try:
         return await anext(deltas)
-    except EngineOverloaded as error:
+    except EngineError as error:
+        raise engine_error(error) from error
+
+
+def engine_error(error: EngineError) -> APIError:
+    """The API error for an engine's: 400 for a request it refuses, 429 for a full queue, 503 (with Retry-After
+    where known) for a model or engine that cannot take requests now, 500 for a failure while generating."""
+    if isinstance(error, EngineOverloaded):
         # The queue drains in about a decode batch's time: a second is a fair hint for clients to back off.
         headers = {"Retry-After": str(OVERLOADED_RETRY_AFTER_S)}
-        raise TooManyRequests(error.message, code="engine_overloaded", headers=headers) from error
-    except ModelLoadError as error:
-        raise ServiceUnavailable(error.message, code="model_unavailable") from error
-    except EngineError as error:
-        raise InvalidRequest(error.message, param=error.param) from error
+        return TooManyRequests(error.message, code="engine_overloaded", headers=headers)
+    if isinstance(error, ModelLoadError):
+        return ServiceUnavailable(error.message, code="model_unavailable")
+    if isinstance(error, EngineUnavailable):
+        headers = {"Retry-After": str(error.retry_after_s)}
+        return ServiceUnavailable(error.message, code="engine_unavailable", headers=headers)
+    if isinstance(error, EngineFailure):
+        return GenerationFailed(error.message, code="engine_failure")
+    return InvalidRequest(error.message, param=error.param)
