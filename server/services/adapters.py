@@ -16,7 +16,7 @@ from server.errors import InvalidRequest
 
 
 def prepare_adapter(adapter_dir: Path, base_dir: Path) -> None:
-    from server.engines.model_files import write_merged_checkpoint
+    from server.engines.base import write_merged_checkpoint
     from zaya_model.vllm_plugin.adapters import AdapterError, check_adapter, trains_experts
 
     try:

@@ -8,8 +8,8 @@ import torch
 from sqlalchemy import select, update
 
 from server.db.models import Checkpoint, FineTuningJob, InferenceRecord, JobStatus
+from server.jobs.worker import Worker, WorkerConfig
 from server.services import registry
-from server.worker import Worker, WorkerConfig
 from zaya_model import ZayaForCausalLM
 
 FAST = WorkerConfig(lease_seconds=20, heartbeat_seconds=0.2, max_attempts=3, poll_seconds=0.1)

@@ -28,8 +28,8 @@ from sqlalchemy import create_engine, select
 from vllm_helpers import ENGINE_ENV
 
 from benchmarks.load_test.stack import free_port
+from server.commands.run import BOOTSTRAP_MODEL_NAME
 from server.db.models import Checkpoint
-from server.run import BOOTSTRAP_MODEL_NAME
 
 pytestmark = pytest.mark.slow
 
