@@ -10,7 +10,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LogitsProcessor, LogitsProcessorList
+from sampling_reference import OpenAIPenalties
+from transformers import AutoTokenizer, LogitsProcessorList
 
 from server.engines.base import EngineError, ModelRef, SamplingParams
 from server.engines.local import LocalEngine
@@ -20,18 +21,6 @@ from zaya_model import ZayaForCausalLM
 
 PROMPT = "Case CASE-7 Customer: Maria wired funds to"
 MAX_TOKENS = 16
-
-
-class OpenAIPenalties(LogitsProcessor):
-    """OpenAI's definition: minus frequency x (times generated so far), minus presence if generated at all."""
-
-    def __init__(self, prompt_length: int, frequency: float, presence: float) -> None:
-        self.prompt_length, self.frequency, self.presence = prompt_length, frequency, presence
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        generated = input_ids[:, self.prompt_length :]
-        counts = torch.zeros_like(scores).scatter_add_(1, generated, torch.ones_like(generated, dtype=scores.dtype))
-        return scores - self.frequency * counts - self.presence * (counts > 0)
 
 
 @pytest.fixture(scope="module")
