@@ -276,7 +276,7 @@ class _Scheduler:
             prompt = request.prompt_token_ids
             input_ids[i, width - len(prompt) :] = torch.tensor(prompt)
             mask[i, width - len(prompt) :] = 1
-        # One row per request: its n choices share the prompt, so its cache rows are copies of that row's.
+        # One row per request: its n choices share the prompt, so their cache rows are copies of that row's.
         output = self.model.model(
             input_ids=input_ids,
             attention_mask=mask,
@@ -284,20 +284,7 @@ class _Scheduler:
             use_cache=True,
         )
         hidden = output.last_hidden_state
-        rows: list[_Sequence] = []
-        for i, request in enumerate(requests):
-            params, prompt = request.params, request.prompt_token_ids
-            scored = None
-            if params.prompt_logprobs is not None:
-                scored = self._score_prompt(hidden[i, width - len(prompt) :], prompt, params.prompt_logprobs)
-            rows += [
-                _Sequence(
-                    request,
-                    ChoiceOutput(index, self.tokenizer, params, self.end_ids, scored),
-                    TokenSampler(params, prompt, self.end_ids, choice_generator(params.seed, index)),
-                )
-                for index in range(params.n)
-            ]
+        rows = [row for i, request in enumerate(requests) for row in self._choices(request, hidden[i])]
         choices = torch.tensor([i for i, request in enumerate(requests) for _ in range(request.params.n)])
         cache = output.past_key_values
         for layer in cache.layers:
@@ -308,6 +295,21 @@ class _Scheduler:
                 row.output.end("length")
                 self._send(row)
         self._sample(rows, self.model.lm_head(hidden[choices, -1]))
+
+    def _choices(self, request: _Request, hidden: torch.Tensor) -> list[_Sequence]:
+        """The request's rows, one per choice; `hidden`: its prefilled row's last hidden states (left-padded)."""
+        params, prompt = request.params, request.prompt_token_ids
+        scored = None
+        if params.prompt_logprobs is not None:
+            scored = self._score_prompt(hidden[hidden.shape[0] - len(prompt) :], prompt, params.prompt_logprobs)
+        return [
+            _Sequence(
+                request,
+                ChoiceOutput(index, self.tokenizer, params, self.end_ids, scored),
+                TokenSampler(params, prompt, self.end_ids, choice_generator(params.seed, index)),
+            )
+            for index in range(params.n)
+        ]
 
     def _score_prompt(self, hidden: torch.Tensor, prompt: list[int], top: int) -> list[TokenLogprob]:
         """Each prompt token's logprob given the tokens before it (`hidden`: the prompt's last hidden states)."""

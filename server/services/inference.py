@@ -134,6 +134,15 @@ class FinishedChoice:
     finish_reason: str | None
 
 
+@dataclass(frozen=True)
+class _PreparedPrompt:
+    """One prompt of a request, checked against the model's context: ready to start."""
+
+    token_ids: list[int]
+    params: SamplingParams
+    echo: str | None  # the prompt's text, put before its choices' (echo)
+
+
 @dataclass
 class _Run:
     """One prompt's generation in the engine: its first delta (already read) and the rest of its stream."""
@@ -414,20 +423,17 @@ class InferenceService:
             servable = await self.reads.run(resolve, request.model)
             record.model_version_id = servable.version_id
             prepared = [await self._prepare(servable, prompt, request) for prompt in prompts]
-            record.prompt_tokens = sum(len(prompt_ids) for prompt_ids, _, _ in prepared)
-            tokens = sum(len(prompt_ids) + params.max_tokens * params.n for prompt_ids, params, _ in prepared)
+            record.prompt_tokens = sum(len(each.token_ids) for each in prepared)
+            tokens = sum(len(each.token_ids) + each.params.max_tokens * each.params.n for each in prepared)
             self.budget.charge_tokens(key_id, tokens, param=request.max_tokens_param)
             runs = await self._start_runs(servable, prepared)
         except APIError as error:
             record.status_code = error.status_code
             await self.rows.execute(INSERT_RECORD, record.row())
             raise
-        return Generation(record, runs, prepared[0][1].n, self.rows)
+        return Generation(record, runs, prepared[0].params.n, self.rows)
 
-    async def _prepare(
-        self, servable: ServableModel, prompt: Prompt, request: GenerationRequest
-    ) -> tuple[list[int], SamplingParams, str | None]:
-        """The prompt's token ids, its sampling parameters, and its text if it is echoed."""
+    async def _prepare(self, servable: ServableModel, prompt: Prompt, request: GenerationRequest) -> _PreparedPrompt:
         try:
             tokenizer = await self.engine.tokenizer(servable.base)
             context = await self.engine.context_length(servable.base)
@@ -453,15 +459,13 @@ class InferenceService:
                 param=request.max_tokens_param,
                 code="context_length_exceeded",
             )
-        return prompt_ids, params, prompt.text(tokenizer) if request.echo_prompt else None
+        return _PreparedPrompt(prompt_ids, params, prompt.text(tokenizer) if request.echo_prompt else None)
 
-    async def _start_runs(
-        self, servable: ServableModel, prepared: list[tuple[list[int], SamplingParams, str | None]]
-    ) -> list[_Run]:
+    async def _start_runs(self, servable: ServableModel, prepared: list[_PreparedPrompt]) -> list[_Run]:
         """Start every prompt's generation at once (so the engine batches them) and wait for their first deltas."""
         streams = [
-            self.engine.generate(servable.base, prompt_ids, params, adapter=servable.adapter)
-            for prompt_ids, params, _ in prepared
+            self.engine.generate(servable.base, each.token_ids, each.params, adapter=servable.adapter)
+            for each in prepared
         ]
         firsts = await asyncio.gather(*(_first_delta(stream) for stream in streams), return_exceptions=True)
         failures = [first for first in firsts if isinstance(first, BaseException)]
@@ -469,9 +473,7 @@ class InferenceService:
             for stream in streams:
                 await stream.aclose()
             raise failures[0]
-        return [
-            _Run(first, stream, echo) for first, stream, (_, _, echo) in zip(firsts, streams, prepared, strict=True)
-        ]
+        return [_Run(first, stream, each.echo) for first, stream, each in zip(firsts, streams, prepared, strict=True)]
 
 
 async def _first_delta(deltas: AsyncIterator[ChoiceDelta]) -> ChoiceDelta:
