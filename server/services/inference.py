@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
@@ -209,7 +209,7 @@ class Generation:
         """Prompt tokens served from the engine's prefix cache (OpenAI's `prompt_tokens_details.cached_tokens`)."""
         return self._cached_tokens
 
-    async def deltas(self) -> AsyncIterator[ChoiceDelta]:
+    async def deltas(self) -> AsyncGenerator[ChoiceDelta, None]:
         """The choices' deltas, interleaved, as the engine releases them."""
         record, tokens = self._record, self._tokens
         record.status_code = CLIENT_CLOSED_REQUEST  # until the last delta is read
