@@ -24,7 +24,9 @@ ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_
 UNSUPPORTED_PARAMETER = "unsupported_parameter"
 
 
-def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+def error_body(
+    message: str, type_: str, param: str | None = None, code: str | None = None
+) -> dict[str, dict[str, str | None]]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
@@ -54,7 +56,7 @@ async def _http_exception(_request: Request, exc: StarletteHTTPException) -> JSO
     return error_response(exc.status_code, message, param=param, headers=getattr(exc, "headers", None))
 
 
-def _field_name(location: tuple) -> str | None:
+def _field_name(location: tuple[int | str, ...]) -> str | None:
     """("body", "messages", 0, "role") -> "messages[0].role"; a whole-body error names no field.
 
     Pydantic also puts the union member tried in the location ("str", "list[int]", "function-before[...]"); JSON
@@ -140,9 +142,11 @@ async def _unhandled(request: Request, exc: Exception) -> JSONResponse:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    app.add_exception_handler(APIError, _api_error)
-    app.add_exception_handler(StarletteHTTPException, _http_exception)
-    app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(DataError, _unstorable_value)
-    app.add_exception_handler(SQLAlchemyError, _database_error)
-    app.add_exception_handler(Exception, _unhandled)
+    # FastAPI's decorator, called directly: Starlette's `add_exception_handler` types every handler as taking any
+    # exception, which a handler of one exception class is not.
+    app.exception_handler(APIError)(_api_error)
+    app.exception_handler(StarletteHTTPException)(_http_exception)
+    app.exception_handler(RequestValidationError)(_validation_error)
+    app.exception_handler(DataError)(_unstorable_value)
+    app.exception_handler(SQLAlchemyError)(_database_error)
+    app.exception_handler(Exception)(_unhandled)

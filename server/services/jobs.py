@@ -20,11 +20,11 @@ from sqlalchemy.orm import Session
 
 from server.db.base import utcnow
 from server.db.models import Checkpoint, File, FineTuningJob, JobEvent, JobStatus, ModelVersion, new_id
+from server.db.session import matched_rows
 from server.errors import Conflict, InvalidRequest, NotFound
 from server.services import registry
-from server.services.model_resolution import find_version
+from server.services.model_resolution import find_version, fine_tuned_model_name
 
-ORGANIZATION = "zaya"
 # The hyperparameters OpenAI's job object shows; "auto" until a run has chosen them.
 OPENAI_HYPERPARAMETERS = ("batch_size", "learning_rate_multiplier", "n_epochs")
 FINISHED_STATUSES = (JobStatus.succeeded, JobStatus.failed, JobStatus.cancelled)
@@ -128,7 +128,7 @@ def finish_validation(session: Session, job_id: str, error: dict | None) -> bool
         .values(status=status, error=error, finished_at=utcnow() if error is not None else None)
         .execution_options(synchronize_session=False)
     )
-    if moved.rowcount != 1:
+    if matched_rows(moved) != 1:
         session.rollback()
         return False
     if error is None:
@@ -251,12 +251,6 @@ def add_event(
     event = JobEvent(job_id=job_id, message=message, level=level, type=type_, data=data)
     session.add(event)
     return event
-
-
-def fine_tuned_model_name(job: FineTuningJob, base: ModelVersion) -> str:
-    """`ft:<base>:<org>:<suffix>:<job-id>`; a fine-tune of a fine-tune keeps the root model's name as <base>."""
-    base_name = base.name.split(":")[1] if base.name.startswith("ft:") else base.name
-    return f"ft:{base_name}:{ORGANIZATION}:{job.suffix or ''}:{job.id}"
 
 
 # --- the worker's side: claims and leases ---------------------------------------------------------------------------
@@ -413,11 +407,13 @@ def delete_checkpoint(session: Session, lease: Lease, *, step: int, path: str) -
     a checkpoint that is gone. Only a row that names that directory goes (a row for the same step written by another
     attempt points at a directory that still exists). Commits; True when a row was deleted."""
     _guard(session, lease)
-    deleted = session.execute(
-        delete(Checkpoint)
-        .where(Checkpoint.job_id == lease.job_id, Checkpoint.step == step, Checkpoint.path == path)
-        .execution_options(synchronize_session=False)
-    ).rowcount
+    deleted = matched_rows(
+        session.execute(
+            delete(Checkpoint)
+            .where(Checkpoint.job_id == lease.job_id, Checkpoint.step == step, Checkpoint.path == path)
+            .execution_options(synchronize_session=False)
+        )
+    )
     add_event(session, lease.job_id, f"Checkpoint at step {step} deleted (rotation).", data={"step": step})
     session.commit()
     return deleted == 1
@@ -566,7 +562,7 @@ def requeue_expired(session: Session, *, max_attempts: int) -> list[str]:
             )
             .execution_options(synchronize_session=False)
         )
-        if taken.rowcount == 1:
+        if matched_rows(taken) == 1:
             add_event(session, job.id, message, level=level)
             handled.append(job.id)
     session.commit()
