@@ -73,7 +73,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "OUTPUT/corpus.jsonl for `zaya pretrain --data`: N closed case files, each ending with its closing note "
         "(disposition and reason; --bare-corpus: without it).",
     )
-    sample.add_argument("--cases", required=True, type=_positive_int, metavar="N", help="training chats")
+    sample.add_argument("--cases", type=_positive_int, default=600, metavar="N", help="training chats (default 600)")
     sample.add_argument("--output", required=True, metavar="DIR", help="directory to write the files into")
     sample.add_argument("--validation-cases", type=_positive_int, metavar="N", help="held-out chats (default 10%%)")
     sample.add_argument("--corpus", type=_positive_int, metavar="N", help="also write N case files for pretraining")

@@ -128,8 +128,9 @@ def stop_process_groups(groups: list[int]) -> None:
 def test_the_readme_runs_as_written(tmp_path):
     # `make run` installs when the environment is older than pyproject.toml: here that would install this temporary
     # directory, so the environment must be current (`make test` installs it first).
-    stale = subprocess.run(["make", "-q", ".venv/.installed"], cwd=ROOT, capture_output=True)
-    assert stale.returncode == 0, "the .venv is older than pyproject.toml: run `make install` first"
+    for stamp in (".venv/.installed", ".venv-vllm/.installed"):
+        stale = subprocess.run(["make", "-q", stamp], cwd=ROOT, capture_output=True)
+        assert stale.returncode == 0, f"{stamp} is older than pyproject.toml: run `make install install-vllm` first"
     for name in (".venv", ".venv-vllm", "Makefile", "pyproject.toml"):
         (tmp_path / name).symlink_to(ROOT / name)
     environment = {

@@ -41,11 +41,12 @@ def test_a_switch_with_a_word_that_is_not_true_or_false_is_refused(monkeypatch):
 
 
 def test_the_environment_satisfies_a_required_option(monkeypatch, tmp_path, capsys):
-    monkeypatch.setenv("ZAYA_DATA_SAMPLE_CASES", "5")
-    assert main(["data", "sample", "--output", str(tmp_path), "--validation-cases", "3"]) == 0
     with pytest.raises(SystemExit):
-        main(["data", "sample", "--cases", "5"])  # --output is still required: nothing in the environment sets it
+        main(["data", "sample", "--cases", "5"])
     assert "--output" in capsys.readouterr().err
+    monkeypatch.setenv("ZAYA_DATA_SAMPLE_OUTPUT", str(tmp_path))
+    assert main(["data", "sample", "--cases", "5", "--validation-cases", "3"]) == 0
+    assert (tmp_path / "train.jsonl").is_file()
 
 
 def test_no_command_option_shares_a_name_with_a_server_setting():
