@@ -158,6 +158,10 @@ def test_the_readme_runs_as_written(tmp_path):
             process.wait()
         servers = tmp_path / SERVER_GROUPS
         stop_process_groups([int(line) for line in servers.read_text().split()] if servers.exists() else [])
-    assert process.returncode == 0, output[-6000:]
+    logs = "".join(
+        f"\n--- {log.name}\n" + "".join(log.read_text(errors="replace").splitlines(True)[-60:])
+        for log in sorted(tmp_path.glob("server-*.log"))
+    )
+    assert process.returncode == 0, output[-6000:] + logs
     ran = re.findall(r"^--- README block (\d+)", output, re.M)
     assert len(ran) == len(readme_blocks())
