@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -174,7 +174,7 @@ class Engine(abc.ABC):
         """Free an adapter version."""
 
     @abc.abstractmethod
-    def health(self) -> dict:
+    def health(self) -> dict[str, Any]:
         """Readiness for `/health`: at least `{"status": "ok" | "unavailable", ...}`."""
 
     @abc.abstractmethod
