@@ -102,7 +102,8 @@ def _models_register(args: argparse.Namespace) -> int:
     from server.services import audit, registry
     from server.services.model_resolution import find_version
 
-    engine = make_engine(Settings().database_url)
+    settings = Settings()
+    engine = make_engine(settings.database_url)
     try:
         _require_current_schema(engine)
         with session_scope(make_sessionmaker(engine)) as session:
@@ -114,6 +115,7 @@ def _models_register(args: argparse.Namespace) -> int:
                     path=Path(args.dir),
                     base_version_id=base.id if base else None,
                     description=args.description,
+                    serving=settings,
                 )
             except APIError as error:
                 raise CommandError(error.message) from error

@@ -55,6 +55,7 @@ def ensure_local_model(settings: Settings, *, train_steps: int | None = None) ->
                 name=BOOTSTRAP_MODEL_NAME,
                 path=directory,
                 description="Tiny ZAYA model bootstrapped by `zaya run` (synthetic bank corpus).",
+                serving=settings,
             )
             registry.promote(
                 session, version, alias=registry.DEFAULT_ALIAS, reason="bootstrapped by zaya run", actor=None

@@ -101,7 +101,11 @@ class ChoiceDelta:
 
 
 class EngineError(Exception):
-    """Something an engine refuses; `param` names the request field at fault, when there is one."""
+    """A request the engine refuses (HTTP 400); `param` names the request field at fault, when there is one.
+
+    The subclasses are the engine's own conditions, never the request's fault: a full queue, a model that does not
+    load, a failure while generating.
+    """
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -115,6 +119,20 @@ class EngineOverloaded(EngineError):
 
 class ModelLoadError(EngineError):
     """A model version or adapter could not be loaded (missing files, wrong base, unsupported weights)."""
+
+
+class EngineFailure(EngineError):
+    """The engine failed at a request it had accepted (a crashed forward pass, a dead engine core): a server error
+    (HTTP 500)."""
+
+
+class EngineUnavailable(EngineFailure):
+    """The engine cannot take requests for a while (a dead engine core being restarted, a model unloaded under the
+    request): retry after `retry_after_s` seconds (HTTP 503)."""
+
+    def __init__(self, message: str, *, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class LoadedModels(OrderedDict[str, T]):
@@ -291,3 +309,14 @@ def load_model_config(model: ModelRef) -> ZayaConfig:
         return ZayaConfig.from_pretrained(model.path)
     except Exception as error:
         raise ModelLoadError(f"Model version {model.version_id} has no loadable config: {error}") from error
+
+
+def write_merged_checkpoint(adapter_dir: Path, base_dir: Path) -> Path:
+    """Merge an adapter that trains expert weights into its base, as the full checkpoint engines serve in its place
+    (`merged_checkpoint(adapter_dir)`, written atomically); `AdapterError` when it does not fit the base."""
+    from finetune.artifacts import atomic_directory
+    from zaya_model.vllm_plugin.adapters import merge_expert_adapter, merged_checkpoint
+
+    with atomic_directory(merged_checkpoint(adapter_dir)) as staging:
+        merge_expert_adapter(adapter_dir, base_dir, staging)
+    return merged_checkpoint(adapter_dir)

@@ -39,7 +39,9 @@ from server.engines.base import (
     DeltaQueue,
     Engine,
     EngineError,
+    EngineFailure,
     EngineOverloaded,
+    EngineUnavailable,
     LoadedModels,
     ModelLoadError,
     ModelRef,
@@ -57,6 +59,9 @@ from zaya_model.cpu.decode import CompiledDecoder, StaticDecodeCache, capacity_f
 
 logger = logging.getLogger(__name__)
 
+# A request that met its model being unloaded finds it loaded again on retry.
+MODEL_UNLOADED = "The model was unloaded; retry shortly."
+UNLOADED_RETRY_AFTER_S = 1
 PROMPT_SCORING_CHUNK = 256  # prompt positions whose logits are computed at once for prompt logprobs
 
 
@@ -204,7 +209,7 @@ class _Scheduler:
     def submit(self, request: _Request) -> None:
         with self.waiting_lock:
             if self.closing:
-                raise EngineError("The model was unloaded.")
+                raise EngineUnavailable(MODEL_UNLOADED, retry_after_s=UNLOADED_RETRY_AFTER_S)
             # Room now in the batch plus the queue bound; read racily from the event loop, which is close enough.
             capacity = max(self.settings.max_batch_size - len(self.rows), 0) + self.settings.max_queued_requests
             if self.waiting >= capacity:
@@ -238,11 +243,11 @@ class _Scheduler:
                 self._drop_finished()
         except Exception as error:  # a failed forward fails its batch, never the engine
             logger.exception("local engine step failed")
-            self._fail_all(EngineError(f"Generation failed: {error}"))
+            self._fail_all(EngineFailure(f"Generation failed: {error}"))
         return bool(self.rows or self.backlog)
 
     def retire(self) -> None:
-        self._fail_all(EngineError("The model was unloaded."))
+        self._fail_all(EngineUnavailable(MODEL_UNLOADED, retry_after_s=UNLOADED_RETRY_AFTER_S))
         self.closed.set()
 
     def _take_waiting(self) -> list[_Request]:
@@ -271,7 +276,7 @@ class _Scheduler:
             prompt = request.prompt_token_ids
             input_ids[i, width - len(prompt) :] = torch.tensor(prompt)
             mask[i, width - len(prompt) :] = 1
-        # One row per request: its n choices share the prompt, so its cache rows are copies of that row's.
+        # One row per request: its n choices share the prompt, so their cache rows are copies of that row's.
         output = self.model.model(
             input_ids=input_ids,
             attention_mask=mask,
@@ -279,20 +284,7 @@ class _Scheduler:
             use_cache=True,
         )
         hidden = output.last_hidden_state
-        rows: list[_Sequence] = []
-        for i, request in enumerate(requests):
-            params, prompt = request.params, request.prompt_token_ids
-            scored = None
-            if params.prompt_logprobs is not None:
-                scored = self._score_prompt(hidden[i, width - len(prompt) :], prompt, params.prompt_logprobs)
-            rows += [
-                _Sequence(
-                    request,
-                    ChoiceOutput(index, self.tokenizer, params, self.end_ids, scored),
-                    TokenSampler(params, prompt, self.end_ids, choice_generator(params.seed, index)),
-                )
-                for index in range(params.n)
-            ]
+        rows = [row for i, request in enumerate(requests) for row in self._choices(request, hidden[i])]
         choices = torch.tensor([i for i, request in enumerate(requests) for _ in range(request.params.n)])
         cache = output.past_key_values
         for layer in cache.layers:
@@ -303,6 +295,21 @@ class _Scheduler:
                 row.output.end("length")
                 self._send(row)
         self._sample(rows, self.model.lm_head(hidden[choices, -1]))
+
+    def _choices(self, request: _Request, hidden: torch.Tensor) -> list[_Sequence]:
+        """The request's rows, one per choice; `hidden`: its prefilled row's last hidden states (left-padded)."""
+        params, prompt = request.params, request.prompt_token_ids
+        scored = None
+        if params.prompt_logprobs is not None:
+            scored = self._score_prompt(hidden[hidden.shape[0] - len(prompt) :], prompt, params.prompt_logprobs)
+        return [
+            _Sequence(
+                request,
+                ChoiceOutput(index, self.tokenizer, params, self.end_ids, scored),
+                TokenSampler(params, prompt, self.end_ids, choice_generator(params.seed, index)),
+            )
+            for index in range(params.n)
+        ]
 
     def _score_prompt(self, hidden: torch.Tensor, prompt: list[int], top: int) -> list[TokenLogprob]:
         """Each prompt token's logprob given the tokens before it (`hidden`: the prompt's last hidden states)."""

@@ -35,14 +35,17 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from server.engines.base import (
     DeltaQueue,
     Engine,
-    EngineError,
+    EngineFailure,
     EngineOverloaded,
+    EngineUnavailable,
     LoadedModels,
     ModelLoadError,
     ModelRef,
     SamplingParams,
     TokenLogprob,
     end_of_sequence_ids,
+    load_model_config,
+    write_merged_checkpoint,
 )
 from server.engines.cpu_placement import CpuPlacement
 from server.engines.output import ChoiceOutput
@@ -50,14 +53,19 @@ from server.engines.sampling import choice_seed
 from server.settings import VLLMEngineSettings
 from zaya_model import ZayaConfig
 from zaya_model.vllm_plugin.adapters import AdapterError, check_adapter, merged_checkpoint, trains_experts
+from zaya_model.vllm_plugin.support import unsupported_features
 
 logger = logging.getLogger(__name__)
+
+# What a request is told while a dead engine core restarts: an engine starts in 20-60 s on a CPU host.
+RESTART_RETRY_AFTER_S = 10
 
 
 @dataclass
 class _Served:
     """One `AsyncLLM` serving a full model, with the adapters loaded on it."""
 
+    model: ModelRef
     llm: AsyncLLM
     tokenizer: PreTrainedTokenizerBase
     end_ids: frozenset[int]
@@ -76,8 +84,11 @@ class VLLMEngine(Engine):
         # Adapter version id -> whether it trains experts (then served as its merged checkpoint, under its own id).
         self._trains_experts: dict[str, bool] = {}
         self._load_lock = asyncio.Lock()
+        self._merge_lock = asyncio.Lock()
         self._lora_ids = itertools.count(1)
         self._choice_tasks: set[asyncio.Task] = set()
+        # Full model version id -> the task starting it again after its engine core died.
+        self._restarts: dict[str, asyncio.Task] = {}
         reserved = self.settings.cpu_reserved_cores
         self._placement = CpuPlacement.reserving(reserved) if current_platform.is_cpu() else None
 
@@ -111,6 +122,19 @@ class VLLMEngine(Engine):
         return min(limit, config.max_position_embeddings)
 
     async def _ensure_served(self, model: ModelRef) -> _Served:
+        """The running engine of `model`, started if needed; `EngineUnavailable` while its dead engine core restarts."""
+        served = self._served.get(model.version_id)
+        if served is not None and served.llm.errored:
+            self._restart(served)
+        if model.version_id in self._restarts:
+            raise EngineUnavailable(
+                f"The vLLM engine core serving model version {model.version_id} stopped and is restarting; retry "
+                "shortly.",
+                retry_after_s=RESTART_RETRY_AFTER_S,
+            )
+        return await self._start_served(model)
+
+    async def _start_served(self, model: ModelRef) -> _Served:
         if model.version_id not in self._served:
             # One start at a time, so two loads cannot both find room for themselves.
             async with self._load_lock:
@@ -121,11 +145,17 @@ class VLLMEngine(Engine):
                         self.settings.max_loaded_models, lambda served: served.in_flight > 0, self.unload_model
                     )
                     llm = await asyncio.to_thread(self._start, model, context)
-                    self._served[model.version_id] = _Served(llm, tokenizer, end_of_sequence_ids(tokenizer), context)
+                    self._served[model.version_id] = _Served(
+                        model, llm, tokenizer, end_of_sequence_ids(tokenizer), context
+                    )
         return self._served.use(model.version_id)
 
     def _start(self, model: ModelRef, context: int) -> AsyncLLM:
         settings = self.settings
+        # A version registered before the registry checked shapes: refused here rather than killing the engine core.
+        problems = unsupported_features(load_model_config(model), settings.dtype)
+        if problems:
+            raise ModelLoadError(f"Model version {model.version_id} cannot run on vLLM here: {'; '.join(problems)}.")
         args = AsyncEngineArgs(
             model=str(model.path),
             dtype=settings.dtype,
@@ -151,6 +181,27 @@ class VLLMEngine(Engine):
         except Exception as error:
             raise ModelLoadError(f"Model version {model.version_id} could not be started on vLLM: {error}") from error
 
+    def _restart(self, served: _Served) -> None:
+        """Replace an engine whose engine core died (a crash, a kill, a kernel it could not run): the dead one is shut
+        down and a new one started in the background; requests meanwhile get `EngineUnavailable`."""
+        loop = asyncio.get_running_loop()  # RuntimeError off the event loop, before anything changes
+        version_id = served.model.version_id
+        if self._served.get(version_id) is not served:
+            return  # already replaced
+        del self._served[version_id]
+        logger.error("the vLLM engine core of model version %s stopped; restarting it", version_id)
+
+        async def restart() -> None:
+            try:
+                await asyncio.to_thread(served.llm.shutdown)
+                await self._start_served(served.model)
+            except Exception:  # the next request starts it as a first load does, and reports why it cannot
+                logger.exception("restarting the vLLM engine of model version %s failed", version_id)
+            finally:
+                self._restarts.pop(version_id, None)
+
+        self._restarts[version_id] = loop.create_task(restart())
+
     async def _route(self, base: ModelRef, adapter: ModelRef | None) -> tuple[_Served, LoRARequest | None]:
         """The engine and LoRA request that serve `adapter` on `base` (loading either if needed)."""
         if adapter is None:
@@ -158,14 +209,7 @@ class VLLMEngine(Engine):
         if adapter.version_id not in self._trains_experts:
             self._trains_experts[adapter.version_id] = await asyncio.to_thread(trains_experts, adapter.path)
         if self._trains_experts[adapter.version_id]:
-            # Adapters that train experts were merged into a full checkpoint at registration.
-            merged = merged_checkpoint(adapter.path)
-            if not (merged / "config.json").is_file():
-                raise ModelLoadError(
-                    f"Adapter version {adapter.version_id} trains expert weights and has no merged checkpoint at "
-                    f"{merged}; register it again to merge it."
-                )
-            return await self._ensure_served(ModelRef(adapter.version_id, merged)), None
+            return await self._ensure_served(await self._merged(adapter, base)), None
         served = await self._ensure_served(base)
         if adapter.version_id not in served.adapters:
             if not self.settings.enable_lora:
@@ -174,6 +218,19 @@ class VLLMEngine(Engine):
                 if adapter.version_id not in served.adapters:
                     served.adapters[adapter.version_id] = await self._add_lora(served, adapter, base)
         return served, served.adapters[adapter.version_id]
+
+    async def _merged(self, adapter: ModelRef, base: ModelRef) -> ModelRef:
+        """An adapter that trains experts, as the full checkpoint it is served as: merged at registration, or here on
+        its first load (a job's checkpoint)."""
+        merged = merged_checkpoint(adapter.path)
+        if not (merged / "config.json").is_file():
+            async with self._merge_lock:
+                if not (merged / "config.json").is_file():
+                    try:
+                        await asyncio.to_thread(write_merged_checkpoint, adapter.path, base.path)
+                    except (AdapterError, OSError) as error:
+                        raise ModelLoadError(f"Adapter {adapter.version_id} cannot be merged: {error}") from error
+        return ModelRef(adapter.version_id, merged)
 
     async def _add_lora(self, served: _Served, adapter: ModelRef, base: ModelRef) -> LoRARequest:
         try:
@@ -241,7 +298,11 @@ class VLLMEngine(Engine):
                     return  # leaving the stream aborts the vLLM request (a stop string: it would go on)
         except Exception as error:  # not a cancellation (BaseException): that propagates and aborts the request
             logger.exception("vLLM generation failed")
-            deltas.put_nowait(EngineError(f"Generation failed: {error}"))
+            reason = str(error)
+            if served.llm.errored:
+                self._restart(served)
+                reason = f"the engine core stopped ({error}); it is being restarted"
+            deltas.put_nowait(EngineFailure(f"Generation failed: {reason}"))
             return
         # vLLM ended the choice without a token we finish on (it should not): close it anyway.
         choice.end("stop")
@@ -291,17 +352,24 @@ class VLLMEngine(Engine):
         )
 
     def health(self) -> dict:
-        errored = [version for version, served in self._served.items() if served.llm.errored]
+        """`restarting` while an engine whose core died starts again: one found dead here is restarted now (from the
+        event loop; from another thread it is reported `unavailable` until then)."""
+        dead = [served for served in self._served.values() if served.llm.errored]
+        for served in dead:
+            with contextlib.suppress(RuntimeError):
+                self._restart(served)
+        dead = [served for served in dead if self._served.get(served.model.version_id) is served]
         return {
-            "status": "unavailable" if errored else "ok",
+            "status": "restarting" if self._restarts else "unavailable" if dead else "ok",
             "engine": self.name,
             "loaded_models": list(self._served),
+            "restarting_models": sorted(self._restarts),
             "adapters": {version: list(served.adapters) for version, served in self._served.items()},
-            "errored_models": errored,
             "running_sequences": sum(served.in_flight for served in self._served.values()),
         }
 
     async def close(self) -> None:
+        await asyncio.gather(*self._restarts.values(), return_exceptions=True)
         for version_id in list(self._served):
             await self.unload_model(version_id)
         if self._placement:

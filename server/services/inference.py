@@ -31,7 +31,9 @@ from server.engines.base import (
     ChoiceDelta,
     Engine,
     EngineError,
+    EngineFailure,
     EngineOverloaded,
+    EngineUnavailable,
     ModelLoadError,
     SamplingParams,
     TokenLogprob,
@@ -132,6 +134,15 @@ class FinishedChoice:
     finish_reason: str | None
 
 
+@dataclass(frozen=True)
+class _PreparedPrompt:
+    """One prompt of a request, checked against the model's context: ready to start."""
+
+    token_ids: list[int]
+    params: SamplingParams
+    echo: str | None  # the prompt's text, put before its choices' (echo)
+
+
 @dataclass
 class _Run:
     """One prompt's generation in the engine: its first delta (already read) and the rest of its stream."""
@@ -215,7 +226,7 @@ class Generation:
                 yield delta
         except EngineError as error:
             record.status_code = 500
-            raise GenerationFailed(error.message) from error
+            raise GenerationFailed(error.message, code="engine_failure") from error
         record.status_code = 200
 
     async def _interleaved(self) -> AsyncIterator[tuple[int, ChoiceDelta]]:
@@ -395,6 +406,14 @@ class InferenceService:
                 report["status"] = details.get("status", "unavailable")
         return report
 
+    async def tokenizer(self, model: str) -> PreTrainedTokenizerBase:
+        """The tokenizer `model` is served with (resolved as a request's `model` is); 404 or 503 as a request gets."""
+        servable = await self.reads.run(resolve, model)
+        try:
+            return await self.engine.tokenizer(servable.base)
+        except ModelLoadError as error:
+            raise ServiceUnavailable(error.message, code="model_unavailable") from error
+
     # --- the request flow -------------------------------------------------------------------------------------
     async def start_generation(self, key_id: str, request: GenerationRequest) -> Generation:
         """Resolve the model, check and charge the request, and start generating; refusals are recorded and raised."""
@@ -404,20 +423,17 @@ class InferenceService:
             servable = await self.reads.run(resolve, request.model)
             record.model_version_id = servable.version_id
             prepared = [await self._prepare(servable, prompt, request) for prompt in prompts]
-            record.prompt_tokens = sum(len(prompt_ids) for prompt_ids, _, _ in prepared)
-            tokens = sum(len(prompt_ids) + params.max_tokens * params.n for prompt_ids, params, _ in prepared)
+            record.prompt_tokens = sum(len(each.token_ids) for each in prepared)
+            tokens = sum(len(each.token_ids) + each.params.max_tokens * each.params.n for each in prepared)
             self.budget.charge_tokens(key_id, tokens, param=request.max_tokens_param)
             runs = await self._start_runs(servable, prepared)
         except APIError as error:
             record.status_code = error.status_code
             await self.rows.execute(INSERT_RECORD, record.row())
             raise
-        return Generation(record, runs, prepared[0][1].n, self.rows)
+        return Generation(record, runs, prepared[0].params.n, self.rows)
 
-    async def _prepare(
-        self, servable: ServableModel, prompt: Prompt, request: GenerationRequest
-    ) -> tuple[list[int], SamplingParams, str | None]:
-        """The prompt's token ids, its sampling parameters, and its text if it is echoed."""
+    async def _prepare(self, servable: ServableModel, prompt: Prompt, request: GenerationRequest) -> _PreparedPrompt:
         try:
             tokenizer = await self.engine.tokenizer(servable.base)
             context = await self.engine.context_length(servable.base)
@@ -443,15 +459,13 @@ class InferenceService:
                 param=request.max_tokens_param,
                 code="context_length_exceeded",
             )
-        return prompt_ids, params, prompt.text(tokenizer) if request.echo_prompt else None
+        return _PreparedPrompt(prompt_ids, params, prompt.text(tokenizer) if request.echo_prompt else None)
 
-    async def _start_runs(
-        self, servable: ServableModel, prepared: list[tuple[list[int], SamplingParams, str | None]]
-    ) -> list[_Run]:
+    async def _start_runs(self, servable: ServableModel, prepared: list[_PreparedPrompt]) -> list[_Run]:
         """Start every prompt's generation at once (so the engine batches them) and wait for their first deltas."""
         streams = [
-            self.engine.generate(servable.base, prompt_ids, params, adapter=servable.adapter)
-            for prompt_ids, params, _ in prepared
+            self.engine.generate(servable.base, each.token_ids, each.params, adapter=servable.adapter)
+            for each in prepared
         ]
         firsts = await asyncio.gather(*(_first_delta(stream) for stream in streams), return_exceptions=True)
         failures = [first for first in firsts if isinstance(first, BaseException)]
@@ -459,20 +473,29 @@ class InferenceService:
             for stream in streams:
                 await stream.aclose()
             raise failures[0]
-        return [
-            _Run(first, stream, echo) for first, stream, (_, _, echo) in zip(firsts, streams, prepared, strict=True)
-        ]
+        return [_Run(first, stream, each.echo) for first, stream, each in zip(firsts, streams, prepared, strict=True)]
 
 
 async def _first_delta(deltas: AsyncIterator[ChoiceDelta]) -> ChoiceDelta:
     """Start generating and wait for the first output, so refusals still become proper errors."""
     try:
         return await anext(deltas)
-    except EngineOverloaded as error:
+    except EngineError as error:
+        raise engine_error(error) from error
+
+
+def engine_error(error: EngineError) -> APIError:
+    """The API error for an engine's: 400 for a request it refuses, 429 for a full queue, 503 (with Retry-After
+    where known) for a model or engine that cannot take requests now, 500 for a failure while generating."""
+    if isinstance(error, EngineOverloaded):
         # The queue drains in about a decode batch's time: a second is a fair hint for clients to back off.
         headers = {"Retry-After": str(OVERLOADED_RETRY_AFTER_S)}
-        raise TooManyRequests(error.message, code="engine_overloaded", headers=headers) from error
-    except ModelLoadError as error:
-        raise ServiceUnavailable(error.message, code="model_unavailable") from error
-    except EngineError as error:
-        raise InvalidRequest(error.message, param=error.param) from error
+        return TooManyRequests(error.message, code="engine_overloaded", headers=headers)
+    if isinstance(error, ModelLoadError):
+        return ServiceUnavailable(error.message, code="model_unavailable")
+    if isinstance(error, EngineUnavailable):
+        headers = {"Retry-After": str(error.retry_after_s)}
+        return ServiceUnavailable(error.message, code="engine_unavailable", headers=headers)
+    if isinstance(error, EngineFailure):
+        return GenerationFailed(error.message, code="engine_failure")
+    return InvalidRequest(error.message, param=error.param)

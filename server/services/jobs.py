@@ -23,9 +23,8 @@ from server.db.models import Checkpoint, File, FineTuningJob, JobEvent, JobStatu
 from server.db.session import matched_rows
 from server.errors import Conflict, InvalidRequest, NotFound
 from server.services import registry
-from server.services.model_resolution import find_version
+from server.services.model_resolution import find_version, fine_tuned_model_name
 
-ORGANIZATION = "zaya"
 # The hyperparameters OpenAI's job object shows; "auto" until a run has chosen them.
 OPENAI_HYPERPARAMETERS = ("batch_size", "learning_rate_multiplier", "n_epochs")
 FINISHED_STATUSES = (JobStatus.succeeded, JobStatus.failed, JobStatus.cancelled)
@@ -259,12 +258,6 @@ def add_event(
     event = JobEvent(job_id=job_id, message=message, level=level, type=type_, data=data)
     session.add(event)
     return event
-
-
-def fine_tuned_model_name(job: FineTuningJob, base: ModelVersion) -> str:
-    """`ft:<base>:<org>:<suffix>:<job-id>`; a fine-tune of a fine-tune keeps the root model's name as <base>."""
-    base_name = base.name.split(":")[1] if base.name.startswith("ft:") else base.name
-    return f"ft:{base_name}:{ORGANIZATION}:{job.suffix or ''}:{job.id}"
 
 
 # --- the worker's side: claims and leases ---------------------------------------------------------------------------

@@ -20,8 +20,10 @@ from sqlalchemy.orm import Session
 
 from server.db.base import utcnow
 from server.db.models import AliasApproval, AliasHistory, File, FineTuningJob, ModelAlias, ModelVersion, new_id
+from server.engines import serving_problems
 from server.errors import Conflict, InvalidRequest, NotFound
 from server.services.adapters import prepare_adapter
+from server.settings import Settings
 
 DEFAULT_ALIAS = "production"
 VERSION_ID_PREFIX = "mv-"
@@ -68,6 +70,17 @@ def detect_kind(directory: Path) -> str:
     )
 
 
+def check_servable(settings: Settings, directory: Path) -> None:
+    """Refuse (400 naming `path`) a full checkpoint that the server's engine cannot run."""
+    problems = serving_problems(settings, directory)
+    if problems:
+        raise InvalidRequest(
+            f"The {settings.engine} engine cannot serve {directory}: {'; '.join(problems)}.",
+            param="path",
+            code="model_not_servable",
+        )
+
+
 # --- versions -----------------------------------------------------------------------------------------------------
 
 
@@ -106,8 +119,12 @@ def register_version(
     lineage: dict[str, Any] | None = None,
     description: str | None = None,
     created_by: str | None = None,
+    serving: Settings | None = None,
 ) -> ModelVersion:
     """Add version N+1 of `name` for a checkpoint or adapter dir (checked here). Flushes; the caller commits.
+
+    With `serving` (the server's settings), a full checkpoint the configured engine cannot run is refused, naming
+    what it cannot run (an adapter runs on its base, or as that base's shape once merged).
 
     Without `metrics`, the trainer's `metrics.json` in the directory (if any) is recorded, so a fine-tuned output
     registered by hand keeps its held-out loss for the evaluation gate; its task evaluation (`evaluation.json`)
@@ -131,6 +148,8 @@ def register_version(
         if base.kind != "full":
             raise InvalidRequest(f"The base of an adapter must be a full model; {base.id} is an adapter.", param="base")
         prepare_adapter(path, Path(base.path))  # a bad adapter fails here; expert adapters are merged here
+    elif serving is not None:
+        check_servable(serving, path)
     latest = session.scalar(select(func.max(ModelVersion.version)).where(ModelVersion.name == name)) or 0
     version = ModelVersion(
         id=new_id(VERSION_ID_PREFIX),

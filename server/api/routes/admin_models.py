@@ -128,7 +128,7 @@ def list_versions(session: SessionDep, _: AdminDep, name: str | None = None) -> 
 
 @router.post("/models", name="admin_models.register")
 def register_version(
-    body: RegisterBody, request: Request, session: SessionDep, principal: AdminDep
+    body: RegisterBody, request: Request, session: SessionDep, settings: SettingsDep, principal: AdminDep
 ) -> ModelVersionObject:
     base = find_version(session, body.base_model) if body.base_model else None
     version = registry.register_version(
@@ -138,6 +138,7 @@ def register_version(
         base_version_id=base.id if base else None,
         description=body.description,
         created_by=principal.key_id,
+        serving=settings,
     )
     session.commit()
     set_audit_target(request, version.id)

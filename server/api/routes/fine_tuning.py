@@ -23,7 +23,7 @@ from server.api.schemas import ListResponse, RequestBody, RowObject, UnixTime
 from server.db.models import Checkpoint, FineTuningJob, ModelVersion
 from server.errors import InvalidRequest
 from server.services import jobs as job_service
-from server.services import training
+from server.services import model_resolution, training
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
 
@@ -77,7 +77,7 @@ class JobObject(RowObject):  # type: ignore[no-redef]
     # OpenAI's three, read from the method's block: "auto" where the job left them to us, until a run chose them.
     hyperparameters: dict[str, Any] = Field(validation_alias="method")
     model: str
-    organization_id: str = job_service.ORGANIZATION
+    organization_id: str = model_resolution.ORGANIZATION
     result_files: list[str] = []
     seed: int
     status: str
@@ -287,7 +287,7 @@ def list_checkpoints(
     rows, has_more = job_service.list_checkpoints(session, job, after=after, limit=limit)
     base = session.get(ModelVersion, job.base_version_id) if job.base_version_id else None
     name = job.fine_tuned_model or (
-        job_service.fine_tuned_model_name(job, base) if base is not None else f"ft:{job.model}"
+        model_resolution.fine_tuned_model_name(job, base) if base is not None else f"ft:{job.model}"
     )
     data = [CheckpointObject.of(checkpoint, job, name) for checkpoint in rows]
     return ListResponse[CheckpointObject](data=data, has_more=has_more)
