@@ -13,7 +13,7 @@ from __future__ import annotations
 import abc
 import asyncio
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -240,7 +240,7 @@ class Engine(abc.ABC):
         params: SamplingParams,
         *,
         adapter: ModelRef | None = None,
-    ) -> AsyncIterator[ChoiceDelta]:
+    ) -> AsyncGenerator[ChoiceDelta, None]:
         """Stream the `params.n` choices' deltas, interleaved. Closing the iterator cancels the generation.
 
         A choice ends at max_tokens, a stop string, or one of the model's end-of-sequence tokens (end of turn and end
