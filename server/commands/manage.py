@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from command_line import CommandError
 from server.db.models import Role
 from server.settings import Settings
+
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
 
 
 def _db_upgrade(args: argparse.Namespace) -> int:
@@ -18,7 +22,7 @@ def _db_upgrade(args: argparse.Namespace) -> int:
     return 0
 
 
-def _require_current_schema(engine) -> None:
+def _require_current_schema(engine: Engine) -> None:
     from server.db.migrations import schema_is_current
 
     if not schema_is_current(engine):
@@ -131,7 +135,7 @@ def _models_register(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     db = subparsers.add_parser("db", help="database schema").add_subparsers(dest="db_command", required=True)
     upgrade = db.add_parser("upgrade", help="apply Alembic migrations to ZAYA_DATABASE_URL")
     upgrade.add_argument("--revision", default="head", help="target revision (default: head)")

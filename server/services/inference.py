@@ -14,10 +14,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 import anyio
 from sqlalchemy import insert
@@ -75,11 +75,15 @@ class ChatPrompt:
     def text(self, tokenizer: PreTrainedTokenizerBase) -> str:
         if not tokenizer.chat_template:
             raise InvalidRequest("This model has no chat template; use /v1/completions.", param="model")
-        return tokenizer.apply_chat_template(self.messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(self.messages, tokenize=False, add_generation_prompt=True)
+        if not isinstance(text, str):
+            raise TypeError(f"apply_chat_template(tokenize=False) gave a {type(text).__name__}")
+        return text
 
     def token_ids(self, tokenizer: PreTrainedTokenizerBase) -> list[int]:
         # The template writes the special tokens itself (BOS, turn markers).
-        return tokenizer.encode(self.text(tokenizer), add_special_tokens=False)
+        token_ids: list[int] = tokenizer.encode(self.text(tokenizer), add_special_tokens=False)
+        return token_ids
 
 
 @dataclass(frozen=True)
@@ -91,11 +95,16 @@ class TextPrompt:
     param: ClassVar[str] = "prompt"
 
     def text(self, tokenizer: PreTrainedTokenizerBase) -> str:
-        return self.prompt if isinstance(self.prompt, str) else tokenizer.decode(self.prompt)
+        if isinstance(self.prompt, str):
+            return self.prompt
+        from zaya_model.pretrain.tokenizer import decode_text  # transformers: loaded with the tokenizer given
+
+        return decode_text(tokenizer, self.prompt)
 
     def token_ids(self, tokenizer: PreTrainedTokenizerBase) -> list[int]:
         if isinstance(self.prompt, str):
-            return tokenizer.encode(self.prompt, add_special_tokens=False)
+            token_ids: list[int] = tokenizer.encode(self.prompt, add_special_tokens=False)
+            return token_ids
         if any(token < 0 or token >= len(tokenizer) for token in self.prompt):
             raise InvalidRequest(f"prompt: token ids must be in [0, {len(tokenizer)}).", param="prompt")
         return list(self.prompt)
@@ -134,12 +143,21 @@ class FinishedChoice:
     finish_reason: str | None
 
 
+@dataclass(frozen=True)
+class _PreparedPrompt:
+    """One prompt of a request, checked against the model's context: ready to start."""
+
+    token_ids: list[int]
+    params: SamplingParams
+    echo: str | None  # the prompt's text, put before its choices' (echo)
+
+
 @dataclass
 class _Run:
     """One prompt's generation in the engine: its first delta (already read) and the rest of its stream."""
 
     first: ChoiceDelta
-    deltas: AsyncIterator[ChoiceDelta]
+    deltas: AsyncGenerator[ChoiceDelta, None]
     echo: str | None  # the prompt's text, put before its choices' (echo)
 
 
@@ -154,7 +172,7 @@ class _Record:
     status_code: int = 200
     started: float = field(default_factory=time.perf_counter)
 
-    def row(self) -> dict:
+    def row(self) -> dict[str, Any]:
         """The `inference_records` row, timed now."""
         return {
             "created_at": utcnow(),
@@ -200,7 +218,7 @@ class Generation:
         """Prompt tokens served from the engine's prefix cache (OpenAI's `prompt_tokens_details.cached_tokens`)."""
         return self._cached_tokens
 
-    async def deltas(self) -> AsyncIterator[ChoiceDelta]:
+    async def deltas(self) -> AsyncGenerator[ChoiceDelta, None]:
         """The choices' deltas, interleaved, as the engine releases them."""
         record, tokens = self._record, self._tokens
         record.status_code = CLIENT_CLOSED_REQUEST  # until the last delta is read
@@ -333,7 +351,7 @@ class InferenceService:
         self._engine_factory = engine_factory
         self._engine_state: EngineState = "ready" if engine is not None else "not_started"
         self._engine_error: str | None = None
-        self._starting: asyncio.Task | None = None
+        self._starting: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         if self._engine_state == "not_started":
@@ -382,12 +400,12 @@ class InferenceService:
         if self._engine is not None:
             await self._engine.close()
 
-    def health(self) -> dict:
+    def health(self) -> dict[str, Any]:
         """`{"status": "ready" | "not_started" | "loading" | "failed" | <the engine's own status>, "kind", ...}`.
 
         `not_started` is ready too: the engine is created on first use.
         """
-        report = {"status": self._engine_state, "kind": self.settings.engine}
+        report: dict[str, Any] = {"status": self._engine_state, "kind": self.settings.engine}
         if self._engine_error is not None:
             report["error"] = self._engine_error
         if self._engine is not None:
@@ -414,20 +432,17 @@ class InferenceService:
             servable = await self.reads.run(resolve, request.model)
             record.model_version_id = servable.version_id
             prepared = [await self._prepare(servable, prompt, request) for prompt in prompts]
-            record.prompt_tokens = sum(len(prompt_ids) for prompt_ids, _, _ in prepared)
-            tokens = sum(len(prompt_ids) + params.max_tokens * params.n for prompt_ids, params, _ in prepared)
+            record.prompt_tokens = sum(len(each.token_ids) for each in prepared)
+            tokens = sum(len(each.token_ids) + each.params.max_tokens * each.params.n for each in prepared)
             self.budget.charge_tokens(key_id, tokens, param=request.max_tokens_param)
             runs = await self._start_runs(servable, prepared)
         except APIError as error:
             record.status_code = error.status_code
             await self.rows.execute(INSERT_RECORD, record.row())
             raise
-        return Generation(record, runs, prepared[0][1].n, self.rows)
+        return Generation(record, runs, prepared[0].params.n, self.rows)
 
-    async def _prepare(
-        self, servable: ServableModel, prompt: Prompt, request: GenerationRequest
-    ) -> tuple[list[int], SamplingParams, str | None]:
-        """The prompt's token ids, its sampling parameters, and its text if it is echoed."""
+    async def _prepare(self, servable: ServableModel, prompt: Prompt, request: GenerationRequest) -> _PreparedPrompt:
         try:
             tokenizer = await self.engine.tokenizer(servable.base)
             context = await self.engine.context_length(servable.base)
@@ -453,15 +468,13 @@ class InferenceService:
                 param=request.max_tokens_param,
                 code="context_length_exceeded",
             )
-        return prompt_ids, params, prompt.text(tokenizer) if request.echo_prompt else None
+        return _PreparedPrompt(prompt_ids, params, prompt.text(tokenizer) if request.echo_prompt else None)
 
-    async def _start_runs(
-        self, servable: ServableModel, prepared: list[tuple[list[int], SamplingParams, str | None]]
-    ) -> list[_Run]:
+    async def _start_runs(self, servable: ServableModel, prepared: list[_PreparedPrompt]) -> list[_Run]:
         """Start every prompt's generation at once (so the engine batches them) and wait for their first deltas."""
         streams = [
-            self.engine.generate(servable.base, prompt_ids, params, adapter=servable.adapter)
-            for prompt_ids, params, _ in prepared
+            self.engine.generate(servable.base, each.token_ids, each.params, adapter=servable.adapter)
+            for each in prepared
         ]
         firsts = await asyncio.gather(*(_first_delta(stream) for stream in streams), return_exceptions=True)
         failures = [first for first in firsts if isinstance(first, BaseException)]
@@ -470,7 +483,9 @@ class InferenceService:
                 await stream.aclose()
             raise failures[0]
         return [
-            _Run(first, stream, echo) for first, stream, (_, _, echo) in zip(firsts, streams, prepared, strict=True)
+            _Run(first, stream, each.echo)
+            for first, stream, each in zip(firsts, streams, prepared, strict=True)
+            if not isinstance(first, BaseException)  # none is: any failure was raised above
         ]
 
 

@@ -47,7 +47,7 @@ class AliasObject(RowObject):
     updated_at: UnixTime
     updated_by: str | None
 
-    @computed_field
+    @computed_field  # type: ignore[prop-decorator]  # pydantic's documented form; mypy rejects any decorated property
     @property
     def model(self) -> str:
         """What a request passes as `model`."""
@@ -151,7 +151,7 @@ def get_version(version_id: str, session: SessionDep, _: AdminDep) -> ModelVersi
 
 
 @router.get("/models/{version_id}/lineage", name="admin_models.lineage")
-def get_lineage(version_id: str, session: SessionDep, _: AdminDep) -> dict:
+def get_lineage(version_id: str, session: SessionDep, _: AdminDep) -> dict[str, Any]:
     version = registry.get_version(session, version_id)
     return {"object": "model_version.lineage", "version_id": version.id, "chain": registry.lineage(session, version)}
 
@@ -176,7 +176,9 @@ def _moved_or_requested(
 
 
 # With the four-eyes rule on, a promotion or rollback is filed for approval instead of made.
-FILED_FOR_APPROVAL = {202: {"model": ApprovalObject, "description": "Filed for a second admin's approval."}}
+FILED_FOR_APPROVAL: dict[int | str, dict[str, Any]] = {
+    202: {"model": ApprovalObject, "description": "Filed for a second admin's approval."}
+}
 
 
 @router.post("/models/{version_id}/promote", name="admin_models.promote", responses=FILED_FOR_APPROVAL)

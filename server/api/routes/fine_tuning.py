@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, Field, StrictInt, field_validator
+from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from finetune.settings import FineTuneSettings, Hyperparameters, SupervisedSettings
@@ -65,7 +66,8 @@ class JobError(BaseModel):
     param: str | None = None
 
 
-class JobObject(RowObject):
+# The pydantic plugin names `hyperparameters` by its alias `method` in `__init__`, beside the field `method`.
+class JobObject(RowObject):  # type: ignore[no-redef]
     id: str
     object: Literal["fine_tuning.job"] = "fine_tuning.job"
     created_at: UnixTime
@@ -161,7 +163,7 @@ class CheckpointObject(BaseModel):
 # --- routes -------------------------------------------------------------------------------------------------------
 
 
-def _create(session, body: JobCreate, created_by: str) -> FineTuningJob:
+def _create(session: Session, body: JobCreate, created_by: str) -> FineTuningJob:
     method = body.effective_method()
     training.check_inputs(method, has_validation_file=body.validation_file is not None)
     batch_size = method.hyperparameters.batch_size
