@@ -141,7 +141,7 @@ def measure_throughput(run: FineTuneRun, tokenizer: Any, batch_size: int, passes
     torch.manual_seed(run.seed)
     model = ZayaForCausalLM.from_pretrained(run.model_dir, dtype=torch.float32)
     if settings.adapter == "lora":
-        model = get_peft_model(model, make_lora_config(model, settings))
+        model = get_peft_model(model, make_lora_config(model, settings, tokenizer))
     if settings.hyperparameters.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()

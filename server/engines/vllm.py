@@ -45,7 +45,7 @@ from server.engines.cpu_placement import CpuPlacement
 from server.engines.detokenizer import StopStringDetokenizer
 from server.engines.model_files import end_of_sequence_ids, load_model_config, load_model_tokenizer
 from server.settings import VLLMEngineSettings
-from zaya_model.vllm_plugin.adapters import AdapterError, check_adapter, merged_checkpoint, trains_experts
+from zaya_model.vllm_plugin.adapters import AdapterError, check_adapter, merged_checkpoint, served_merged
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +68,9 @@ class VLLMEngine(Engine):
     def __init__(self, settings: VLLMEngineSettings | None = None) -> None:
         self.settings = settings or VLLMEngineSettings()
         self._served: OrderedDict[str, _Served] = OrderedDict()  # by full model version id, least recent first
-        # Adapter version id -> whether it trains experts (then served as its merged checkpoint, under its own id).
-        self._trains_experts: dict[str, bool] = {}
+        # Adapter version id -> whether it is served merged (it trains experts or token rows: its merged checkpoint,
+        # under its own id).
+        self._served_merged: dict[str, bool] = {}
         self._load_lock = asyncio.Lock()
         self._lora_ids = itertools.count(1)
         self._tokenizers: dict[str, PreTrainedTokenizerBase] = {}
@@ -91,7 +92,7 @@ class VLLMEngine(Engine):
             await asyncio.to_thread(served.llm.shutdown)
 
     async def unload_adapter(self, version_id: str) -> None:
-        if self._trains_experts.pop(version_id, False):
+        if self._served_merged.pop(version_id, False):
             await self.unload_model(version_id)
             return
         for served in self._served.values():
@@ -162,15 +163,15 @@ class VLLMEngine(Engine):
         """The engine and LoRA request that serve `adapter` on `base` (loading either if needed)."""
         if adapter is None:
             return await self._ensure_served(base), None
-        if adapter.version_id not in self._trains_experts:
-            self._trains_experts[adapter.version_id] = await asyncio.to_thread(trains_experts, adapter.path)
-        if self._trains_experts[adapter.version_id]:
-            # Adapters that train experts were merged into a full checkpoint at registration.
+        if adapter.version_id not in self._served_merged:
+            self._served_merged[adapter.version_id] = await asyncio.to_thread(served_merged, adapter.path)
+        if self._served_merged[adapter.version_id]:
+            # Adapters that train experts or token rows were merged into a full checkpoint at registration.
             merged = merged_checkpoint(adapter.path)
             if not (merged / "config.json").is_file():
                 raise ModelLoadError(
-                    f"Adapter version {adapter.version_id} trains expert weights and has no merged checkpoint at "
-                    f"{merged}; register it again to merge it."
+                    f"Adapter version {adapter.version_id} trains expert weights or token rows and has no merged "
+                    f"checkpoint at {merged}; register it again to merge it."
                 )
             return await self._ensure_served(ModelRef(adapter.version_id, merged)), None
         served = await self._ensure_served(base)

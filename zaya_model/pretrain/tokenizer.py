@@ -110,6 +110,14 @@ def end_of_turn_token_id(tokenizer: PreTrainedTokenizerFast) -> int:
     return token_id
 
 
+def chat_template_token_ids(tokenizer: PreTrainedTokenizerFast) -> list[int]:
+    """Ids of the special tokens the chat template writes literally (`<|im_start|>`, `<|im_end|>`): tokens a
+    plain-text corpus never holds, so pretraining leaves their embedding rows untrained."""
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+    specials = [token for token in tokenizer.all_special_tokens if token in template]
+    return sorted({tokenizer.convert_tokens_to_ids(token) for token in specials})
+
+
 def generation_eos_token_ids(tokenizer: PreTrainedTokenizerFast) -> list[int]:
     """Ids a generation config should stop on: end of turn (chat answers) and end of text (raw completions)."""
     return [end_of_turn_token_id(tokenizer), tokenizer.eos_token_id]
