@@ -241,6 +241,7 @@ class Pretrainer:
             pad_token_id=self.tokenizer.pad_token_id,
             seed=settings.seed,
             validation_fraction=settings.validation_fraction,
+            packing=settings.packing,
         )
         self.stream = PackedStream(self.files, self.tokenizer, spec, shuffle_buffer=settings.shuffle_buffer)
         self.validation = validation_rows(self.files, self.tokenizer, spec, settings.eval_rows)
