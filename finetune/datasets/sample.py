@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
-from zaya_model.atomic_io import write_text_atomic
+from zaya_model.training.atomic_io import write_text_atomic
 
 from .styles import get_style
 from .synthetic import explain_disposition, generate_cases, generate_chat_examples, render_case_file
@@ -39,7 +40,7 @@ def write_sample(
     seed: int = 0,
     variant: str = "standard",
     validation_variant: str | None = None,
-) -> dict:
+) -> dict[str, dict[str, Any]]:
     """`train.jsonl` (`n_cases` chats) and `validation.jsonl` in `directory`; returns their paths and sizes."""
     if n_cases < 1:
         raise ValueError("n_cases must be at least 1")
@@ -48,7 +49,7 @@ def write_sample(
     held_out_style = style if validation_variant is None else get_style(validation_variant)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    written = {}
+    written: dict[str, dict[str, Any]] = {}
     files = ((TRAIN_FILE, n_cases, 2 * seed + 1, style), (VALIDATION_FILE, n_validation, 2 * seed + 2, held_out_style))
     for name, n, chat_seed, file_style in files:
         records = generate_chat_examples(

@@ -27,6 +27,7 @@ import datetime
 import random
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from .styles import STANDARD, Style, with_reasons_of
 
@@ -147,7 +148,7 @@ def generate_cases(n: int, seed: int = 0) -> list[Case]:
 
 def generate_chat_examples(
     n: int, seed: int = 0, tasks: tuple[str, ...] = TASKS, style: Style = STANDARD, answer_style: Style | None = None
-) -> list[dict]:
+) -> list[dict[str, Any]]:
     """`n` chat examples in the OpenAI fine-tuning format, tasks taken in turn (SAR narratives use SAR cases), case
     files written in `style` and answers in `answer_style` (default: the same)."""
     unknown = set(tasks) - set(TASKS)
@@ -162,7 +163,7 @@ def generate_chat_examples(
     return examples
 
 
-def case_to_chat(case: Case, task: str, style: Style = STANDARD, answer_style: Style | None = None) -> dict:
+def case_to_chat(case: Case, task: str, style: Style = STANDARD, answer_style: Style | None = None) -> dict[str, Any]:
     """A chat whose user message holds the case file in `style` and whose answer is worded in `answer_style`
     (default: `style`), quoting values as the case file prints them."""
     answers = {"summary": summarise_case, "disposition": explain_disposition, "sar_narrative": draft_sar_narrative}

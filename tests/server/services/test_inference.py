@@ -11,17 +11,20 @@ from contextlib import aclosing
 import pytest
 from sqlalchemy import select
 
+from server.api.inference.protocol import ChatCompletionRequest, CompletionRequest
 from server.api.ratelimit import RateLimits
 from server.db.models import InferenceRecord, ModelVersion
 from server.db.row_writer import RowWriter
 from server.db.session import RequestReads, make_engine
-from server.errors import NotFound, RateLimited
-from server.services.inference import (
-    ChatPrompt,
-    GenerationOptions,
-    InferenceService,
-    TextPrompt,
+from server.engines.base import (
+    EngineError,
+    EngineFailure,
+    EngineOverloaded,
+    EngineUnavailable,
+    ModelLoadError,
 )
+from server.errors import NotFound, RateLimited
+from server.services.inference import InferenceService, engine_error
 
 MESSAGES = [{"role": "user", "content": "Summarise case CASE-7."}]
 
@@ -61,15 +64,19 @@ def records(sessions) -> list[InferenceRecord]:
         return list(session.scalars(select(InferenceRecord).order_by(InferenceRecord.id)))
 
 
-def greedy(max_tokens: int, n: int = 1) -> GenerationOptions:
-    return GenerationOptions(max_tokens=max_tokens, max_tokens_param="max_tokens", n=n, temperature=0.0)
+def chat(max_tokens: int, n: int = 1, model: str = "tiny") -> ChatCompletionRequest:
+    return ChatCompletionRequest(model=model, messages=MESSAGES, max_tokens=max_tokens, n=n, temperature=0.0)
+
+
+def completion(max_tokens: int, model: str = "tiny") -> CompletionRequest:
+    return CompletionRequest(model=model, prompt="Case", max_tokens=max_tokens, temperature=0.0)
 
 
 def test_a_whole_answer_has_every_choice_and_leaves_its_record(run_with_service, make_key, sessions, version_id):
     key_id, _ = make_key("analyst")
 
     async def scenario(service: InferenceService):
-        generation = await service.start_generation(key_id, "tiny", ChatPrompt(MESSAGES), greedy(6, n=2))
+        generation = await service.start_generation(key_id, chat(6, n=2))
         async with generation:
             choices = await generation.collect()
         return generation, choices
@@ -90,7 +97,7 @@ def test_a_reader_that_stops_early_stops_the_generation_and_is_recorded_499(
     key_id, _ = make_key("analyst")
 
     async def scenario(service: InferenceService):
-        generation = await service.start_generation(key_id, "tiny", TextPrompt("Case"), greedy(200))
+        generation = await service.start_generation(key_id, completion(200))
         async with generation, aclosing(generation.deltas()) as deltas:
             for _ in range(2):
                 await anext(deltas)
@@ -112,9 +119,9 @@ def test_refusals_come_before_any_output_and_are_recorded(run_with_service, make
 
     async def scenario(service: InferenceService):
         with pytest.raises(NotFound):
-            await service.start_generation(key_id, "no-such-model", TextPrompt("Case"), greedy(4))
+            await service.start_generation(key_id, completion(4, model="no-such-model"))
         with pytest.raises(RateLimited) as refused:
-            await service.start_generation(key_id, "tiny", TextPrompt("Case"), greedy(60))
+            await service.start_generation(key_id, completion(60))
         return refused.value
 
     refused = run_with_service(scenario, small_budget)
@@ -123,3 +130,22 @@ def test_refusals_come_before_any_output_and_are_recorded(run_with_service, make
         ("no-such-model", 404),
         ("tiny", 429),
     ]
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "kind", "retry_after"),
+    [
+        (EngineError("n must be at most 16 on this engine.", param="n"), 400, "invalid_request_error", None),
+        (EngineOverloaded("The engine's request queue is full."), 429, "rate_limit_error", "1"),
+        (ModelLoadError("Model version mv-1 could not be loaded."), 503, "server_error", None),
+        (EngineUnavailable("The engine core is restarting.", retry_after_s=10), 503, "server_error", "10"),
+        (EngineFailure("Generation failed: EngineCore encountered an issue."), 500, "server_error", None),
+    ],
+)
+def test_only_a_refused_request_is_the_clients_error_and_engine_failures_are_server_errors(
+    error, status, kind, retry_after
+):
+    api_error = engine_error(error)
+    assert (api_error.status_code, api_error.type, api_error.message) == (status, kind, error.message)
+    assert (api_error.headers or {}).get("Retry-After") == retry_after
+    assert api_error.param == error.param
