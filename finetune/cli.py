@@ -78,6 +78,20 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     sample.add_argument("--corpus", type=_positive_int, metavar="N", help="also write N case files for pretraining")
     sample.add_argument("--bare-corpus", action="store_true", help="corpus case files without their closing notes")
     sample.add_argument("--seed", type=int, default=0, help="same seed, same files")
+    sample.add_argument(
+        "--variant",
+        default="standard",
+        type=_variant,
+        metavar="NAME|SEED",
+        help="wording, field order and number formats of the case files and answers: standard, ledger, memo, or an "
+        "integer seed that draws each at random (default standard)",
+    )
+    sample.add_argument(
+        "--validation-variant",
+        type=_variant,
+        metavar="NAME|SEED",
+        help="write the held-out case files in this variant instead, their answers worded as the training ones",
+    )
     sample.set_defaults(func=run_sample)
 
     _register_finetune(subparsers)
@@ -263,11 +277,19 @@ def run_sample(args: argparse.Namespace) -> int:
 
     if os.path.isfile(args.output):
         raise CommandError(f"--output: {args.output} is a file")
-    written = write_sample(args.output, args.cases, n_validation=args.validation_cases, seed=args.seed)
+    written = write_sample(
+        args.output,
+        args.cases,
+        n_validation=args.validation_cases,
+        seed=args.seed,
+        variant=args.variant,
+        validation_variant=args.validation_variant,
+    )
     for info in written.values():
         print(f"wrote {info['n_examples']} chats to {info['path']}")
     if args.corpus:
-        path = write_corpus(os.path.join(args.output, CORPUS_FILE), args.corpus, closed=not args.bare_corpus)
+        corpus_path = os.path.join(args.output, CORPUS_FILE)
+        path = write_corpus(corpus_path, args.corpus, closed=not args.bare_corpus, variant=args.variant)
         print(f"wrote {args.corpus} case files to {path}")
     return 0
 
@@ -340,6 +362,16 @@ def _existing(path: str) -> str:
     if not os.path.isfile(path):
         raise CommandError(f"file not found: {path}")
     return path
+
+
+def _variant(text: str) -> str:
+    from finetune.datasets.styles import get_style
+
+    try:
+        get_style(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
 
 
 def _positive_int(text: str) -> int:

@@ -140,7 +140,7 @@ def measure_throughput(run: FineTuneRun, tokenizer: Any, batch_size: int, passes
 
     torch.manual_seed(run.seed)
     base = ZayaForCausalLM.from_pretrained(run.model_dir, dtype=torch.float32)
-    model = get_peft_model(base, make_lora_config(base, settings)) if settings.adapter == "lora" else base
+    model = get_peft_model(base, make_lora_config(base, settings, tokenizer)) if settings.adapter == "lora" else base
     if settings.hyperparameters.gradient_checkpointing:  # PEFT's wrapper would forward the call to `base`
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()

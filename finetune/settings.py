@@ -139,6 +139,12 @@ class LoraSettings(Strict):
         + ")",
     )
     target_experts: bool = Field(True, description="also adapt the fused experts (PEFT target_parameters)")
+    train_template_tokens: bool = Field(
+        True,
+        description="also train the embedding rows of the special tokens the chat template writes (<|im_start|>, "
+        "<|im_end|>), which plain-text pretraining never trains (PEFT trainable_token_indices; such an adapter is "
+        "served merged into its base)",
+    )
 
 
 class _MethodSettings(Strict):

@@ -312,11 +312,12 @@ def load_model_config(model: ModelRef) -> ZayaConfig:
 
 
 def write_merged_checkpoint(adapter_dir: Path, base_dir: Path) -> Path:
-    """Merge an adapter that trains expert weights into its base, as the full checkpoint engines serve in its place
-    (`merged_checkpoint(adapter_dir)`, written atomically); `AdapterError` when it does not fit the base."""
+    """Merge an adapter that trains expert weights or token rows into its base, as the full checkpoint engines serve
+    in its place (`merged_checkpoint(adapter_dir)`, written atomically); `AdapterError` when it does not fit the
+    base."""
     from finetune.artifacts import atomic_directory
-    from zaya_model.vllm_plugin.adapters import merge_expert_adapter, merged_checkpoint
+    from zaya_model.vllm_plugin.adapters import merge_adapter_into_base, merged_checkpoint
 
     with atomic_directory(merged_checkpoint(adapter_dir)) as staging:
-        merge_expert_adapter(adapter_dir, base_dir, staging)
+        merge_adapter_into_base(adapter_dir, base_dir, staging)
     return merged_checkpoint(adapter_dir)

@@ -54,7 +54,7 @@ from server.engines.sampling import choice_seed
 from server.settings import VLLMEngineSettings
 from zaya_model import ZayaConfig
 from zaya_model.pretrain.tokenizer import decode_text
-from zaya_model.vllm_plugin.adapters import AdapterError, check_adapter, merged_checkpoint, trains_experts
+from zaya_model.vllm_plugin.adapters import AdapterError, check_adapter, merged_checkpoint, served_merged
 from zaya_model.vllm_plugin.support import unsupported_features
 
 logger = logging.getLogger(__name__)
@@ -83,8 +83,9 @@ class VLLMEngine(Engine):
         super().__init__()
         self.settings = settings or VLLMEngineSettings()
         self._served: LoadedModels[_Served] = LoadedModels()  # by full model version id
-        # Adapter version id -> whether it trains experts (then served as its merged checkpoint, under its own id).
-        self._trains_experts: dict[str, bool] = {}
+        # Adapter version id -> whether it is served merged (it trains experts or token rows: its merged checkpoint,
+        # under its own id).
+        self._served_merged: dict[str, bool] = {}
         self._load_lock = asyncio.Lock()
         self._merge_lock = asyncio.Lock()
         self._lora_ids = itertools.count(1)
@@ -111,7 +112,7 @@ class VLLMEngine(Engine):
             await asyncio.to_thread(served.llm.shutdown)
 
     async def unload_adapter(self, version_id: str) -> None:
-        if self._trains_experts.pop(version_id, False):
+        if self._served_merged.pop(version_id, False):
             await self.unload_model(version_id)
             return
         for served in self._served.values():
@@ -209,9 +210,9 @@ class VLLMEngine(Engine):
         """The engine and LoRA request that serve `adapter` on `base` (loading either if needed)."""
         if adapter is None:
             return await self._ensure_served(base), None
-        if adapter.version_id not in self._trains_experts:
-            self._trains_experts[adapter.version_id] = await asyncio.to_thread(trains_experts, adapter.path)
-        if self._trains_experts[adapter.version_id]:
+        if adapter.version_id not in self._served_merged:
+            self._served_merged[adapter.version_id] = await asyncio.to_thread(served_merged, adapter.path)
+        if self._served_merged[adapter.version_id]:
             return await self._ensure_served(await self._merged(adapter, base)), None
         served = await self._ensure_served(base)
         if adapter.version_id not in served.adapters:
@@ -223,8 +224,8 @@ class VLLMEngine(Engine):
         return served, served.adapters[adapter.version_id]
 
     async def _merged(self, adapter: ModelRef, base: ModelRef) -> ModelRef:
-        """An adapter that trains experts, as the full checkpoint it is served as: merged at registration, or here on
-        its first load (a job's checkpoint)."""
+        """An adapter that trains experts or token rows, as the full checkpoint it is served as: merged at
+        registration, or here on its first load (a job's checkpoint)."""
         merged = merged_checkpoint(adapter.path)
         if not (merged / "config.json").is_file():
             async with self._merge_lock:
