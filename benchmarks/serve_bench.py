@@ -666,7 +666,9 @@ class Guidellm:
 
         report = self.workdir / f"guidellm-{port}-{concurrency}-{secrets.token_hex(4)}.json"
         backend = f"kind=openai_http,target=http://127.0.0.1:{port},model={model},request_format=/v1/completions"
-        backend += f",api_key={self.key}" if self.key else ""
+        # No check of /health first: the server was checked and warmed up here, and the local engine's /health says
+        # 503 `warming` while it compiles in the background, which would stop guidellm before it starts.
+        backend += ",validate_backend=false" + (f",api_key={self.key}" if self.key else "")
         profile = "kind=synchronous" if concurrency == 1 else f"kind=concurrent,streams={concurrency}"
         data = f"kind=synthetic_text,prompt_tokens={sizes.prompt_tokens},output_tokens={sizes.max_tokens}"
         command = [sys.executable, "-m", "guidellm", "run", "--backend", backend, "--profile", profile]

@@ -210,10 +210,9 @@ def check_lm_eval_multiple_choice(served: Served) -> None:
         "base_url": f"{served.stack.url}/v1/completions",
         "tokenizer_backend": "huggingface",
         "tokenizer": str(served.tokenizer_dir),
-        "batch_size": 2,
         "max_retries": 1,
     }
-    samples = run_lm_eval(served, "local-completions", model_args, "bank_disposition_mc")
+    samples = run_lm_eval(served, "local-completions", model_args, "bank_disposition_mc", "--batch_size", "2")
     assert len(samples) == len(MULTIPLE_CHOICE)
     model = ZayaForCausalLM.from_pretrained(served.model_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(served.tokenizer_dir)

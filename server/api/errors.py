@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from http import HTTPStatus
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -71,7 +72,7 @@ def _field_name(location: tuple[int | str, ...]) -> str | None:
     return name.lstrip(".") or None
 
 
-def _refusal(error: dict) -> JSONResponse:
+def _refusal(error: dict[str, Any]) -> JSONResponse:
     """A field the request may not carry, in OpenAI's words: undeclared ("Unrecognized request argument"), or
     declared and not honoured by this server (`server.api.inference.protocol.Unsupported`)."""
     param = _field_name(tuple(error.get("loc", ())))

@@ -28,7 +28,8 @@ def create_engine(settings: Settings) -> Engine:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as error:
         raise EngineError(f"The '{settings.engine}' engine is not available in this installation ({error}).") from error
-    return getattr(module, class_name)(getattr(settings, section))
+    engine: Engine = getattr(module, class_name)(getattr(settings, section))  # a class ENGINES names
+    return engine
 
 
 def serving_problems(settings: Settings, checkpoint: Path) -> list[str]:

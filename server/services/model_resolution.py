@@ -110,11 +110,10 @@ def find_version(session: Session, model: str) -> ModelVersion:
 def _checkpoint(session: Session, model: str, job_model: str, step: int) -> ServableModel:
     """A job's checkpoint at `step`, served from its directory as the job's final model would be."""
     job = _named_job(session, job_model)
-    checkpoint = (
-        session.scalars(select(Checkpoint).where(Checkpoint.job_id == job.id, Checkpoint.step == step)).one_or_none()
-        if job is not None
-        else None
-    )
+    if job is None:
+        raise _not_found(model)
+    query = select(Checkpoint).where(Checkpoint.job_id == job.id, Checkpoint.step == step)
+    checkpoint = session.scalars(query).one_or_none()
     if checkpoint is None:
         raise _not_found(model)
     path = Path(checkpoint.path)

