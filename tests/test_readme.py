@@ -78,7 +78,7 @@ def script(blocks: list[Block], port: int) -> str:
     ]
     for number, block in enumerate(blocks, start=1):
         code = block.code.replace(README_ADDRESS, address)
-        lines.append(f"echo '--- README block {number} ({block.language})'")
+        lines.append(f"echo; echo '--- README block {number} ({block.language})'")  # a block may end mid-line
         if block.directive.startswith("not run"):
             continue
         if block.language == "python":
