@@ -24,6 +24,7 @@ REQUIRED_ROLE = {
     ("GET", "/redoc"): Role.analyst,
     ("GET", "/v1/models"): Role.analyst,
     ("GET", "/v1/models/{model}"): Role.analyst,
+    ("GET", "/v1/models/{model}/tokenizer"): Role.analyst,
     ("POST", "/v1/chat/completions"): Role.analyst,
     ("POST", "/v1/completions"): Role.analyst,
     ("POST", "/v1/files"): Role.data,
@@ -187,7 +188,9 @@ class RequestFactory:
         if "{key_id}" in path:
             path = path.replace("{key_id}", self.make_key(Role.analyst, "to revoke")[0])
         if "{model}" in path:
-            path = path.replace("{model}", self.registered_model())
+            # Its tokenizer is served from the version's directory: a model with files on disk.
+            model = self.servable_model() if path.endswith("/tokenizer") else self.registered_model()
+            path = path.replace("{model}", model)
         if path == "/v1/files" and method == "POST":
             kwargs = {"data": {"purpose": "fine-tune"}, "files": {"file": ("train.jsonl", self.dataset)}}
         if path == "/v1/admin/keys" and method == "POST":
