@@ -37,6 +37,7 @@ from server.engines.base import (
 )
 from server.errors import APIError, GenerationFailed, InvalidRequest, ServiceUnavailable, TooManyRequests
 from server.heap import freeze_startup_heap
+from server.services.access import Principal
 from server.services.model_resolution import ServableModel, resolve
 from server.settings import Settings
 
@@ -128,6 +129,7 @@ class FinishedChoice:
 @dataclass
 class _Record:
     api_key_id: str
+    project_id: str
     endpoint: str
     requested_model: str
     model_version_id: str | None = None
@@ -141,6 +143,7 @@ class _Record:
         return {
             "created_at": utcnow(),
             "api_key_id": self.api_key_id,
+            "project_id": self.project_id,
             "endpoint": self.endpoint,
             "requested_model": self.requested_model[:256],
             "model_version_id": self.model_version_id,
@@ -329,11 +332,15 @@ class InferenceService:
         return report
 
     # --- the request flow -------------------------------------------------------------------------------------
-    async def start_generation(self, key_id: str, model: str, prompt: Prompt, options: GenerationOptions) -> Generation:
-        """Resolve `model`, check and charge the request, and start generating; refusals are recorded and raised."""
-        record = _Record(key_id, prompt.endpoint, model)
+    async def start_generation(
+        self, caller: Principal, model: str, prompt: Prompt, options: GenerationOptions
+    ) -> Generation:
+        """Resolve `model` as the caller's project sees it, check and charge the request, and start generating;
+        refusals are recorded and raised."""
+        key_id = caller.key_id
+        record = _Record(key_id, caller.project_id, prompt.endpoint, model)
         try:
-            servable = await self.reads.run(resolve, model)
+            servable = await self.reads.run(resolve, caller.scope, model)
             record.model_version_id = servable.version_id
             prompt_ids, params = await self._prepare(servable, prompt, options)
             record.prompt_tokens = len(prompt_ids)

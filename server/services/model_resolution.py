@@ -5,7 +5,9 @@ Accepted forms:
 - `name@<alias>` (`name@staging`, ...) and `name@<version-id>` (`name@mv-...`);
 - a fine-tuned model name `ft:<base>:<org>:<suffix>:<job-id>`: the version its succeeded job registered (or a
   version registered under that name).
-Anything else, and archived versions, is a 404 naming `model`.
+Anything else, archived versions and versions the caller's project may not use (`server.services.access`) are a
+404 naming `model`; a version out of the caller's scope gets exactly the answer an unknown model gets. A bare `name`
+without a `production` alias is its latest active version the caller may use.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from sqlalchemy.orm import Session
 from server.db.models import FineTuningJob, JobStatus, ModelAlias, ModelVersion
 from server.engines.base import ModelRef
 from server.errors import NotFound
+from server.services.access import Scope
 
 DEFAULT_ALIAS = "production"
 VERSION_ID_PREFIX = "mv-"
@@ -37,10 +40,10 @@ def _not_found(model: str, why: str = "does not exist") -> NotFound:
     return NotFound(f"The model '{model}' {why}.", param="model", code="model_not_found")
 
 
-def _latest_active(session: Session, name: str) -> ModelVersion | None:
+def _latest_active(session: Session, scope: Scope, name: str) -> ModelVersion | None:
     return session.scalars(
         select(ModelVersion)
-        .where(ModelVersion.name == name, ModelVersion.status == "active")
+        .where(ModelVersion.name == name, ModelVersion.status == "active", scope.version_usable())
         .order_by(ModelVersion.version.desc())
         .limit(1)
     ).first()
@@ -66,8 +69,8 @@ def _fine_tuned(session: Session, model: str) -> ModelVersion | None:
     return session.scalars(select(ModelVersion).where(ModelVersion.job_id == job.id).limit(1)).first()
 
 
-def find_version(session: Session, model: str) -> ModelVersion:
-    """The model version a `model` string names; 404 (param `model`) if none or archived."""
+def find_version(session: Session, scope: Scope, model: str) -> ModelVersion:
+    """The model version a `model` string names; 404 (param `model`) if none, out of `scope` or archived."""
     version = _fine_tuned(session, model) if model.startswith(FINE_TUNED_PREFIX) else None
     if version is None:
         name, at, selector = model.partition("@")
@@ -79,16 +82,16 @@ def find_version(session: Session, model: str) -> ModelVersion:
         elif selector:
             version = _aliased(session, name, selector)
         else:
-            version = _aliased(session, name, DEFAULT_ALIAS) or _latest_active(session, name)
-    if version is None:
+            version = _aliased(session, name, DEFAULT_ALIAS) or _latest_active(session, scope, name)
+    if version is None or not scope.can_use(version):
         raise _not_found(model)
     if version.status != "active":
         raise _not_found(model, f"points to the archived version {version.id}")
     return version
 
 
-def resolve(session: Session, model: str) -> ServableModel:
-    version = find_version(session, model)
+def resolve(session: Session, scope: Scope, model: str) -> ServableModel:
+    version = find_version(session, scope, model)
     if version.kind != "adapter":
         return ServableModel(model, version.id, ModelRef(version.id, Path(version.path)))
     base = session.get(ModelVersion, version.base_version_id) if version.base_version_id else None

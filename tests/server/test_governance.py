@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 from server.app import create_app
 from server.db.models import AuditLog, ModelVersion
 from server.services import registry
+from server.services.access import Scope
 from server.services.model_resolution import find_version
 from server.worker import Worker, WorkerConfig
 
@@ -267,5 +268,5 @@ def test_a_fine_tuning_job_registers_the_held_out_loss_the_gate_reads(
     finished = client.get(f"/v1/fine_tuning/jobs/{job['id']}", headers=auth("data")).json()
     assert finished["status"] == "succeeded", finished
     with sessions() as session:
-        version = find_version(session, finished["fine_tuned_model"])
+        version = find_version(session, Scope.everything(), finished["fine_tuned_model"])
         assert registry.held_out_loss(version) == version.metrics["best_valid_loss"] > 0

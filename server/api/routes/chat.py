@@ -138,7 +138,7 @@ async def create_chat_completion(
     body: ChatCompletionRequest, request: Request, principal: AnalystDep, service: InferenceDep
 ):
     prompt = ChatPrompt([message.as_template_input() for message in body.messages])
-    generation = await service.start_generation(principal.key_id, body.model, prompt, body.options())
+    generation = await service.start_generation(principal, body.model, prompt, body.options())
     return await answer(
         request,
         generation,

@@ -65,7 +65,7 @@ class CompletionRequest(SamplingFields):
     responses={200: event_stream(CompletionChunk)},
 )
 async def create_completion(body: CompletionRequest, request: Request, principal: AnalystDep, service: InferenceDep):
-    generation = await service.start_generation(principal.key_id, body.model, TextPrompt(body.prompt), body.options())
+    generation = await service.start_generation(principal, body.model, TextPrompt(body.prompt), body.options())
     return await answer(
         request,
         generation,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from server.api.deps import AnalystDep, SessionDep
+from server.api.deps import AnalystDep, ListingScopeDep, SessionDep
 from server.api.schemas import ListResponse, ModelObject
 from server.services import models as model_service
 
@@ -14,14 +14,15 @@ OWNER = "zaya"
 
 
 @router.get("", name="models.list")
-def list_models(session: SessionDep, _: AnalystDep) -> ListResponse[ModelObject]:
+def list_models(session: SessionDep, _: AnalystDep, scope: ListingScopeDep) -> ListResponse[ModelObject]:
     data = [
-        ModelObject(id=name, created=created, owned_by=OWNER) for name, created in model_service.list_model_ids(session)
+        ModelObject(id=name, created=created, owned_by=OWNER)
+        for name, created in model_service.list_model_ids(session, scope)
     ]
     return ListResponse[ModelObject](data=data)
 
 
 @router.get("/{model}", name="models.get")
-def get_model(model: str, session: SessionDep, _: AnalystDep) -> ModelObject:
-    name, created = model_service.get_model_id(session, model)
+def get_model(model: str, session: SessionDep, principal: AnalystDep) -> ModelObject:
+    name, created = model_service.get_model_id(session, principal.scope, model)
     return ModelObject(id=name, created=created, owned_by=OWNER)

@@ -12,10 +12,11 @@ import pytest
 from sqlalchemy import select
 
 from server.api.ratelimit import RateLimits
-from server.db.models import InferenceRecord, ModelVersion
+from server.db.models import DEFAULT_PROJECT_ID, InferenceRecord, ModelVersion, Role
 from server.db.row_writer import RowWriter
 from server.db.session import RequestReads, make_engine
 from server.errors import NotFound, RateLimited
+from server.services.access import Principal
 from server.services.inference import (
     ChatPrompt,
     GenerationOptions,
@@ -61,15 +62,20 @@ def records(sessions) -> list[InferenceRecord]:
         return list(session.scalars(select(InferenceRecord).order_by(InferenceRecord.id)))
 
 
+def analyst(make_key) -> Principal:
+    key_id, _ = make_key("analyst")
+    return Principal(key_id=key_id, name="analyst", role=Role.analyst, project_id=DEFAULT_PROJECT_ID)
+
+
 def greedy(max_tokens: int, n: int = 1) -> GenerationOptions:
     return GenerationOptions(max_tokens=max_tokens, max_tokens_param="max_tokens", n=n, temperature=0.0)
 
 
 def test_a_whole_answer_has_every_choice_and_leaves_its_record(run_with_service, make_key, sessions, version_id):
-    key_id, _ = make_key("analyst")
+    caller = analyst(make_key)
 
     async def scenario(service: InferenceService):
-        generation = await service.start_generation(key_id, "tiny", ChatPrompt(MESSAGES), greedy(6, n=2))
+        generation = await service.start_generation(caller, "tiny", ChatPrompt(MESSAGES), greedy(6, n=2))
         async with generation:
             choices = await generation.collect()
         return generation, choices
@@ -87,10 +93,10 @@ def test_a_whole_answer_has_every_choice_and_leaves_its_record(run_with_service,
 def test_a_reader_that_stops_early_stops_the_generation_and_is_recorded_499(
     run_with_service, make_key, sessions, version_id
 ):
-    key_id, _ = make_key("analyst")
+    caller = analyst(make_key)
 
     async def scenario(service: InferenceService):
-        generation = await service.start_generation(key_id, "tiny", TextPrompt("Case"), greedy(200))
+        generation = await service.start_generation(caller, "tiny", TextPrompt("Case"), greedy(200))
         async with generation, aclosing(generation.deltas()) as deltas:
             for _ in range(2):
                 await anext(deltas)
@@ -107,14 +113,14 @@ def test_a_reader_that_stops_early_stops_the_generation_and_is_recorded_499(
 
 
 def test_refusals_come_before_any_output_and_are_recorded(run_with_service, make_key, sessions, settings):
-    key_id, _ = make_key("analyst")
+    caller = analyst(make_key)
     small_budget = settings.model_copy(update={"rate_limit_tokens_per_minute": 50})
 
     async def scenario(service: InferenceService):
         with pytest.raises(NotFound):
-            await service.start_generation(key_id, "no-such-model", TextPrompt("Case"), greedy(4))
+            await service.start_generation(caller, "no-such-model", TextPrompt("Case"), greedy(4))
         with pytest.raises(RateLimited) as refused:
-            await service.start_generation(key_id, "tiny", TextPrompt("Case"), greedy(60))
+            await service.start_generation(caller, "tiny", TextPrompt("Case"), greedy(60))
         return refused.value
 
     refused = run_with_service(scenario, small_budget)
