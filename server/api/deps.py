@@ -93,7 +93,7 @@ async def listing_scope(
 ) -> Scope:
     """What a list shows: the caller's scope, or (admin keys) the one project named by `project`. A key naming a
     project other than its own gets the answer an unknown project gets."""
-    if project is None:
+    if not project:  # absent, or left empty in a form
         return principal.scope
     found = await run_in_threadpool(find_project, session, project)
     if found is None or not principal.scope.includes(found.id):

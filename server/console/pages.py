@@ -9,6 +9,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import RedirectResponse, Response
+from sqlalchemy.orm import Session
 
 from server.api.deps import (
     AdminDep,
@@ -167,17 +168,15 @@ def models_page(
     )
 
 
+def _projects(session: Session) -> dict[str, Any]:
+    """Every project, and their names by id: what the admin pages show and offer to choose from."""
+    projects = project_service.list_projects(session)
+    return {"projects": projects, "project_names": {project.id: project.name for project in projects}}
+
+
 @router.get("/keys", name="console.keys")
 def keys_page(request: Request, session: SessionDep, principal: AdminDep, scope: ListingScopeDep) -> Response:
-    projects = project_service.list_projects(session)
-    return render(
-        request,
-        "keys.html",
-        principal,
-        keys=key_service.list_keys(session, scope),
-        projects=projects,
-        project_names={project.id: project.name for project in projects},
-    )
+    return render(request, "keys.html", principal, keys=key_service.list_keys(session, scope), **_projects(session))
 
 
 def _moment(name: str, value: str) -> datetime | None:
@@ -202,15 +201,22 @@ def audit_page(
     since: str = "",
     until: str = "",
 ) -> Response:
-    filters = {"actor": actor.strip(), "action": action.strip(), "since": since.strip(), "until": until.strip()}
+    filters = {
+        "project": scope.project_id or "",
+        "actor": actor.strip(),
+        "action": action.strip(),
+        "since": since.strip(),
+        "until": until.strip(),
+    }
+    page = {"filters": filters, **_projects(session)}
     try:
         bounds = {name: _moment(name, filters[name]) for name in ("since", "until")}
     except InvalidRequest as error:
-        return render(request, "audit.html", principal, 400, filters=filters, entries=[], error=error.message)
+        return render(request, "audit.html", principal, 400, entries=[], error=error.message, **page)
     entries = audit_service.list_entries(
         session, scope, actor=filters["actor"] or None, action=filters["action"] or None, limit=200, **bounds
     )
-    return render(request, "audit.html", principal, filters=filters, entries=entries, error=None)
+    return render(request, "audit.html", principal, entries=entries, error=None, **page)
 
 
 @router.get("/playground", name="console.playground")
