@@ -95,6 +95,13 @@ class Settings(BaseSettings):
     # processes use a shared store (e.g. "redis://host:6379", needs the `redis` package) so the limits hold overall.
     rate_limit_storage_uri: str = "memory://"
 
+    # Quotas (0 turns one off); a request beyond one gets 429 naming it. Per project: its fine-tuning jobs not yet
+    # finished (validating, queued, running or paused) and the bytes of its stored files.
+    project_max_concurrent_jobs: int = Field(default=0, ge=0)
+    project_max_stored_bytes: int = Field(default=0, ge=0)
+    # Per key: generations in flight at once, streamed or not (counted by each API server process on its own).
+    key_max_open_streams: int = Field(default=64, ge=0)
+
     # `last_used_at` is written at most this often per key, so authentication stays a read on the hot path.
     key_last_used_resolution_s: float = Field(default=60.0, ge=0)
 

@@ -14,6 +14,7 @@ from server.db.base import utcnow
 from server.db.models import ACTIVE_JOB_STATUSES, File, FineTuningJob, new_id
 from server.errors import Conflict, InvalidRequest, NotFound
 from server.services.access import Principal, Scope
+from server.services.quotas import check_storage
 from server.services.storage import StreamedFile
 from server.settings import Settings
 
@@ -99,6 +100,7 @@ def create_file(
             project_id=owner.project_id,
             status_details=pii_summary,
         )
+        check_storage(session, owner.project_id, upload.size, settings.project_max_stored_bytes)
         session.add(file)
         session.flush()
         stored = upload.commit(file.id)

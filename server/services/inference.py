@@ -39,6 +39,7 @@ from server.errors import APIError, GenerationFailed, InvalidRequest, ServiceUna
 from server.heap import freeze_startup_heap
 from server.services.access import Principal
 from server.services.model_resolution import ServableModel, resolve
+from server.services.quotas import OpenStreams
 from server.settings import Settings
 
 if TYPE_CHECKING:
@@ -163,9 +164,16 @@ class Generation:
     """
 
     def __init__(
-        self, record: _Record, first: ChoiceDelta, deltas: AsyncIterator[ChoiceDelta], n: int, rows: RowWriter
+        self,
+        record: _Record,
+        first: ChoiceDelta,
+        deltas: AsyncIterator[ChoiceDelta],
+        n: int,
+        rows: RowWriter,
+        close_stream: Callable[[], None],
     ) -> None:
         self._record, self._first, self._deltas, self._rows = record, first, deltas, rows
+        self._close_stream = close_stream
         self.n = n
         self._tokens = [0] * n
         self._cached_tokens = 0
@@ -228,6 +236,7 @@ class Generation:
         self._closed = True
         with anyio.CancelScope(shield=True):
             await self._deltas.aclose()
+            self._close_stream()
             await self._rows.execute(INSERT_RECORD, self._record.row())
 
 
@@ -263,6 +272,7 @@ class InferenceService:
     ) -> None:
         """`reads` resolve models, `rows` writes the inference records, `budget` charges each request's tokens."""
         self.settings, self.reads, self.rows, self.budget = settings, reads, rows, budget
+        self.open_streams = OpenStreams(settings.key_max_open_streams)
         self._engine = engine
         self._engine_factory = engine_factory
         self._engine_state: EngineState = "ready" if engine is not None else "not_started"
@@ -340,20 +350,25 @@ class InferenceService:
         key_id = caller.key_id
         record = _Record(key_id, caller.project_id, prompt.endpoint, model)
         try:
-            servable = await self.reads.run(resolve, caller.scope, model)
-            record.model_version_id = servable.version_id
-            prompt_ids, params = await self._prepare(servable, prompt, options)
-            record.prompt_tokens = len(prompt_ids)
-            self.budget.charge_tokens(
-                key_id, len(prompt_ids) + params.max_tokens * params.n, param=options.max_tokens_param
-            )
-            deltas = self.engine.generate(servable.base, prompt_ids, params, adapter=servable.adapter)
-            first = await _first_delta(deltas)
+            close_stream = self.open_streams.open(key_id)
+            try:
+                servable = await self.reads.run(resolve, caller.scope, model)
+                record.model_version_id = servable.version_id
+                prompt_ids, params = await self._prepare(servable, prompt, options)
+                record.prompt_tokens = len(prompt_ids)
+                self.budget.charge_tokens(
+                    key_id, len(prompt_ids) + params.max_tokens * params.n, param=options.max_tokens_param
+                )
+                deltas = self.engine.generate(servable.base, prompt_ids, params, adapter=servable.adapter)
+                first = await _first_delta(deltas)
+            except BaseException:
+                close_stream()
+                raise
         except APIError as error:
             record.status_code = error.status_code
             await self.rows.execute(INSERT_RECORD, record.row())
             raise
-        return Generation(record, first, deltas, options.n, self.rows)
+        return Generation(record, first, deltas, options.n, self.rows, close_stream)
 
     async def _prepare(
         self, servable: ServableModel, prompt: Prompt, options: GenerationOptions

@@ -24,6 +24,7 @@ from server.errors import Conflict, InvalidRequest, NotFound
 from server.services import registry
 from server.services.access import Principal, Scope
 from server.services.model_resolution import find_version
+from server.services.quotas import check_jobs
 
 ORGANIZATION = "zaya"
 # The hyperparameters OpenAI's job object shows; "auto" until a run has chosen them.
@@ -81,13 +82,15 @@ def create_job(
     seed: int | None,
     metadata: dict[str, str] | None,
     devices: int = 1,
+    max_jobs: int = 0,
 ) -> FineTuningJob:
     """Check the files and the base model (as `owner` sees them), then store the job in `owner`'s project in
     `validating_files`: a worker validates its files against the base model (`finish_validation`) and queues it.
-    Commits."""
+    The project may hold `max_jobs` unfinished jobs (0: any number). Commits."""
     base = trainable_base(
         session, owner.scope, model=model, training_file=training_file, validation_file=validation_file
     )
+    check_jobs(session, owner.project_id, max_jobs)
     job = FineTuningJob(
         id=new_id("ftjob-"),
         project_id=owner.project_id,

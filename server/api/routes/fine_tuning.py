@@ -24,6 +24,7 @@ from server.errors import InvalidRequest
 from server.services import jobs as job_service
 from server.services import training
 from server.services.access import Principal
+from server.settings import Settings
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
 
@@ -166,7 +167,7 @@ class CheckpointObject(BaseModel):
 # --- routes -------------------------------------------------------------------------------------------------------
 
 
-def _create(session, body: JobCreate, owner: Principal) -> FineTuningJob:
+def _create(session, settings: Settings, body: JobCreate, owner: Principal) -> FineTuningJob:
     method = body.effective_method()
     training.check_inputs(method, has_validation_file=body.validation_file is not None)
     batch_size = method.hyperparameters.batch_size
@@ -184,12 +185,15 @@ def _create(session, body: JobCreate, owner: Principal) -> FineTuningJob:
         seed=body.seed,
         metadata=body.metadata,
         devices=body.devices,
+        max_jobs=settings.project_max_concurrent_jobs,
     )
 
 
 @router.post("", name="fine_tuning.jobs.create")
-async def create_job(body: JobCreate, request: Request, session: SessionDep, principal: DataDep) -> JobObject:
-    job = await run_in_threadpool(_create, session, body, principal)
+async def create_job(
+    body: JobCreate, request: Request, session: SessionDep, settings: SettingsDep, principal: DataDep
+) -> JobObject:
+    job = await run_in_threadpool(_create, session, settings, body, principal)
     set_audit_target(request, job.id)
     return JobObject.model_validate(job)
 

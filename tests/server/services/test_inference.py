@@ -15,7 +15,7 @@ from server.api.ratelimit import RateLimits
 from server.db.models import DEFAULT_PROJECT_ID, InferenceRecord, ModelVersion, Role
 from server.db.row_writer import RowWriter
 from server.db.session import RequestReads, make_engine
-from server.errors import NotFound, RateLimited
+from server.errors import NotFound, QuotaExceeded, RateLimited
 from server.services.access import Principal
 from server.services.inference import (
     ChatPrompt,
@@ -129,3 +129,34 @@ def test_refusals_come_before_any_output_and_are_recorded(run_with_service, make
         ("no-such-model", 404),
         ("tiny", 429),
     ]
+
+
+def test_a_key_holds_at_most_its_open_streams(run_with_service, make_key, sessions, settings):
+    """Generations in flight count against their key until closed, whether read or not; a refused one is recorded
+    as 429, another key is not affected, and a closed one (finished, or its reader gone) frees its place."""
+    caller, other = analyst(make_key), analyst(make_key)
+    two_streams = settings.model_copy(update={"key_max_open_streams": 2})
+
+    async def scenario(service: InferenceService):
+        held = [await service.start_generation(caller, "tiny", TextPrompt("Case"), greedy(200)) for _ in range(2)]
+        with pytest.raises(QuotaExceeded) as refused:
+            await service.start_generation(caller, "tiny", TextPrompt("Case"), greedy(4))
+        async with await service.start_generation(other, "tiny", TextPrompt("Case"), greedy(4)) as generation:
+            await generation.collect()
+        async with held[0]:
+            await held[0].collect()  # read to the end
+        await held[1].aclose()  # abandoned
+        assert service.open_streams.count(caller.key_id) == 0
+        async with await service.start_generation(caller, "tiny", TextPrompt("Case"), greedy(4)) as generation:
+            await generation.collect()
+        return refused.value
+
+    refused = run_with_service(scenario, two_streams)
+    assert (refused.status_code, refused.code, refused.headers) == (
+        429,
+        "open_streams_quota_exceeded",
+        {"Retry-After": "1"},
+    )
+    assert "ZAYA_KEY_MAX_OPEN_STREAMS = 2" in refused.message
+    statuses = [(record.api_key_id, record.status_code) for record in records(sessions)]
+    assert statuses.count((caller.key_id, 429)) == 1 and (other.key_id, 200) in statuses
