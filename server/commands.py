@@ -28,6 +28,7 @@ def _require_current_schema(engine) -> None:
 
 def _keys_create(args: argparse.Namespace) -> int:
     from server.db.session import make_engine, make_sessionmaker, session_scope
+    from server.services import audit
     from server.services.keys import create_key
     from server.services.projects import find_project
 
@@ -42,6 +43,18 @@ def _keys_create(args: argparse.Namespace) -> int:
                 created = create_key(session, name=args.name, role=args.role, project_id=project.id)
             except ValueError as error:
                 raise CommandError(str(error)) from error
+            # As the API audits `POST /v1/admin/keys`: a key made here has no creating key (`created_by` is null).
+            audit.record(
+                session,
+                actor_key_id=None,
+                project_id=None,
+                action="keys.create",
+                method="CLI",
+                path="zaya keys create",
+                target=created.key.id,
+                status_code=200,
+                client_address=None,
+            )
     finally:
         engine.dispose()
     print(
@@ -106,6 +119,7 @@ def _worker(args: argparse.Namespace) -> int:
     import logging
 
     from server.db.session import make_engine, make_sessionmaker
+    from server.services import workers
     from server.worker import Worker, WorkerConfig, install_signal_handlers
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -125,7 +139,8 @@ def _worker(args: argparse.Namespace) -> int:
         _require_current_schema(engine)
         worker = Worker(settings, make_sessionmaker(engine), config, worker_id=args.worker_id)
         install_signal_handlers(worker)
-        print(f"worker {worker.worker_id} polling {settings.database_url}", flush=True)
+        devices = f"{worker.devices} {workers.DEVICE_NAMES[worker.device_kind]}"
+        print(f"worker {worker.worker_id} ({devices} per job) polling {settings.database_url}", flush=True)
         worker.run_forever(exit_when_idle=args.exit_when_idle)
     finally:
         engine.dispose()

@@ -111,6 +111,10 @@ class Settings(BaseSettings):
     # when several server processes share the traffic or sessions should survive a restart.
     console_secret: SecretStr = SecretStr("")
 
+    # `zaya worker`: the processes one job may train with on its host (`devices`); default: the host's GPUs, else
+    # its usable CPU cores. The API refuses jobs asking for more than any running worker has.
+    worker_devices: int | None = Field(default=None, ge=1)
+
     # Governance of alias moves: a second admin key approves each promotion/rollback (four-eyes), and a promotion
     # whose held-out loss is worse than the current holder's is refused (evaluation gate).
     four_eyes: bool = False

@@ -281,8 +281,10 @@ class Lease:
     attempt: int
 
 
-def claim_next_job(session: Session, *, worker_id: str, lease_seconds: float) -> Lease | None:
-    """Atomically take the oldest queued job, or None. Commits.
+def claim_next_job(
+    session: Session, *, worker_id: str, lease_seconds: float, max_devices: int | None = None
+) -> Lease | None:
+    """Atomically take the oldest queued job (of those on at most `max_devices` devices), or None. Commits.
 
     PostgreSQL: the candidate row is locked with FOR UPDATE SKIP LOCKED, so concurrent workers pick different jobs
     without waiting. SQLite: one UPDATE whose WHERE re-checks `status = 'queued'`; SQLite runs writes one at a
@@ -296,6 +298,8 @@ def claim_next_job(session: Session, *, worker_id: str, lease_seconds: float) ->
         .order_by(FineTuningJob.created_at, FineTuningJob.id)
         .limit(1)
     )
+    if max_devices is not None:
+        oldest_queued = oldest_queued.where(FineTuningJob.devices <= max_devices)
     if session.get_bind().dialect.name == "postgresql":
         job_id = session.scalar(oldest_queued.with_for_update(skip_locked=True))
         if job_id is None:

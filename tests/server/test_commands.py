@@ -51,8 +51,14 @@ def test_keys_are_created_in_a_project_made_first(tmp_path, monkeypatch, capsys,
         assert main(["keys", "create", "--role", "admin", "--name", "ops"]) == 0
         admin = capsys.readouterr().out.strip().splitlines()[-1]
         with TestClient(create_app(Settings())) as client:
-            keys = client.get("/v1/admin/keys", headers={"Authorization": f"Bearer {admin}"}).json()["data"]
+            headers = {"Authorization": f"Bearer {admin}"}
+            keys = client.get("/v1/admin/keys", headers=headers).json()["data"]
+            audit = client.get("/v1/admin/audit", headers=headers).json()["data"]
         assert {key["name"]: key["project_id"] for key in keys} == {"risk team": listed["risk"], "ops": "proj_default"}
+        # Keys made on the command line have no creating key, and are audited as made there.
+        assert {key["created_by"] for key in keys} == {None}
+        made = [(entry["action"], entry["method"], entry["actor_key_id"], entry["target"]) for entry in audit]
+        assert sorted(made) == sorted(("keys.create", "CLI", None, key["id"]) for key in keys)
 
 
 def test_keys_create_refuses_an_unknown_role(capsys):

@@ -22,7 +22,7 @@ from server.api.schemas import ListResponse, RowObject, UnixTime
 from server.db.models import Checkpoint, FineTuningJob, ModelVersion
 from server.errors import InvalidRequest
 from server.services import jobs as job_service
-from server.services import training
+from server.services import training, workers
 from server.services.access import Principal
 from server.settings import Settings
 
@@ -170,6 +170,7 @@ class CheckpointObject(BaseModel):
 def _create(session, settings: Settings, body: JobCreate, owner: Principal) -> FineTuningJob:
     method = body.effective_method()
     training.check_inputs(method, has_validation_file=body.validation_file is not None)
+    workers.check_devices(session, body.devices)
     batch_size = method.hyperparameters.batch_size
     if isinstance(batch_size, int) and batch_size % body.devices:
         message = f"The batch size {batch_size} does not split evenly over {body.devices} devices."
@@ -206,6 +207,7 @@ async def estimate_job(
     /v1/fine_tuning/jobs`); its files are validated against the base model here, at once."""
     method = body.effective_method()
     training.check_inputs(method, has_validation_file=body.validation_file is not None)
+    await run_in_threadpool(workers.check_devices, session, body.devices)
     estimate, job_ids = await run_in_threadpool(
         training.estimate,
         session,
