@@ -1,10 +1,10 @@
 """Before a run: how many tokens it will train and, given a throughput, how long that takes.
 
-Tokens are billed as the trainer counts them (`finetune.trainer`): the dataset's trained tokens (its validation
-report's `n_trained_tokens`, the tokens that carry loss) once per epoch, with "auto" epochs resolved as the run will
-resolve them (`finetune.auto`). A `max_steps` that ends the run before its epochs scales the count by the share of
-steps run. A DPO run also trains the newline the chat template writes after each answer's end of turn (TRL's
-completion is the templated text after the prompt), one token per answer the estimate leaves out.
+Tokens are billed as the trainer counts them (`finetune.checkpointed_training`): the dataset's trained tokens (its
+validation report's `n_trained_tokens`, the tokens that carry loss) once per epoch, with "auto" epochs resolved as
+the run will resolve them (`finetune.auto`). A `max_steps` that ends the run before its epochs scales the count by
+the share of steps run. A DPO run also trains the newline the chat template writes after each answer's end of turn
+(TRL's completion is the templated text after the prompt), one token per answer the estimate leaves out.
 
 The time is the trained tokens over a throughput in trained tokens per second, which comes from one of two places:
 
@@ -126,24 +126,23 @@ def measure_throughput(run: FineTuneRun, tokenizer: Any, batch_size: int, passes
     from zaya_model import ZayaForCausalLM
 
     from .data import IGNORE_INDEX, TokenizedDataset, make_collator, read_examples
-    from .datasets.formats import DatasetFormat
+    from .datasets.formats import DatasetFormat, Example
     from .train import make_lora_config
 
     settings = run.settings
-    examples = []
+    examples: list[Example] = []
     for example in read_examples(run.train_file)[:batch_size]:
         is_pair = example.format is DatasetFormat.PREFERENCE
         examples.extend(example.conversations() if is_pair else (example,))
     packing = getattr(settings.hyperparameters, "packing", True)
-    batch = make_collator(tokenizer, packing)(list(TokenizedDataset(examples, tokenizer)))
+    batch = make_collator(tokenizer, packing)(TokenizedDataset(examples, tokenizer).features)
     n_trained = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
 
     torch.manual_seed(run.seed)
-    model = ZayaForCausalLM.from_pretrained(run.model_dir, dtype=torch.float32)
-    if settings.adapter == "lora":
-        model = get_peft_model(model, make_lora_config(model, settings))
-    if settings.hyperparameters.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    base = ZayaForCausalLM.from_pretrained(run.model_dir, dtype=torch.float32)
+    model = get_peft_model(base, make_lora_config(base, settings)) if settings.adapter == "lora" else base
+    if settings.hyperparameters.gradient_checkpointing:  # PEFT's wrapper would forward the call to `base`
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
 
     def forward_backward() -> None:

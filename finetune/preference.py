@@ -15,12 +15,13 @@ from typing import Any
 
 import torch
 from datasets import Dataset
-from trl import DPOConfig, DPOTrainer
+from trl.trainer.dpo_config import DPOConfig
+from trl.trainer.dpo_trainer import DPOTrainer
 
 from zaya_model import ZayaForCausalLM
 
+from .checkpointed_training import CheckpointedTraining
 from .datasets.formats import Example
-from .trainer import CheckpointedTraining
 
 
 def preference_dataset(examples: list[Example]) -> Dataset:

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -57,6 +58,8 @@ def _tokenize_chat(example: Example, tokenizer: PreTrainedTokenizerBase) -> Toke
     rendered = tokenizer.apply_chat_template(
         messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
     )
+    if not isinstance(rendered, Mapping):  # a BatchEncoding
+        raise TypeError(f"apply_chat_template(return_dict=True) gave a {type(rendered).__name__}")
     input_ids, mask = list(rendered["input_ids"]), list(rendered["assistant_masks"])
     spans = _runs_of_ones(mask)
     weights = [message.get("weight", 1) for message in example.messages if message["role"] == "assistant"]
@@ -84,6 +87,6 @@ def _runs_of_ones(mask: list[int]) -> list[tuple[int, int]]:
 
 def _required_id(tokenizer: PreTrainedTokenizerBase, name: str) -> int:
     token_id = getattr(tokenizer, f"{name}_token_id")
-    if token_id is None:
+    if not isinstance(token_id, int):
         raise TemplateError(f"the tokenizer has no {name} token")
     return token_id

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
-from zaya_model.atomic_io import write_text_atomic
+from zaya_model.training.atomic_io import write_text_atomic
 
 from .synthetic import explain_disposition, generate_cases, generate_chat_examples, render_case_file
 
@@ -26,14 +27,16 @@ def validation_size(n_cases: int) -> int:
     return min(200, max(3, n_cases // 10))
 
 
-def write_sample(directory: str | Path, n_cases: int, *, n_validation: int | None = None, seed: int = 0) -> dict:
+def write_sample(
+    directory: str | Path, n_cases: int, *, n_validation: int | None = None, seed: int = 0
+) -> dict[str, dict[str, Any]]:
     """`train.jsonl` (`n_cases` chats) and `validation.jsonl` in `directory`; returns their paths and sizes."""
     if n_cases < 1:
         raise ValueError("n_cases must be at least 1")
     n_validation = validation_size(n_cases) if n_validation is None else n_validation
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    written = {}
+    written: dict[str, dict[str, Any]] = {}
     for name, n, chat_seed in ((TRAIN_FILE, n_cases, 2 * seed + 1), (VALIDATION_FILE, n_validation, 2 * seed + 2)):
         records = generate_chat_examples(n, seed=chat_seed, tasks=("disposition",))
         path = directory / name

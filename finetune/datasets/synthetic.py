@@ -26,6 +26,7 @@ import datetime
 import random
 import re
 from dataclasses import dataclass
+from typing import Any
 
 DISPOSITIONS = ("CLOSE", "ESCALATE", "SAR")
 TASKS = ("summary", "disposition", "sar_narrative")
@@ -155,7 +156,7 @@ def generate_cases(n: int, seed: int = 0) -> list[Case]:
     return [generate_case(rng, DISPOSITIONS[index % len(DISPOSITIONS)], index) for index in range(n)]
 
 
-def generate_chat_examples(n: int, seed: int = 0, tasks: tuple[str, ...] = TASKS) -> list[dict]:
+def generate_chat_examples(n: int, seed: int = 0, tasks: tuple[str, ...] = TASKS) -> list[dict[str, Any]]:
     """`n` chat examples in the OpenAI fine-tuning format, tasks taken in turn (SAR narratives use SAR cases)."""
     unknown = set(tasks) - set(TASKS)
     if unknown or not tasks:
@@ -169,7 +170,7 @@ def generate_chat_examples(n: int, seed: int = 0, tasks: tuple[str, ...] = TASKS
     return examples
 
 
-def case_to_chat(case: Case, task: str) -> dict:
+def case_to_chat(case: Case, task: str) -> dict[str, Any]:
     answers = {"summary": summarise_case, "disposition": explain_disposition, "sar_narrative": draft_sar_narrative}
     if task not in answers:
         raise ValueError(f"unknown task {task!r} (expected one of {', '.join(TASKS)})")

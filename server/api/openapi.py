@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
 
-from server.api.completion_schemas import STREAMED_CHUNKS
+from server.api.inference.responses import STREAMED_CHUNKS
 from server.api.middleware import PUBLIC_PATHS
 
 ERROR_SCHEMA = {
@@ -70,4 +70,4 @@ def install_openapi(app: FastAPI) -> None:
             app.openapi_schema = build_schema(app)
         return app.openapi_schema
 
-    app.openapi = openapi
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to replace the schema

@@ -210,11 +210,17 @@ def audit_page(
     }
     page = {"filters": filters, **_projects(session)}
     try:
-        bounds = {name: _moment(name, filters[name]) for name in ("since", "until")}
+        since_moment, until_moment = _moment("since", filters["since"]), _moment("until", filters["until"])
     except InvalidRequest as error:
         return render(request, "audit.html", principal, 400, entries=[], error=error.message, **page)
     entries = audit_service.list_entries(
-        session, scope, actor=filters["actor"] or None, action=filters["action"] or None, limit=200, **bounds
+        session,
+        scope,
+        actor=filters["actor"] or None,
+        action=filters["action"] or None,
+        since=since_moment,
+        until=until_moment,
+        limit=200,
     )
     return render(request, "audit.html", principal, entries=entries, error=None, **page)
 

@@ -27,33 +27,44 @@ import asyncio
 import logging
 import queue
 import threading
-from collections import OrderedDict, deque
-from collections.abc import AsyncIterator
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from server.engines.base import (
     ChoiceDelta,
+    DeltaQueue,
     Engine,
     EngineError,
+    EngineFailure,
     EngineOverloaded,
+    EngineUnavailable,
+    LoadedModels,
     ModelLoadError,
     ModelRef,
     SamplingParams,
     TokenLogprob,
+    end_of_sequence_ids,
 )
-from server.engines.detokenizer import StopStringDetokenizer
-from server.engines.model_files import end_of_sequence_ids, load_model_config, load_model_tokenizer
-from server.engines.sampling import choice_generator, sample_token
+from server.engines.output import ChoiceOutput
+from server.engines.sampling import TokenSampler, choice_generator
 from server.engines.threads import on_own_thread
 from server.settings import LocalEngineSettings
-from zaya_model import ZayaConfig, ZayaForCausalLM
+from zaya_model import ZayaForCausalLM
 from zaya_model.cache_zaya import ZayaCache
 from zaya_model.cpu.decode import CompiledDecoder, StaticDecodeCache, capacity_for
+from zaya_model.pretrain.tokenizer import decode_text
 
 logger = logging.getLogger(__name__)
+
+# A request that met its model being unloaded finds it loaded again on retry.
+MODEL_UNLOADED = "The model was unloaded; retry shortly."
+UNLOADED_RETRY_AFTER_S = 1
+PROMPT_SCORING_CHUNK = 256  # prompt positions whose logits are computed at once for prompt logprobs
 
 
 @dataclass
@@ -61,7 +72,7 @@ class _Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
-    deltas: asyncio.Queue = field(default_factory=asyncio.Queue)
+    deltas: DeltaQueue
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def send(self, item: ChoiceDelta | BaseException) -> None:
@@ -73,13 +84,13 @@ class _Sequence:
     """One choice of a request: one row of the batch."""
 
     request: _Request
-    index: int
-    detokenizer: StopStringDetokenizer
-    generator: torch.Generator
+    output: ChoiceOutput
+    sampler: TokenSampler
     next_token: int = -1
-    generated: int = 0
-    finished: bool = False
-    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.output.finished
 
 
 @dataclass
@@ -200,7 +211,7 @@ class _Scheduler:
     def submit(self, request: _Request) -> None:
         with self.waiting_lock:
             if self.closing:
-                raise EngineError("The model was unloaded.")
+                raise EngineUnavailable(MODEL_UNLOADED, retry_after_s=UNLOADED_RETRY_AFTER_S)
             # Room now in the batch plus the queue bound; read racily from the event loop, which is close enough.
             capacity = max(self.settings.max_batch_size - len(self.rows), 0) + self.settings.max_queued_requests
             if self.waiting >= capacity:
@@ -234,11 +245,11 @@ class _Scheduler:
                 self._drop_finished()
         except Exception as error:  # a failed forward fails its batch, never the engine
             logger.exception("local engine step failed")
-            self._fail_all(EngineError(f"Generation failed: {error}"))
+            self._fail_all(EngineFailure(f"Generation failed: {error}"))
         return bool(self.rows or self.backlog)
 
     def retire(self) -> None:
-        self._fail_all(EngineError("The model was unloaded."))
+        self._fail_all(EngineUnavailable(MODEL_UNLOADED, retry_after_s=UNLOADED_RETRY_AFTER_S))
         self.closed.set()
 
     def _take_waiting(self) -> list[_Request]:
@@ -260,32 +271,56 @@ class _Scheduler:
         return admitted
 
     def _prefill(self, requests: list[_Request]) -> None:
-        rows = [
-            _Sequence(
-                request=request,
-                index=index,
-                detokenizer=StopStringDetokenizer(self.tokenizer, request.params.stop),
-                generator=choice_generator(request.params.seed, index),
-            )
-            for request in requests
-            for index in range(request.params.n)
-        ]
-        width = max(len(row.request.prompt_token_ids) for row in rows)
-        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, row in enumerate(rows):
-            prompt = row.request.prompt_token_ids
+        width = max(len(request.prompt_token_ids) for request in requests)
+        input_ids = torch.full((len(requests), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(requests), width), dtype=torch.long)
+        for i, request in enumerate(requests):
+            prompt = request.prompt_token_ids
             input_ids[i, width - len(prompt) :] = torch.tensor(prompt)
             mask[i, width - len(prompt) :] = 1
-        output = self.model(
+        # One row per request: its n choices share the prompt, so their cache rows are copies of that row's.
+        output = self.model.model(
             input_ids=input_ids,
             attention_mask=mask,
             position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
             use_cache=True,
-            logits_to_keep=1,
         )
-        self._merge(rows, output.past_key_values, mask)
-        self._sample(rows, output.logits[:, -1])
+        hidden = output.last_hidden_state
+        rows = [row for i, request in enumerate(requests) for row in self._choices(request, hidden[i])]
+        choices = torch.tensor([i for i, request in enumerate(requests) for _ in range(request.params.n)])
+        cache = output.past_key_values
+        for layer in cache.layers:
+            layer.batch_select_indices(choices)
+        self._merge(rows, cache, mask[choices])
+        for row in rows:
+            if row.request.params.max_tokens == 0:  # the prompt scored, nothing to generate
+                row.output.end("length")
+                self._send(row)
+        self._sample(rows, self.model.lm_head(hidden[choices, -1]))
+
+    def _choices(self, request: _Request, hidden: torch.Tensor) -> list[_Sequence]:
+        """The request's rows, one per choice; `hidden`: its prefilled row's last hidden states (left-padded)."""
+        params, prompt = request.params, request.prompt_token_ids
+        scored = None
+        if params.prompt_logprobs is not None:
+            scored = self._score_prompt(hidden[hidden.shape[0] - len(prompt) :], prompt, params.prompt_logprobs)
+        return [
+            _Sequence(
+                request,
+                ChoiceOutput(index, self.tokenizer, params, self.end_ids, scored),
+                TokenSampler(params, prompt, self.end_ids, choice_generator(params.seed, index)),
+            )
+            for index in range(params.n)
+        ]
+
+    def _score_prompt(self, hidden: torch.Tensor, prompt: list[int], top: int) -> list[TokenLogprob]:
+        """Each prompt token's logprob given the tokens before it (`hidden`: the prompt's last hidden states)."""
+        entries = [TokenLogprob(decode_text(self.tokenizer, [prompt[0]]), None)]
+        for start in range(0, len(prompt) - 1, PROMPT_SCORING_CHUNK):
+            logits = self.model.lm_head(hidden[start : start + PROMPT_SCORING_CHUNK])
+            targets = prompt[start + 1 : start + 1 + PROMPT_SCORING_CHUNK]
+            entries += [self._logprob(row, token, top) for row, token in zip(logits, targets, strict=False)]
+        return entries
 
     def _decode_step(self) -> None:
         input_ids = torch.tensor([[row.next_token] for row in self.rows])
@@ -333,44 +368,30 @@ class _Scheduler:
 
     def _sample(self, rows: list[_Sequence], logits: torch.Tensor) -> None:
         for row, row_logits in zip(rows, logits, strict=True):
+            if row.finished:
+                continue
             params = row.request.params
-            token = sample_token(row_logits, params, row.generator)
-            row.generated += 1
-            row.next_token = token
+            token = row.next_token = row.sampler(row_logits)
             self.stats.decoded_tokens += 1
-            text, finish = "", None
-            if token in self.end_ids and not params.ignore_eos:
-                text, finish = row.detokenizer.flush(), "stop"
-            else:
-                if params.logprobs:
-                    row.pending_logprobs.append(self._logprob(row_logits, token, params.top_logprobs))
-                text = row.detokenizer.add(token)
-                if row.detokenizer.stopped:
-                    finish = "stop"
-                elif row.generated >= params.max_tokens:
-                    text, finish = text + row.detokenizer.flush(), "length"
-            if text or finish:
-                row.request.send(
-                    ChoiceDelta(
-                        index=row.index,
-                        text=text,
-                        logprobs=row.pending_logprobs,
-                        finish_reason=finish,
-                        completion_tokens=row.generated,
-                    )
-                )
-                row.pending_logprobs = []
-            row.finished = finish is not None
+            row.output.add(token, self._logprob(row_logits, token, params.top_logprobs) if params.logprobs else None)
+            self._send(row)
+
+    def _send(self, row: _Sequence) -> None:
+        delta = row.output.take()
+        if delta is not None:
+            row.request.send(delta)
 
     def _logprob(self, logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+        """The model's own logprob of `token` given next-token `logits`, with the `top` best alternatives."""
         logprobs = torch.log_softmax(logits.float(), dim=-1)
-        alternatives = ()
+        alternatives: tuple[tuple[str, float], ...] = ()
         if top:
             values, ids = logprobs.topk(top)
             alternatives = tuple(
-                (self.tokenizer.decode([i]), float(v)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)
+                (decode_text(self.tokenizer, [i]), float(v)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)
             )
-        return TokenLogprob(token=self.tokenizer.decode([token]), logprob=float(logprobs[token]), top=alternatives)
+        token_text = decode_text(self.tokenizer, [token])
+        return TokenLogprob(token=token_text, logprob=float(logprobs[token]), top=alternatives)
 
     def _merge(self, rows: list[_Sequence], cache: ZayaCache, mask: torch.Tensor) -> None:
         """Append prefilled rows to the running batch, left-padding the shorter cache to a common length."""
@@ -462,12 +483,15 @@ class LocalEngine(Engine):
     name = "local"
 
     def __init__(self, settings: LocalEngineSettings | None = None) -> None:
+        super().__init__()
         self.settings = settings or LocalEngineSettings()
-        self._loaded: OrderedDict[str, _Loaded] = OrderedDict()  # by served version id, least recently used first
-        self._tokenizers: dict[str, PreTrainedTokenizerBase] = {}
-        self._configs: dict[str, ZayaConfig] = {}
+        self._loaded: LoadedModels[_Loaded] = LoadedModels()  # by served version id
         self._locks: dict[str, asyncio.Lock] = {}
         self._compute: _ComputeThread | None = None  # started with the first model
+
+    @property
+    def max_choices(self) -> int:
+        return self.settings.max_batch_size
 
     # --- loading --------------------------------------------------------------------------------------------
     async def load_model(self, model: ModelRef) -> None:
@@ -480,21 +504,10 @@ class LocalEngine(Engine):
         for served_id, loaded in list(self._loaded.items()):
             if served_id == version_id or loaded.base_version_id == version_id:
                 await self._unload(served_id)
-        self._tokenizers.pop(version_id, None)
-        self._configs.pop(version_id, None)
+        self._forget(version_id)
 
     async def unload_adapter(self, version_id: str) -> None:
         await self._unload(version_id)
-
-    async def tokenizer(self, model: ModelRef) -> PreTrainedTokenizerBase:
-        if model.version_id not in self._tokenizers:
-            self._tokenizers[model.version_id] = await asyncio.to_thread(load_model_tokenizer, model)
-        return self._tokenizers[model.version_id]
-
-    async def context_length(self, model: ModelRef) -> int:
-        if model.version_id not in self._configs:
-            self._configs[model.version_id] = await asyncio.to_thread(load_model_config, model)
-        return self._configs[model.version_id].max_position_embeddings
 
     async def _ensure_loaded(self, base: ModelRef, adapter: ModelRef | None) -> _Scheduler:
         served = adapter or base
@@ -503,21 +516,15 @@ class LocalEngine(Engine):
             if served.version_id not in self._loaded:
                 tokenizer = await self.tokenizer(base)
                 model = await on_own_thread(_load_weights, base, adapter)
-                await self._make_room()
+                await self._loaded.make_room(
+                    self.settings.max_loaded_models, lambda loaded: loaded.scheduler.busy, self._unload
+                )
                 if self._compute is None:
                     self._compute = _ComputeThread()
                 scheduler = _Scheduler(model, tokenizer, self.settings, self._compute.wake)
                 self._compute.add(scheduler)
                 self._loaded[served.version_id] = _Loaded(scheduler, base.version_id)
-            self._loaded.move_to_end(served.version_id)
-            return self._loaded[served.version_id].scheduler
-
-    async def _make_room(self) -> None:
-        while len(self._loaded) >= self.settings.max_loaded_models:
-            idle = next((key for key, loaded in self._loaded.items() if not loaded.scheduler.busy), None)
-            if idle is None:
-                raise EngineOverloaded("Every loaded model is busy; retry shortly.")
-            await self._unload(idle)
+            return self._loaded.use(served.version_id).scheduler
 
     async def _unload(self, served_id: str) -> None:
         loaded = self._loaded.pop(served_id, None)
@@ -529,39 +536,26 @@ class LocalEngine(Engine):
                 await asyncio.to_thread(loaded.scheduler.compiled.stop, 600)
 
     # --- generation -----------------------------------------------------------------------------------------
-    async def generate(
+    async def _submit(
         self,
         model: ModelRef,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        *,
-        adapter: ModelRef | None = None,
-    ) -> AsyncIterator[ChoiceDelta]:
-        if params.n > self.settings.max_batch_size:
-            raise EngineError(f"n must be at most {self.settings.max_batch_size} on this engine.", param="n")
-        if len(prompt_token_ids) + params.max_tokens > await self.context_length(model):
-            raise EngineError("The prompt plus max_tokens exceed the model's context length.", param="max_tokens")
+        adapter: ModelRef | None,
+        deltas: DeltaQueue,
+    ) -> Callable[[], None]:
         scheduler = await self._ensure_loaded(model, adapter)
-        request = _Request(list(prompt_token_ids), params, asyncio.get_running_loop())
+        request = _Request(list(prompt_token_ids), params, asyncio.get_running_loop(), deltas)
         scheduler.submit(request)
-        try:
-            remaining = params.n
-            while remaining:
-                delta = await request.deltas.get()
-                if isinstance(delta, BaseException):
-                    raise delta
-                remaining -= delta.finish_reason is not None
-                yield delta
-        finally:
-            # Client gone, consumer closed the stream, or done: the scheduler drops the rows at its next step.
-            request.cancelled.set()
+        # The scheduler drops a cancelled request's rows at its next step.
+        return request.cancelled.set
 
     def stats(self, version_id: str) -> SchedulerStats | None:
         """Counters of the scheduler serving `version_id` (tests and metrics)."""
         loaded = self._loaded.get(version_id)
         return loaded.scheduler.stats if loaded else None
 
-    def health(self) -> dict:
+    def health(self) -> dict[str, Any]:
         """`status` is "warming" while any loaded model's decode steps are being compiled (requests are served
         meanwhile, eagerly for batch sizes not yet compiled), else "ok"."""
         compiled = {
@@ -599,7 +593,8 @@ def _load_weights(base: ModelRef, adapter: ModelRef | None) -> ZayaForCausalLM:
             raise ModelLoadError(f"Model version {base.version_id} could not be loaded: {error}") from error
         if adapter is not None:
             model = _merge_adapter(model, adapter)
-    return model.eval()
+    model.eval()
+    return model
 
 
 def _merge_adapter(model: ZayaForCausalLM, adapter: ModelRef) -> ZayaForCausalLM:
@@ -614,4 +609,6 @@ def _merge_adapter(model: ZayaForCausalLM, adapter: ModelRef) -> ZayaForCausalLM
         raise ModelLoadError(
             f"Adapter version {adapter.version_id} cannot be applied to its base model: {error}"
         ) from error
+    if not isinstance(merged, ZayaForCausalLM):  # merging gives the base model back, with the adapter folded in
+        raise ModelLoadError(f"Merging adapter version {adapter.version_id} gave a {type(merged).__name__}.")
     return merged

@@ -16,21 +16,14 @@ from server.errors import InvalidRequest
 
 
 def prepare_adapter(adapter_dir: Path, base_dir: Path) -> None:
-    from finetune.artifacts import atomic_directory
-    from zaya_model.vllm_plugin.adapters import (
-        AdapterError,
-        check_adapter,
-        merge_expert_adapter,
-        merged_checkpoint,
-        trains_experts,
-    )
+    from server.engines.base import write_merged_checkpoint
+    from zaya_model.vllm_plugin.adapters import AdapterError, check_adapter, trains_experts
 
     try:
         if not trains_experts(adapter_dir):
             check_adapter(adapter_dir, base_dir)
             return
-        with atomic_directory(merged_checkpoint(adapter_dir)) as staging:
-            merge_expert_adapter(adapter_dir, base_dir, staging)
+        write_merged_checkpoint(adapter_dir, base_dir)
     except AdapterError as error:
         raise InvalidRequest(f"This adapter cannot be served: {error}", param="path") from error
     except OSError as error:

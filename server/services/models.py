@@ -38,7 +38,7 @@ def list_model_ids(session: Session, scope: Scope) -> list[tuple[str, datetime]]
             scope.version_usable(),
         )
     )
-    entries.update({name: finished for name, finished in fine_tuned if finished is not None})
+    entries.update({name: finished for name, finished in fine_tuned if name is not None and finished is not None})
     return sorted(entries.items())
 
 

@@ -34,14 +34,14 @@ def check_jobs(session: Session, project_id: str, limit: int) -> None:
     if not limit:
         return
     _lock_project(session, project_id)
-    active = session.scalar(
+    active = session.execute(
         select(func.count())
         .select_from(FineTuningJob)
         .where(
             FineTuningJob.project_id == project_id,
             FineTuningJob.status.in_([status.value for status in ACTIVE_JOB_STATUSES]),
         )
-    )
+    ).scalar_one()
     if active >= limit:
         raise QuotaExceeded(
             f"The project has {active} unfinished fine-tuning jobs, its quota (ZAYA_PROJECT_MAX_CONCURRENT_JOBS = "
@@ -55,9 +55,9 @@ def check_storage(session: Session, project_id: str, new_bytes: int, limit: int)
     if not limit:
         return
     _lock_project(session, project_id)
-    stored = session.scalar(
+    stored = session.execute(
         select(func.coalesce(func.sum(File.bytes), 0)).where(File.project_id == project_id, File.deleted_at.is_(None))
-    )
+    ).scalar_one()
     if stored + new_bytes > limit:
         raise QuotaExceeded(
             f"The project stores {stored} bytes of files; {new_bytes} more would pass its quota "

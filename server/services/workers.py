@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 
 from server.db.base import utcnow
 from server.db.models import RegisteredWorker
+from server.db.session import matched_rows
 from server.errors import InvalidRequest
 
 REFRESH = timedelta(seconds=30)
@@ -34,7 +35,7 @@ def announce(session: Session, worker_id: str, *, devices: int, device_kind: str
     """Record that the worker is running, with its devices. Commits."""
     values = {"devices": devices, "device_kind": device_kind, "seen_at": utcnow()}
     updated = session.execute(update(RegisteredWorker).where(RegisteredWorker.id == worker_id).values(**values))
-    if updated.rowcount == 0:
+    if matched_rows(updated) == 0:
         session.add(RegisteredWorker(id=worker_id, **values))
     session.commit()
 

@@ -68,11 +68,13 @@ def create_job(client, team: Team, training_file: str, model: str = "zaya") -> s
 
 
 def finish_job(sessions, job_id: str, output_dir) -> str:
-    """Run the job's queue steps as a worker does, its output being `output_dir`: its model version is registered."""
+    """Run the job's queue steps as a worker does, its checkpoint at step 2 and its output being `output_dir`: its
+    model version is registered."""
     with sessions() as session:
         assert jobs.finish_validation(session, job_id, None)
         lease = jobs.claim_next_job(session, worker_id="test-worker", lease_seconds=60)
         assert lease is not None and lease.job_id == job_id
+        jobs.record_checkpoint(session, lease, step=2, path=str(output_dir), metrics=None)
         jobs.finish_succeeded(session, lease, output_dir=str(output_dir), metrics=None, trained_tokens=10)
         return jobs.get_job(session, Scope.everything(), job_id).fine_tuned_model
 
@@ -172,14 +174,20 @@ def test_another_projects_fine_tuned_model_cannot_be_used_or_listed(
 
     # Fraud's keys (every role but admin) get the answer an unknown model gets, in every form of its name.
     inference = {"/v1/chat/completions": CHAT, "/v1/completions": {"prompt": "Case", "max_tokens": 2}}
-    forms = ((tuned, tuned[:-4] + "beef"), (f"{tuned}@{version['id']}", f"{tuned}@{missing_id('mv-')}"))
+    forms = (
+        (tuned, tuned[:-4] + "beef"),
+        (f"{tuned}@{version['id']}", f"{tuned}@{missing_id('mv-')}"),
+        (f"{tuned}:ckpt-step-2", f"{tuned}:ckpt-step-3"),  # its job's checkpoint
+    )
     for role in (Role.analyst, Role.data):
         headers = fraud.headers(role)
         assert tuned not in [model["id"] for model in client.get("/v1/models", headers=headers).json()["data"]]
         for name, missing in forms:
             for url, body in inference.items():
                 assert same_answer(client, headers, "POST", name, missing, url=url, json={"model": "{}", **body}) == 404
-            assert same_answer(client, headers, "GET", name, missing, url="/v1/models/{}") == 404
+            if "ckpt" not in name:
+                assert same_answer(client, headers, "GET", name, missing, url="/v1/models/{}") == 404
+            assert same_answer(client, headers, "GET", name, missing, url="/v1/models/{}/tokenizer") == 404
     # Nor can they fine-tune it further.
     body = {"model": "{}", "training_file": upload(client, fraud, valid_dataset)}
     headers = fraud.headers(Role.data)
@@ -187,8 +195,9 @@ def test_another_projects_fine_tuned_model_cannot_be_used_or_listed(
         same_answer(client, headers, "POST", tuned, tuned[:-4] + "beef", url="/v1/fine_tuning/jobs", json=body) == 404
     )
 
-    answered = client.post("/v1/chat/completions", headers=risk.headers(Role.analyst), json={"model": tuned, **CHAT})
-    assert answered.status_code == 200, answered.text
+    for name in (tuned, f"{tuned}:ckpt-step-2"):
+        answered = client.post("/v1/chat/completions", headers=risk.headers(Role.analyst), json={"model": name, **CHAT})
+        assert answered.status_code == 200, answered.text
     assert client.post("/v1/chat/completions", headers=auth("admin"), json={"model": tuned, **CHAT}).status_code == 200
 
     # Every inference record belongs to its key's project, refused ones too.

@@ -14,7 +14,7 @@ from sqlalchemy import event, select
 from transformers import AutoTokenizer
 
 from finetune.bootstrap import build_tiny_model
-from server.api.completion_schemas import ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk
+from server.api.inference.responses import ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk
 from server.db.models import (
     DEFAULT_PROJECT_ID,
     AuditLog,
@@ -25,7 +25,7 @@ from server.db.models import (
     ModelAlias,
     ModelVersion,
 )
-from server.engines.model_files import end_of_sequence_ids
+from server.engines.base import end_of_sequence_ids
 from zaya_model import ZayaForCausalLM
 
 MESSAGES = [{"role": "user", "content": "Summarise case CASE-7 for the investigations queue."}]
@@ -297,6 +297,7 @@ def test_model_strings_resolve_by_alias_version_and_fine_tuned_name(client, sess
         session.add(training_file)
         session.flush()
         job = FineTuningJob(
+            id="ftjob-1",  # a fine-tuned model's name ends with its job's id
             model="zaya-tiny",
             training_file_id=training_file.id,
             project_id=DEFAULT_PROJECT_ID,
@@ -372,9 +373,18 @@ def test_bad_parameters_are_400_naming_the_parameter(live_server, keys, version_
 
 def test_bad_completion_prompts_are_400(live_server, keys, version_id):
     headers = {"Authorization": f"Bearer {keys['analyst']}"}
-    for prompt in (["one", "two"], [10**7], "", []):
+    for prompt, n in (
+        (["one", ""], 1),
+        ([[3], []], 1),
+        ([[3], [10**7]], 1),
+        (["case"] * 65, 1),
+        (["case"] * 5, 13),  # 65 choices
+        ([10**7], 1),
+        ("", 1),
+        ([], 1),
+    ):
         response = httpx.post(
-            f"{live_server}/v1/completions", json={"model": "zaya-tiny", "prompt": prompt}, headers=headers
+            f"{live_server}/v1/completions", json={"model": "zaya-tiny", "prompt": prompt, "n": n}, headers=headers
         )
         assert response.status_code == 400, (prompt, response.text)
         assert response.json()["error"]["param"] == "prompt"

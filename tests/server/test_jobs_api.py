@@ -8,9 +8,9 @@ import openai
 import pytest
 
 from server.db.models import DEFAULT_PROJECT_ID, Checkpoint, File, FineTuningJob, JobEvent
+from server.jobs.worker import Worker, WorkerConfig
 from server.services import registry
 from server.services.access import Scope
-from server.worker import Worker, WorkerConfig
 
 
 @pytest.fixture

@@ -7,30 +7,36 @@ Greedy answers must equal `zaya_model`'s `generate()` token for token (HF + PEFT
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import openai
 import psutil  # a vLLM dependency
 import pytest
+import torch
 import uvicorn
+from sampling_reference import OpenAIPenalties
 from sqlalchemy import select
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, LogitsProcessorList
 from vllm_helpers import ENGINE_ENV, build_adapter, build_checkpoint, hf_greedy, random_prompts
 
+from server.api.inference.protocol import CompletionRequest
 from server.app import create_app
 from server.db.migrations import upgrade
 from server.db.models import InferenceRecord
 from server.db.session import make_engine, make_sessionmaker, session_scope
-from server.engines.model_files import end_of_sequence_ids
+from server.engines.base import ModelRef, end_of_sequence_ids
+from server.engines.local import LocalEngine
 from server.services import registry
 from server.services.keys import create_key
-from server.settings import Settings
+from server.settings import LocalEngineSettings, Settings
 
 pytestmark = pytest.mark.slow
 
@@ -62,6 +68,7 @@ class Stack:
     models: dict  # served model name -> HF (or HF + PEFT) model
     app: object
     process_cores: list[int]  # this process's cores before the engine started
+    checkpoint: Path  # the base model's directory
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.key, max_retries=0, timeout=600)
@@ -117,7 +124,8 @@ def stack(tmp_path_factory):
             assert thread.is_alive() and time.monotonic() < deadline, "uvicorn or the engine did not start"
             time.sleep(0.05)
         tokenizer = AutoTokenizer.from_pretrained(base)
-        yield Stack(f"http://127.0.0.1:{sock.getsockname()[1]}", key, tokenizer, models, app, sorted(process_cores))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        yield Stack(url, key, tokenizer, models, app, sorted(process_cores), base)
         server.should_exit = True  # the lifespan closes the engine (vLLM's engine process stops)
         thread.join(timeout=60)
         sock.close()
@@ -339,3 +347,131 @@ def last_record(stack):
                 InferenceRecord.requested_model == "zaya-v", InferenceRecord.prompt_tokens == 2
             )
         ).first()
+
+
+# --- sampling adjustments and scoring, against transformers and the local engine ---------------------------------
+
+ADJUSTMENTS = {
+    "plain": ({}, {}),
+    "favoured": ({"logit_bias": {"77": 100}}, {"sequence_bias": {(77,): 100.0}}),
+    "frequency": ({"frequency_penalty": 2.0}, {"penalties": (2.0, 0.0)}),
+    "presence": ({"presence_penalty": 2.0}, {"penalties": (0.0, 2.0)}),
+    "repetition": ({"repetition_penalty": 2.0}, {"repetition_penalty": 2.0}),
+    # Only the most likely token stays: sampling at any temperature is greedy.
+    "top_k_1": ({"temperature": 1.5, "top_k": 1, "seed": 7}, {}),
+}
+
+
+def adjusted_reference(model, prompt: list[int], max_tokens: int, reference: dict, **generate) -> list[int]:
+    """transformers' greedy tokens with the adjustment (OpenAI's penalties: `sampling_reference.OpenAIPenalties`)."""
+    reference = dict(reference)
+    if "penalties" in reference:
+        penalties = OpenAIPenalties(len(prompt), *reference.pop("penalties"))
+        reference["logits_processor"] = LogitsProcessorList([penalties])
+    return hf_greedy(model, prompt, max_tokens, **reference, **generate)[0]
+
+
+def local_engine_tokens(checkpoint: Path, prompt: list[int], requests: list[CompletionRequest]) -> list[list[str]]:
+    """The local engine's tokens (as text) for the same requests, converted as the API converts them, batched."""
+
+    async def tokens(engine, request):
+        params = request.to_sampling_params(room=256)
+        stream = engine.generate(ModelRef("local", checkpoint), prompt, params)
+        return [entry.token async for delta in stream for entry in delta.logprobs]
+
+    async def main():
+        engine = LocalEngine(LocalEngineSettings(compile=False))
+        try:
+            return await asyncio.gather(*(tokens(engine, request) for request in requests))
+        finally:
+            await engine.close()
+
+    return asyncio.run(main())
+
+
+def test_sampling_adjustments_equal_transformers_and_the_local_engine(stack):
+    """Greedy (and top-k 1) answers under each adjustment are transformers' `generate()` with the same adjustment,
+    token for token, on both engines; each adjustment changes the answer."""
+    headers = {"Authorization": f"Bearer {stack.key}"}
+    prompt = random_prompts([6], len(stack.tokenizer), seed=51)[0]
+    max_tokens = 16
+    base = {"model": "zaya-v", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    bodies = {name: {**base, "logprobs": 0, **fields} for name, (fields, _) in ADJUSTMENTS.items()}
+    answers = in_parallel(
+        [
+            lambda b=body: httpx.post(f"{stack.url}/v1/completions", json=b, headers=headers, timeout=120).json()
+            for body in bodies.values()
+        ]
+    )
+    served = {name: answer["choices"][0]["logprobs"]["tokens"] for name, answer in zip(bodies, answers, strict=True)}
+    requests = [CompletionRequest(**body) for body in bodies.values()]
+    local = dict(zip(bodies, local_engine_tokens(stack.checkpoint, prompt, requests), strict=True))
+    for name, (_, reference) in ADJUSTMENTS.items():
+        expected = adjusted_reference(stack.models["zaya-v"], prompt, max_tokens, reference)
+        assert served[name] == [stack.tokenizer.decode([token]) for token in expected] == local[name], name
+    assert len(set(served["plain"])) < max_tokens  # repeats: the penalties have something to act on
+    assert served["favoured"] == [stack.tokenizer.decode([77])] * max_tokens
+    for name in ("frequency", "presence", "repetition"):
+        assert served[name] != served["plain"], name
+    assert served["top_k_1"] == served["plain"]
+
+
+def test_min_tokens_holds_back_the_end_of_sequence(stack):
+    """An end of sequence forced by logit_bias ends the choice only after min_tokens tokens, on both engines."""
+    prompt = random_prompts([6], len(stack.tokenizer), seed=52)[0]
+    end_ids = sorted(end_of_sequence_ids(stack.tokenizer))
+    reference = {"sequence_bias": {(end_ids[0],): 100.0}}
+    expected = adjusted_reference(stack.models["zaya-v"], prompt, 24, reference, min_new_tokens=5, eos_token_id=end_ids)
+    assert len(expected) == 6 and expected[-1] == end_ids[0]
+    body = {
+        "model": "zaya-v",
+        "prompt": prompt,
+        "max_tokens": 24,
+        "temperature": 0,
+        "logprobs": 0,
+        "min_tokens": 5,
+        "logit_bias": {str(end_ids[0]): 100},
+    }
+    response = httpx.post(f"{stack.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {stack.key}"})
+    answer = response.json()
+    assert (answer["usage"]["completion_tokens"], answer["choices"][0]["finish_reason"]) == (6, "stop")
+    shown = [stack.tokenizer.decode([token]) for token in expected[:-1]]  # the end of sequence is not shown
+    assert answer["choices"][0]["logprobs"]["tokens"] == shown
+    assert local_engine_tokens(stack.checkpoint, prompt, [CompletionRequest(**body)]) == [shown]
+
+
+def test_loglikelihoods_through_the_api_equal_the_models_own(stack):
+    """lm-evaluation-harness's `local-completions` loglikelihood request (token-id prompts, echo, logprobs 1,
+    max_tokens 1), and echo with max_tokens 0: each prompt token's logprob is the model's own."""
+    headers = {"Authorization": f"Bearer {stack.key}"}
+    prompts = random_prompts([12, 40], len(stack.tokenizer), seed=61)
+    lm_eval = {
+        "model": "zaya-v",
+        "prompt": prompts,
+        "temperature": 0,
+        "max_tokens": 1,
+        "logprobs": 1,
+        "seed": 1234,
+        "echo": True,
+    }
+    scored = {"model": "zaya-v", "prompt": prompts[1], "max_tokens": 0, "logprobs": 0, "echo": True}
+    answers = [
+        httpx.post(f"{stack.url}/v1/completions", json=body, headers=headers, timeout=120).json()
+        for body in (lm_eval, scored)
+    ]
+    model = stack.models["zaya-v"]
+    choices = [*sorted(answers[0]["choices"], key=lambda choice: choice["index"]), answers[1]["choices"][0]]
+    for choice, prompt, generated in zip(choices, [*prompts, prompts[1]], (1, 1, 0), strict=True):
+        logprobs = choice["logprobs"]
+        assert len(logprobs["tokens"]) == len(prompt) + generated
+        assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt])).logits[0, :-1].float()
+        expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(prompt[1:])[:, None])[:, 0]
+        assert logprobs["token_logprobs"][1 : len(prompt)] == pytest.approx(expected.tolist(), abs=1e-4)
+        for token, logprob, top in zip(
+            logprobs["tokens"][1:], logprobs["token_logprobs"][1:], logprobs["top_logprobs"][1:], strict=True
+        ):
+            assert top[token] == logprob
+    assert answers[0]["usage"]["completion_tokens"] == 2 and answers[1]["usage"]["completion_tokens"] == 0
+    assert answers[1]["choices"][0]["text"] == stack.tokenizer.decode(prompts[1])

@@ -17,9 +17,14 @@ so it is context only. Encoding plain text adds no special tokens: callers that 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
 
 BOS_TOKEN = "<|startoftext|>"
 EOS_TOKEN = "<|endoftext|>"
@@ -96,9 +101,19 @@ def train_tokenizer(
 def end_of_turn_token_id(tokenizer: PreTrainedTokenizerFast) -> int:
     """Id of `<|im_end|>`; raises if the tokenizer was not built by `train_tokenizer` (or lacks the token)."""
     token_id = tokenizer.convert_tokens_to_ids(END_OF_TURN_TOKEN)
-    if token_id is None or token_id == tokenizer.unk_token_id:
+    if not isinstance(token_id, int) or token_id == tokenizer.unk_token_id:
         raise ValueError(f"tokenizer has no end-of-turn token {END_OF_TURN_TOKEN!r}")
     return token_id
+
+
+def decode_text(
+    tokenizer: PreTrainedTokenizerBase, token_ids: list[int] | torch.Tensor, *, skip_special_tokens: bool = False
+) -> str:
+    """The text of one sequence of ids (`decode` is typed as returning a text or, for a batch, a list of texts)."""
+    text = tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+    if not isinstance(text, str):
+        raise TypeError(f"decoding one sequence gave a {type(text).__name__}")
+    return text
 
 
 def generation_eos_token_ids(tokenizer: PreTrainedTokenizerFast) -> list[int]:

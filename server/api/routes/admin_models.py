@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request, Response
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, computed_field
+from pydantic import BeforeValidator, Field, StrictBool, computed_field
 from sqlalchemy.orm import Session
 
 from server.api.deps import AdminDep, ListingScopeDep, SessionDep, SettingsDep, set_audit_target
-from server.api.schemas import ListResponse, RowObject, UnixTime
+from server.api.schemas import ListResponse, RequestBody, RowObject, UnixTime
 from server.db.models import AliasApproval, AliasHistory, ApprovalStatus, ModelVersionProject
 from server.services import approvals, registry
 from server.services.access import Scope
@@ -56,7 +56,7 @@ class AliasObject(RowObject):
     updated_at: UnixTime
     updated_by: str | None
 
-    @computed_field
+    @computed_field  # type: ignore[prop-decorator]  # pydantic's documented form; mypy rejects any decorated property
     @property
     def model(self) -> str:
         """What a request passes as `model`."""
@@ -106,11 +106,7 @@ class ApprovalObject(RowObject):
         return response
 
 
-class Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class RegisterBody(Body):
+class RegisterBody(RequestBody):
     name: str = Field(min_length=1, max_length=200)
     path: str = Field(min_length=1, description="a checkpoint dir (config.json) or LoRA adapter dir on the server")
     base_model: str | None = Field(default=None, description="for adapters: the model (version) it was trained on")
@@ -120,24 +116,24 @@ class RegisterBody(Body):
     )
 
 
-class ProjectsBody(Body):
+class ProjectsBody(RequestBody):
     projects: list[str] = Field(description="ids or names of the only projects that may use it; empty: every project")
 
 
-class PromoteBody(Body):
+class PromoteBody(RequestBody):
     alias: str = "production"
     reason: str = Field(min_length=1)
     # Promote a version without a recorded held-out loss over a holder that has one (the evaluation gate).
     force: StrictBool = False
 
 
-class RollbackBody(Body):
+class RollbackBody(RequestBody):
     model_name: str
     alias: str = "production"
     reason: str = Field(min_length=1)
 
 
-class DecisionBody(Body):
+class DecisionBody(RequestBody):
     reason: str | None = None
 
 
@@ -154,7 +150,7 @@ def list_versions(
 
 @router.post("/models", name="admin_models.register")
 def register_version(
-    body: RegisterBody, request: Request, session: SessionDep, principal: AdminDep
+    body: RegisterBody, request: Request, session: SessionDep, settings: SettingsDep, principal: AdminDep
 ) -> ModelVersionObject:
     base = find_version(session, Scope.everything(), body.base_model) if body.base_model else None
     version = registry.register_version(
@@ -165,6 +161,7 @@ def register_version(
         description=body.description,
         created_by=principal.key_id,
         projects=_project_ids_of(session, body.projects or []),
+        serving=settings,
     )
     session.commit()
     set_audit_target(request, version.id)
@@ -177,7 +174,7 @@ def get_version(version_id: str, session: SessionDep, _: AdminDep) -> ModelVersi
 
 
 @router.get("/models/{version_id}/lineage", name="admin_models.lineage")
-def get_lineage(version_id: str, session: SessionDep, _: AdminDep) -> dict:
+def get_lineage(version_id: str, session: SessionDep, _: AdminDep) -> dict[str, Any]:
     version = registry.get_version(session, version_id)
     return {"object": "model_version.lineage", "version_id": version.id, "chain": registry.lineage(session, version)}
 
@@ -212,7 +209,9 @@ def _moved_or_requested(
 
 
 # With the four-eyes rule on, a promotion or rollback is filed for approval instead of made.
-FILED_FOR_APPROVAL = {202: {"model": ApprovalObject, "description": "Filed for a second admin's approval."}}
+FILED_FOR_APPROVAL: dict[int | str, dict[str, Any]] = {
+    202: {"model": ApprovalObject, "description": "Filed for a second admin's approval."}
+}
 
 
 @router.post("/models/{version_id}/promote", name="admin_models.promote", responses=FILED_FOR_APPROVAL)

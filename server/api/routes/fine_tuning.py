@@ -13,16 +13,17 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+from pydantic import BaseModel, Field, StrictInt, field_validator
+from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from finetune.settings import FineTuneSettings, Hyperparameters, SupervisedSettings
 from server.api.deps import DataDep, ListingScopeDep, OwnedJob, SessionDep, SettingsDep, set_audit_target
-from server.api.schemas import ListResponse, RowObject, UnixTime
+from server.api.schemas import ListResponse, RequestBody, RowObject, UnixTime
 from server.db.models import Checkpoint, FineTuningJob, ModelVersion
 from server.errors import InvalidRequest
 from server.services import jobs as job_service
-from server.services import training, workers
+from server.services import model_resolution, training, workers
 from server.services.access import Principal
 from server.settings import Settings
 
@@ -35,11 +36,7 @@ MAX_DEVICES = 64
 # --- requests -----------------------------------------------------------------------------------------------------
 
 
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class JobCreate(Strict):
+class JobCreate(RequestBody):
     model: str = Field(min_length=1, max_length=256)
     training_file: str = Field(min_length=1)
     validation_file: str | None = None
@@ -71,7 +68,8 @@ class JobError(BaseModel):
     param: str | None = None
 
 
-class JobObject(RowObject):
+# The pydantic plugin names `hyperparameters` by its alias `method` in `__init__`, beside the field `method`.
+class JobObject(RowObject):  # type: ignore[no-redef]
     id: str
     object: Literal["fine_tuning.job"] = "fine_tuning.job"
     created_at: UnixTime
@@ -81,7 +79,7 @@ class JobObject(RowObject):
     # OpenAI's three, read from the method's block: "auto" where the job left them to us, until a run chose them.
     hyperparameters: dict[str, Any] = Field(validation_alias="method")
     model: str
-    organization_id: str = job_service.ORGANIZATION
+    organization_id: str = model_resolution.ORGANIZATION
     result_files: list[str] = []
     seed: int
     status: str
@@ -167,7 +165,7 @@ class CheckpointObject(BaseModel):
 # --- routes -------------------------------------------------------------------------------------------------------
 
 
-def _create(session, settings: Settings, body: JobCreate, owner: Principal) -> FineTuningJob:
+def _create(session: Session, settings: Settings, body: JobCreate, owner: Principal) -> FineTuningJob:
     method = body.effective_method()
     training.check_inputs(method, has_validation_file=body.validation_file is not None)
     workers.check_devices(session, body.devices)
@@ -296,7 +294,7 @@ def list_checkpoints(
     rows, has_more = job_service.list_checkpoints(session, job, after=after, limit=limit)
     base = session.get(ModelVersion, job.base_version_id) if job.base_version_id else None
     name = job.fine_tuned_model or (
-        job_service.fine_tuned_model_name(job, base) if base is not None else f"ft:{job.model}"
+        model_resolution.fine_tuned_model_name(job, base) if base is not None else f"ft:{job.model}"
     )
     data = [CheckpointObject.of(checkpoint, job, name) for checkpoint in rows]
     return ListResponse[CheckpointObject](data=data, has_more=has_more)

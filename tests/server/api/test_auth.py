@@ -26,6 +26,7 @@ REQUIRED_ROLE = {
     ("GET", "/redoc"): Role.analyst,
     ("GET", "/v1/models"): Role.analyst,
     ("GET", "/v1/models/{model}"): Role.analyst,
+    ("GET", "/v1/models/{model}/tokenizer"): Role.analyst,
     ("POST", "/v1/chat/completions"): Role.analyst,
     ("POST", "/v1/completions"): Role.analyst,
     ("POST", "/v1/files"): Role.data,
@@ -99,6 +100,7 @@ ISOLATION = {
     ("GET", "/redoc"): NONE,
     ("GET", "/v1/models"): LISTS,
     ("GET", "/v1/models/{model}"): OWN,
+    ("GET", "/v1/models/{model}/tokenizer"): OWN,
     ("POST", "/v1/chat/completions"): CREATES,
     ("POST", "/v1/completions"): CREATES,
     ("POST", "/v1/files"): CREATES,
@@ -258,7 +260,9 @@ class RequestFactory:
         if "{key_id}" in path:
             path = path.replace("{key_id}", self.make_key(Role.analyst, "to revoke")[0])
         if "{model}" in path:
-            path = path.replace("{model}", self.registered_model())
+            # Its tokenizer is read from the model's files: a model whose files exist.
+            model = self.servable_model() if path.endswith("/tokenizer") else self.registered_model()
+            path = path.replace("{model}", model)
         if path == "/v1/files" and method == "POST":
             kwargs = {"data": {"purpose": "fine-tune"}, "files": {"file": ("train.jsonl", self.dataset)}}
         if path == "/v1/admin/keys" and method == "POST":

@@ -11,18 +11,21 @@ from contextlib import aclosing
 import pytest
 from sqlalchemy import select
 
+from server.api.inference.protocol import ChatCompletionRequest, CompletionRequest
 from server.api.ratelimit import RateLimits
 from server.db.models import DEFAULT_PROJECT_ID, InferenceRecord, ModelVersion, Role
 from server.db.row_writer import RowWriter
 from server.db.session import RequestReads, make_engine
+from server.engines.base import (
+    EngineError,
+    EngineFailure,
+    EngineOverloaded,
+    EngineUnavailable,
+    ModelLoadError,
+)
 from server.errors import NotFound, QuotaExceeded, RateLimited
 from server.services.access import Principal
-from server.services.inference import (
-    ChatPrompt,
-    GenerationOptions,
-    InferenceService,
-    TextPrompt,
-)
+from server.services.inference import InferenceService, engine_error
 
 MESSAGES = [{"role": "user", "content": "Summarise case CASE-7."}]
 
@@ -67,15 +70,19 @@ def analyst(make_key) -> Principal:
     return Principal(key_id=key_id, name="analyst", role=Role.analyst, project_id=DEFAULT_PROJECT_ID)
 
 
-def greedy(max_tokens: int, n: int = 1) -> GenerationOptions:
-    return GenerationOptions(max_tokens=max_tokens, max_tokens_param="max_tokens", n=n, temperature=0.0)
+def chat(max_tokens: int, n: int = 1, model: str = "tiny") -> ChatCompletionRequest:
+    return ChatCompletionRequest(model=model, messages=MESSAGES, max_tokens=max_tokens, n=n, temperature=0.0)
+
+
+def completion(max_tokens: int, model: str = "tiny") -> CompletionRequest:
+    return CompletionRequest(model=model, prompt="Case", max_tokens=max_tokens, temperature=0.0)
 
 
 def test_a_whole_answer_has_every_choice_and_leaves_its_record(run_with_service, make_key, sessions, version_id):
     caller = analyst(make_key)
 
     async def scenario(service: InferenceService):
-        generation = await service.start_generation(caller, "tiny", ChatPrompt(MESSAGES), greedy(6, n=2))
+        generation = await service.start_generation(caller, chat(6, n=2))
         async with generation:
             choices = await generation.collect()
         return generation, choices
@@ -96,7 +103,7 @@ def test_a_reader_that_stops_early_stops_the_generation_and_is_recorded_499(
     caller = analyst(make_key)
 
     async def scenario(service: InferenceService):
-        generation = await service.start_generation(caller, "tiny", TextPrompt("Case"), greedy(200))
+        generation = await service.start_generation(caller, completion(200))
         async with generation, aclosing(generation.deltas()) as deltas:
             for _ in range(2):
                 await anext(deltas)
@@ -118,9 +125,9 @@ def test_refusals_come_before_any_output_and_are_recorded(run_with_service, make
 
     async def scenario(service: InferenceService):
         with pytest.raises(NotFound):
-            await service.start_generation(caller, "no-such-model", TextPrompt("Case"), greedy(4))
+            await service.start_generation(caller, completion(4, model="no-such-model"))
         with pytest.raises(RateLimited) as refused:
-            await service.start_generation(caller, "tiny", TextPrompt("Case"), greedy(60))
+            await service.start_generation(caller, completion(60))
         return refused.value
 
     refused = run_with_service(scenario, small_budget)
@@ -131,6 +138,25 @@ def test_refusals_come_before_any_output_and_are_recorded(run_with_service, make
     ]
 
 
+@pytest.mark.parametrize(
+    ("error", "status", "kind", "retry_after"),
+    [
+        (EngineError("n must be at most 16 on this engine.", param="n"), 400, "invalid_request_error", None),
+        (EngineOverloaded("The engine's request queue is full."), 429, "rate_limit_error", "1"),
+        (ModelLoadError("Model version mv-1 could not be loaded."), 503, "server_error", None),
+        (EngineUnavailable("The engine core is restarting.", retry_after_s=10), 503, "server_error", "10"),
+        (EngineFailure("Generation failed: EngineCore encountered an issue."), 500, "server_error", None),
+    ],
+)
+def test_only_a_refused_request_is_the_clients_error_and_engine_failures_are_server_errors(
+    error, status, kind, retry_after
+):
+    api_error = engine_error(error)
+    assert (api_error.status_code, api_error.type, api_error.message) == (status, kind, error.message)
+    assert (api_error.headers or {}).get("Retry-After") == retry_after
+    assert api_error.param == error.param
+
+
 def test_a_key_holds_at_most_its_open_streams(run_with_service, make_key, sessions, settings):
     """Generations in flight count against their key until closed, whether read or not; a refused one is recorded
     as 429, another key is not affected, and a closed one (finished, or its reader gone) frees its place."""
@@ -138,16 +164,16 @@ def test_a_key_holds_at_most_its_open_streams(run_with_service, make_key, sessio
     two_streams = settings.model_copy(update={"key_max_open_streams": 2})
 
     async def scenario(service: InferenceService):
-        held = [await service.start_generation(caller, "tiny", TextPrompt("Case"), greedy(200)) for _ in range(2)]
+        held = [await service.start_generation(caller, completion(200)) for _ in range(2)]
         with pytest.raises(QuotaExceeded) as refused:
-            await service.start_generation(caller, "tiny", TextPrompt("Case"), greedy(4))
-        async with await service.start_generation(other, "tiny", TextPrompt("Case"), greedy(4)) as generation:
+            await service.start_generation(caller, completion(4))
+        async with await service.start_generation(other, completion(4)) as generation:
             await generation.collect()
         async with held[0]:
             await held[0].collect()  # read to the end
         await held[1].aclose()  # abandoned
         assert service.open_streams.count(caller.key_id) == 0
-        async with await service.start_generation(caller, "tiny", TextPrompt("Case"), greedy(4)) as generation:
+        async with await service.start_generation(caller, completion(4)) as generation:
             await generation.collect()
         return refused.value
 

@@ -4,10 +4,14 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
+from command_line import CommandError
 from server.db.models import DEFAULT_PROJECT_NAME, Role
 from server.settings import Settings
-from zaya_cli import CommandError
+
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
 
 
 def _db_upgrade(args: argparse.Namespace) -> int:
@@ -19,7 +23,7 @@ def _db_upgrade(args: argparse.Namespace) -> int:
     return 0
 
 
-def _require_current_schema(engine) -> None:
+def _require_current_schema(engine: Engine) -> None:
     from server.db.migrations import schema_is_current
 
     if not schema_is_current(engine):
@@ -119,8 +123,8 @@ def _worker(args: argparse.Namespace) -> int:
     import logging
 
     from server.db.session import make_engine, make_sessionmaker
+    from server.jobs.worker import Worker, WorkerConfig, install_signal_handlers
     from server.services import workers
-    from server.worker import Worker, WorkerConfig, install_signal_handlers
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("alembic").setLevel(logging.WARNING)
@@ -156,7 +160,8 @@ def _models_register(args: argparse.Namespace) -> int:
     from server.services.access import Scope
     from server.services.model_resolution import find_version
 
-    engine = make_engine(Settings().database_url)
+    settings = Settings()
+    engine = make_engine(settings.database_url)
     try:
         _require_current_schema(engine)
         with session_scope(make_sessionmaker(engine)) as session:
@@ -168,6 +173,7 @@ def _models_register(args: argparse.Namespace) -> int:
                     path=Path(args.dir),
                     base_version_id=base.id if base else None,
                     description=args.description,
+                    serving=settings,
                 )
             except APIError as error:
                 raise CommandError(error.message) from error
@@ -188,7 +194,7 @@ def _models_register(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     db = subparsers.add_parser("db", help="database schema").add_subparsers(dest="db_command", required=True)
     upgrade = db.add_parser("upgrade", help="apply Alembic migrations to ZAYA_DATABASE_URL")
     upgrade.add_argument("--revision", default="head", help="target revision (default: head)")
