@@ -38,10 +38,11 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from server.db.migrations import upgrade  # noqa: E402
-from server.db.models import File, FineTuningJob, JobStatus, Role, new_id  # noqa: E402
+from server.db.models import DEFAULT_PROJECT_ID, File, FineTuningJob, JobStatus, Role, new_id  # noqa: E402
 from server.db.scratch import scratch_database  # noqa: E402
 from server.db.session import make_autocommit_sessionmaker, make_engine, make_sessionmaker, session_scope  # noqa: E402
 from server.services import jobs, keys, registry  # noqa: E402
+from server.services.access import Scope  # noqa: E402
 from zaya_model.training.atomic_io import write_json_atomic  # noqa: E402
 
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "api_bench.json"
@@ -258,8 +259,14 @@ def enqueue(database_url: str, n: int) -> list[str]:
     engine = make_engine(database_url)
     try:
         with session_scope(make_sessionmaker(engine)) as session:
-            base = registry.list_versions(session, name="bench-base")[0]
-            dataset = File(filename="bench.jsonl", purpose="fine-tune", bytes=len(DATASET), sha256="0" * 64)
+            base = registry.list_versions(session, Scope.everything(), name="bench-base")[0]
+            dataset = File(
+                filename="bench.jsonl",
+                purpose="fine-tune",
+                bytes=len(DATASET),
+                sha256="0" * 64,
+                project_id=DEFAULT_PROJECT_ID,
+            )
             session.add(dataset)
             session.flush()
             created = [
@@ -269,6 +276,7 @@ def enqueue(database_url: str, n: int) -> list[str]:
                     base_version_id=base.id,
                     training_file_id=dataset.id,
                     status=JobStatus.queued,
+                    project_id=DEFAULT_PROJECT_ID,
                 )
                 for _ in range(n)
             ]

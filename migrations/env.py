@@ -38,11 +38,27 @@ def run_migrations_online() -> None:
     engine = make_engine(_database_url())
     try:
         with engine.connect() as connection:
+            sqlite = connection.dialect.name == "sqlite"
+            if sqlite:
+                # Batch mode rebuilds a table by copying it, dropping the original and renaming the copy; with foreign
+                # keys enforced, dropping a table that other rows point at fails. Off while migrating (a PRAGMA takes
+                # effect outside a transaction only), and every reference is checked afterwards.
+                connection.exec_driver_sql("PRAGMA foreign_keys=OFF")
+                connection.commit()
             _configure(connection)
             with context.begin_transaction():
                 context.run_migrations()
+            if sqlite:
+                _check_foreign_keys(connection)
     finally:
         engine.dispose()
+
+
+def _check_foreign_keys(connection: Connection) -> None:
+    broken = connection.exec_driver_sql("PRAGMA foreign_key_check").all()
+    connection.commit()
+    if broken:
+        raise RuntimeError(f"the migrated database has rows pointing at missing rows: {broken[:10]}")
 
 
 if context.is_offline_mode():

@@ -62,6 +62,13 @@ class TooManyRequests(APIError):
     type = "rate_limit_error"
 
 
+class QuotaExceeded(TooManyRequests):
+    """A project or key is at one of its quotas (`Settings`): nothing was stored or started. The code names the
+    quota."""
+
+    type = "insufficient_quota"
+
+
 class RateLimited(TooManyRequests):
     """A key used up its requests or tokens for the current window: retry after `retry_after_s` seconds."""
 

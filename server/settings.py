@@ -99,6 +99,13 @@ class Settings(BaseSettings):
     # processes use a shared store (e.g. "redis://host:6379", needs the `redis` package) so the limits hold overall.
     rate_limit_storage_uri: str = "memory://"
 
+    # Quotas (0 turns one off); a request beyond one gets 429 naming it. Per project: its fine-tuning jobs not yet
+    # finished (validating, queued, running or paused) and the bytes of its stored files.
+    project_max_concurrent_jobs: int = Field(default=0, ge=0)
+    project_max_stored_bytes: int = Field(default=0, ge=0)
+    # Per key: generations in flight at once, streamed or not (counted by each API server process on its own).
+    key_max_open_streams: int = Field(default=64, ge=0)
+
     # `last_used_at` is written at most this often per key, so authentication stays a read on the hot path.
     key_last_used_resolution_s: float = Field(default=60.0, ge=0)
 
@@ -107,6 +114,10 @@ class Settings(BaseSettings):
     # Key for the session cookies; empty means a random one per server process (sessions end on restart). Set it
     # when several server processes share the traffic or sessions should survive a restart.
     console_secret: SecretStr = SecretStr("")
+
+    # `zaya worker`: the processes one job may train with on its host (`devices`); default: the host's GPUs, else
+    # its usable CPU cores. The API refuses jobs asking for more than any running worker has.
+    worker_devices: int | None = Field(default=None, ge=1)
 
     # Governance of alias moves: a second admin key approves each promotion/rollback (four-eyes), and a promotion
     # whose held-out loss is worse than the current holder's is refused (evaluation gate).

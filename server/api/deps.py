@@ -1,8 +1,11 @@
-"""Typed dependencies: settings, a database session, the inference service, the calling API key and role checks.
+"""Typed dependencies: settings, a database session, the inference service, the calling API key, role checks, and
+the objects a request names, looked up within the caller's project (`server.services.access`).
 
 Authentication itself runs in `server.api.middleware` before routing (so even a malformed body without a key gets
-401); these dependencies read its result and enforce the role each route needs. Dependencies that do no I/O are
-`async def`: FastAPI runs a plain `def` dependency in its thread pool, a thread hop per dependency per request.
+401); these dependencies read its result and enforce the role each route needs. A route that takes a file or a job by
+id declares `OwnedFile` / `OwnedJob`: the role check, then the lookup in the caller's scope (404 for another project's
+object, as for a missing one). Dependencies that do no I/O are `async def`: FastAPI runs a plain `def` dependency in
+its thread pool, a thread hop per dependency per request.
 """
 
 from __future__ import annotations
@@ -10,32 +13,23 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Query, Request
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
 
-from server.db.models import ApiKey, Role
-from server.errors import Forbidden, Unauthorized
+from server.db.models import File, FineTuningJob, Role
+from server.errors import Forbidden, InvalidRequest, Unauthorized
+from server.services import files as file_service
+from server.services import jobs as job_service
+from server.services.access import Principal, Scope
 from server.services.inference import InferenceService
+from server.services.projects import find_project
 from server.settings import Settings
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Principal:
-    """The authenticated caller: the key's id, name and role (never its secret or hash)."""
-
-    key_id: str
-    name: str
-    role: Role
-
-    @classmethod
-    def from_key(cls, key: ApiKey) -> Principal:
-        return cls(key_id=key.id, name=key.name, role=Role(key.role))
 
 
 async def get_settings(request: Request) -> Settings:
@@ -89,6 +83,39 @@ def require_role(role: Role) -> Callable[[Principal], Awaitable[Principal]]:
 AnalystDep = Annotated[Principal, Depends(require_role(Role.analyst))]
 DataDep = Annotated[Principal, Depends(require_role(Role.data))]
 AdminDep = Annotated[Principal, Depends(require_role(Role.admin))]
+
+
+async def listing_scope(
+    principal: PrincipalDep,
+    session: SessionDep,
+    project: Annotated[
+        str | None,
+        Query(description="a project's id or name: list what that project sees (other than admin keys: your own)"),
+    ] = None,
+) -> Scope:
+    """What a list shows: the caller's scope, or (admin keys) the one project named by `project`. A key naming a
+    project other than its own gets the answer an unknown project gets."""
+    if not project:  # absent, or left empty in a form
+        return principal.scope
+    found = await run_in_threadpool(find_project, session, project)
+    if found is None or not principal.scope.includes(found.id):
+        raise InvalidRequest(f"No such project: {project}", param="project", code="project_not_found")
+    return Scope(found.id)
+
+
+ListingScopeDep = Annotated[Scope, Depends(listing_scope)]
+
+
+def owned_file(file_id: str, session: SessionDep, principal: DataDep) -> File:
+    return file_service.get_file(session, principal.scope, file_id)
+
+
+def owned_job(fine_tuning_job_id: str, session: SessionDep, principal: DataDep) -> FineTuningJob:
+    return job_service.get_job(session, principal.scope, fine_tuning_job_id)
+
+
+OwnedFile = Annotated[File, Depends(owned_file)]
+OwnedJob = Annotated[FineTuningJob, Depends(owned_job)]
 
 
 def set_audit_target(request: Request, target: str) -> None:

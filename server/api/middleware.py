@@ -19,10 +19,10 @@ from sqlalchemy.orm import Session
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.api.deps import Principal
 from server.api.errors import database_unavailable, error_response
 from server.errors import RateLimited
 from server.services import audit, keys
+from server.services.access import Principal
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +69,7 @@ def install_middleware(app: FastAPI) -> None:
             target = ",".join(str(value) for value in path_params.values())
         return audit.entry(
             actor_key_id=principal.key_id if principal else None,
+            project_id=principal.project_id if principal else None,
             action=_storable(action, 64),
             method=_storable(request.method, 8),
             path=_storable(request.url.path),

@@ -85,6 +85,7 @@ class ApiKeyObject(RowObject):
     object: Literal["api_key"] = "api_key"
     name: str
     role: Role
+    project_id: str
     prefix: str
     created_at: UnixTime
     created_by: str | None
@@ -99,6 +100,18 @@ class ApiKeyCreated(ApiKeyObject):
 class ApiKeyCreate(RequestBody):
     name: str = Field(min_length=1, max_length=200)
     role: Role
+    project: str | None = Field(default=None, description="the project's id or name (default: the default project)")
+
+
+class ProjectObject(RowObject):
+    id: str
+    object: Literal["organization.project"] = "organization.project"
+    name: str
+    created_at: UnixTime
+
+
+class ProjectCreate(RequestBody):
+    name: str = Field(min_length=1, max_length=64)
 
 
 class AuditEntry(RowObject):
@@ -106,6 +119,7 @@ class AuditEntry(RowObject):
     object: Literal["audit_log.entry"] = "audit_log.entry"
     created_at: UnixTime
     actor_key_id: str | None
+    project_id: str | None
     action: str
     method: str
     path: str

@@ -1,4 +1,5 @@
-"""`zaya db upgrade`, `zaya keys create`, `zaya serve`, `zaya worker` and `zaya models register`."""
+"""`zaya db upgrade`, `zaya projects create|list`, `zaya keys create`, `zaya serve`, `zaya worker` and
+`zaya models register`."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from command_line import CommandError
-from server.db.models import Role
+from server.db.models import DEFAULT_PROJECT_NAME, Role
 from server.settings import Settings
 
 if TYPE_CHECKING:
@@ -31,20 +32,74 @@ def _require_current_schema(engine: Engine) -> None:
 
 def _keys_create(args: argparse.Namespace) -> int:
     from server.db.session import make_engine, make_sessionmaker, session_scope
+    from server.services import audit
     from server.services.keys import create_key
+    from server.services.projects import find_project
 
     engine = make_engine(Settings().database_url)
     try:
         _require_current_schema(engine)
         with session_scope(make_sessionmaker(engine)) as session:
+            project = find_project(session, args.project)
+            if project is None:
+                raise CommandError(f"no project {args.project!r}; create it first: zaya projects create {args.project}")
             try:
-                created = create_key(session, name=args.name, role=args.role)
+                created = create_key(session, name=args.name, role=args.role, project_id=project.id)
             except ValueError as error:
                 raise CommandError(str(error)) from error
+            # As the API audits `POST /v1/admin/keys`: a key made here has no creating key (`created_by` is null).
+            audit.record(
+                session,
+                actor_key_id=None,
+                project_id=None,
+                action="keys.create",
+                method="CLI",
+                path="zaya keys create",
+                target=created.key.id,
+                status_code=200,
+                client_address=None,
+            )
     finally:
         engine.dispose()
-    print(f"created {created.key.role} key {created.key.id} ({created.key.name}); the secret is shown only once:")
+    print(
+        f"created {created.key.role} key {created.key.id} ({created.key.name}) in project {project.name}; "
+        "the secret is shown only once:"
+    )
     print(created.secret)
+    return 0
+
+
+def _projects_create(args: argparse.Namespace) -> int:
+    from server.db.session import make_engine, make_sessionmaker
+    from server.errors import APIError
+    from server.services.projects import create_project
+
+    engine = make_engine(Settings().database_url)
+    try:
+        _require_current_schema(engine)
+        with make_sessionmaker(engine)() as session:
+            try:
+                project = create_project(session, args.name)
+            except APIError as error:
+                raise CommandError(error.message) from error
+    finally:
+        engine.dispose()
+    print(f"created project {project.name} ({project.id})")
+    return 0
+
+
+def _projects_list(_args: argparse.Namespace) -> int:
+    from server.db.session import make_engine, make_sessionmaker
+    from server.services.projects import list_projects
+
+    engine = make_engine(Settings().database_url)
+    try:
+        _require_current_schema(engine)
+        with make_sessionmaker(engine)() as session:
+            for project in list_projects(session):
+                print(f"{project.id}\t{project.name}")
+    finally:
+        engine.dispose()
     return 0
 
 
@@ -69,6 +124,7 @@ def _worker(args: argparse.Namespace) -> int:
 
     from server.db.session import make_engine, make_sessionmaker
     from server.jobs.worker import Worker, WorkerConfig, install_signal_handlers
+    from server.services import workers
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("alembic").setLevel(logging.WARNING)
@@ -87,7 +143,8 @@ def _worker(args: argparse.Namespace) -> int:
         _require_current_schema(engine)
         worker = Worker(settings, make_sessionmaker(engine), config, worker_id=args.worker_id)
         install_signal_handlers(worker)
-        print(f"worker {worker.worker_id} polling {settings.database_url}", flush=True)
+        devices = f"{worker.devices} {workers.DEVICE_NAMES[worker.device_kind]}"
+        print(f"worker {worker.worker_id} ({devices} per job) polling {settings.database_url}", flush=True)
         worker.run_forever(exit_when_idle=args.exit_when_idle)
     finally:
         engine.dispose()
@@ -100,6 +157,7 @@ def _models_register(args: argparse.Namespace) -> int:
     from server.db.session import make_engine, make_sessionmaker, session_scope
     from server.errors import APIError
     from server.services import audit, registry
+    from server.services.access import Scope
     from server.services.model_resolution import find_version
 
     settings = Settings()
@@ -108,7 +166,7 @@ def _models_register(args: argparse.Namespace) -> int:
         _require_current_schema(engine)
         with session_scope(make_sessionmaker(engine)) as session:
             try:
-                base = find_version(session, args.base) if args.base else None
+                base = find_version(session, Scope.everything(), args.base) if args.base else None
                 version = registry.register_version(
                     session,
                     name=args.name,
@@ -122,6 +180,7 @@ def _models_register(args: argparse.Namespace) -> int:
             audit.record(
                 session,
                 actor_key_id=None,
+                project_id=None,
                 action="admin_models.register",
                 method="CLI",
                 path="zaya models register",
@@ -142,10 +201,20 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     upgrade.add_argument("--revision", default="head", help="target revision (default: head)")
     upgrade.set_defaults(func=_db_upgrade)
 
+    projects = subparsers.add_parser("projects", help="projects (each team's keys, files, jobs and models)")
+    project_commands = projects.add_subparsers(dest="projects_command", required=True)
+    create_project = project_commands.add_parser("create", help="create a project")
+    create_project.add_argument("name", help="lower-case letters, digits, '-' and '_'")
+    create_project.set_defaults(func=_projects_create)
+    project_commands.add_parser("list", help="list projects: id and name").set_defaults(func=_projects_list)
+
     keys = subparsers.add_parser("keys", help="API keys").add_subparsers(dest="keys_command", required=True)
     create = keys.add_parser("create", help="create an API key and print its secret once, on the last line")
     create.add_argument("--role", required=True, choices=[role.value for role in Role])
     create.add_argument("--name", required=True, help="who or what the key is for")
+    create.add_argument(
+        "--project", default=DEFAULT_PROJECT_NAME, help="the project (name or id) the key works in (default: default)"
+    )
     create.set_defaults(func=_keys_create)
 
     serve = subparsers.add_parser("serve", help="run the API server (uvicorn)")

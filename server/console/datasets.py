@@ -14,6 +14,7 @@ from finetune.datasets.pii import PiiReport, scan_file
 from finetune.datasets.preview import Preview, preview_line
 from finetune.datasets.validation import ValidationReport, validate_dataset
 from server.errors import APIError
+from server.services.access import Scope
 from server.services.model_resolution import resolve
 
 if TYPE_CHECKING:
@@ -38,16 +39,17 @@ def _tokenizer(path: str) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(path)
 
 
-def _tokenizer_for(session: Session, model: str) -> PreTrainedTokenizerBase:
+def _tokenizer_for(session: Session, scope: Scope, model: str) -> PreTrainedTokenizerBase:
     # The base checkpoint holds the tokenizer, also for adapter versions (as the engines load it).
-    return _tokenizer(str(resolve(session, model).base.path))
+    return _tokenizer(str(resolve(session, scope, model).base.path))
 
 
-def inspect(session: Session, path: Path, *, model: str | None, line: int) -> DatasetReport:
+def inspect(session: Session, scope: Scope, path: Path, *, model: str | None, line: int) -> DatasetReport:
+    """The report of the file at `path`, its preview tokenized for `model` as `scope` may use it."""
     tokenizer, tokenizer_error = None, None
     if model is not None:
         try:
-            tokenizer = _tokenizer_for(session, model)
+            tokenizer = _tokenizer_for(session, scope, model)
         except (APIError, OSError, ValueError) as error:
             tokenizer_error = f"No tokenizer for {model!r}: {getattr(error, 'message', error)}"
     preview, preview_error = None, None

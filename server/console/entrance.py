@@ -78,11 +78,12 @@ def build_entrance(app_state: State, codec: SessionCodec) -> ExceptionMiddleware
         """The key id when the secret is an active key (the API's own lookup); every attempt is audited."""
         with sessions() as session:
             key = keys.authenticate(session, secret, last_used_resolution=last_used_resolution)
-            key_id = key.id if key is not None else None
+            key_id, project_id = (key.id, key.project_id) if key is not None else (None, None)
         with session_scope(sessions) as session:
             audit.record(
                 session,
                 actor_key_id=key_id,
+                project_id=project_id,
                 action="console.sign_in",
                 method="POST",
                 path=SESSION_PATH,

@@ -9,8 +9,18 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import RedirectResponse, Response
+from sqlalchemy.orm import Session
 
-from server.api.deps import AdminDep, AnalystDep, DataDep, Principal, SessionDep, SettingsDep
+from server.api.deps import (
+    AdminDep,
+    AnalystDep,
+    DataDep,
+    ListingScopeDep,
+    OwnedFile,
+    OwnedJob,
+    SessionDep,
+    SettingsDep,
+)
 from server.console import datasets
 from server.console.templating import templates
 from server.db.models import FineTuningJob, JobEvent, JobStatus, ModelVersion, Role
@@ -21,6 +31,8 @@ from server.services import files as file_service
 from server.services import jobs as job_service
 from server.services import keys as key_service
 from server.services import models as model_service
+from server.services import projects as project_service
+from server.services.access import Principal
 
 router = APIRouter(prefix="/console", include_in_schema=False)
 
@@ -75,20 +87,22 @@ def home(principal: AnalystDep) -> RedirectResponse:
 
 
 @router.get("/jobs", name="console.jobs")
-def jobs_page(request: Request, session: SessionDep, principal: DataDep) -> Response:
-    rows, has_more = job_service.list_jobs(session, after=None, limit=50)
+def jobs_page(request: Request, session: SessionDep, principal: DataDep, scope: ListingScopeDep) -> Response:
+    rows, has_more = job_service.list_jobs(session, scope, after=None, limit=50)
     jobs = []
     for job in rows:
         step = latest_step(job_service.list_events(session, job, after=None, limit=20)[0])
         jobs.append({"job": job, "step": step, "max_steps": max_steps(job), "progress": progress(job, step)})
-    files, _ = file_service.list_files(session, purpose="fine-tune", limit=200, order="desc", after=None)
-    models = [name for name, _ in model_service.list_model_ids(session)]
+    # What the new-job form offers: the caller's own files and models (a job is made in its key's project).
+    files, _ = file_service.list_files(
+        session, principal.scope, purpose="fine-tune", limit=200, order="desc", after=None
+    )
+    models = [name for name, _ in model_service.list_model_ids(session, principal.scope)]
     return render(request, "jobs.html", principal, jobs=jobs, has_more=has_more, files=files, models=models)
 
 
 @router.get("/jobs/{fine_tuning_job_id}", name="console.job")
-def job_page(fine_tuning_job_id: str, request: Request, session: SessionDep, principal: DataDep) -> Response:
-    job = job_service.get_job(session, fine_tuning_job_id)
+def job_page(job: OwnedJob, request: Request, session: SessionDep, principal: DataDep) -> Response:
     checkpoints, _ = job_service.list_checkpoints(session, job, after=None, limit=100)
     events, _ = job_service.list_events(session, job, after=None, limit=EVENTS_SHOWN)
     step = latest_step(events)
@@ -109,14 +123,16 @@ def job_page(fine_tuning_job_id: str, request: Request, session: SessionDep, pri
 
 
 @router.get("/datasets", name="console.datasets")
-def datasets_page(request: Request, session: SessionDep, settings: SettingsDep, principal: DataDep) -> Response:
-    files, _ = file_service.list_files(session, purpose=None, limit=200, order="desc", after=None)
+def datasets_page(
+    request: Request, session: SessionDep, settings: SettingsDep, principal: DataDep, scope: ListingScopeDep
+) -> Response:
+    files, _ = file_service.list_files(session, scope, purpose=None, limit=200, order="desc", after=None)
     return render(request, "datasets.html", principal, files=files, max_upload_bytes=settings.max_upload_bytes)
 
 
 @router.get("/datasets/{file_id}", name="console.dataset")
 def dataset_page(
-    file_id: str,
+    file: OwnedFile,
     request: Request,
     session: SessionDep,
     settings: SettingsDep,
@@ -124,18 +140,20 @@ def dataset_page(
     model: str | None = None,
     line: int = 1,
 ) -> Response:
-    file = file_service.get_file(session, file_id)
-    models = [name for name, _ in model_service.list_model_ids(session)]
+    models = [name for name, _ in model_service.list_model_ids(session, principal.scope)]
     model = model or (models[0] if models else None)
     if line < 1:
         raise InvalidRequest("line: line numbers start at 1", param="line")
-    report = datasets.inspect(session, file_service.content_path(settings, file), model=model, line=line)
+    path = file_service.content_path(settings, file)
+    report = datasets.inspect(session, principal.scope, path, model=model, line=line)
     return render(request, "dataset.html", principal, file=file, models=models, model=model, line=line, report=report)
 
 
 @router.get("/models", name="console.models")
-def models_page(request: Request, session: SessionDep, settings: SettingsDep, principal: AdminDep) -> Response:
-    versions = registry.list_versions(session)
+def models_page(
+    request: Request, session: SessionDep, settings: SettingsDep, principal: AdminDep, scope: ListingScopeDep
+) -> Response:
+    versions = registry.list_versions(session, scope)
     return render(
         request,
         "models.html",
@@ -150,9 +168,15 @@ def models_page(request: Request, session: SessionDep, settings: SettingsDep, pr
     )
 
 
+def _projects(session: Session) -> dict[str, Any]:
+    """Every project, and their names by id: what the admin pages show and offer to choose from."""
+    projects = project_service.list_projects(session)
+    return {"projects": projects, "project_names": {project.id: project.name for project in projects}}
+
+
 @router.get("/keys", name="console.keys")
-def keys_page(request: Request, session: SessionDep, principal: AdminDep) -> Response:
-    return render(request, "keys.html", principal, keys=key_service.list_keys(session))
+def keys_page(request: Request, session: SessionDep, principal: AdminDep, scope: ListingScopeDep) -> Response:
+    return render(request, "keys.html", principal, keys=key_service.list_keys(session, scope), **_projects(session))
 
 
 def _moment(name: str, value: str) -> datetime | None:
@@ -171,28 +195,37 @@ def audit_page(
     request: Request,
     session: SessionDep,
     principal: AdminDep,
+    scope: ListingScopeDep,
     actor: str = "",
     action: str = "",
     since: str = "",
     until: str = "",
 ) -> Response:
-    filters = {"actor": actor.strip(), "action": action.strip(), "since": since.strip(), "until": until.strip()}
+    filters = {
+        "project": scope.project_id or "",
+        "actor": actor.strip(),
+        "action": action.strip(),
+        "since": since.strip(),
+        "until": until.strip(),
+    }
+    page = {"filters": filters, **_projects(session)}
     try:
         since_moment, until_moment = _moment("since", filters["since"]), _moment("until", filters["until"])
     except InvalidRequest as error:
-        return render(request, "audit.html", principal, 400, filters=filters, entries=[], error=error.message)
+        return render(request, "audit.html", principal, 400, entries=[], error=error.message, **page)
     entries = audit_service.list_entries(
         session,
+        scope,
         actor=filters["actor"] or None,
         action=filters["action"] or None,
         since=since_moment,
         until=until_moment,
         limit=200,
     )
-    return render(request, "audit.html", principal, filters=filters, entries=entries, error=None)
+    return render(request, "audit.html", principal, entries=entries, error=None, **page)
 
 
 @router.get("/playground", name="console.playground")
-def playground_page(request: Request, session: SessionDep, principal: AnalystDep) -> Response:
-    models = [name for name, _ in model_service.list_model_ids(session)]
+def playground_page(request: Request, session: SessionDep, principal: AnalystDep, scope: ListingScopeDep) -> Response:
+    models = [name for name, _ in model_service.list_model_ids(session, scope)]
     return render(request, "playground.html", principal, models=models)

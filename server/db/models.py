@@ -11,7 +11,7 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import JSON, BigInteger, Boolean, ForeignKey, Index, Integer, String, Text, UniqueConstraint
-from sqlalchemy.orm import Mapped, mapped_column
+from sqlalchemy.orm import Mapped, mapped_column, relationship
 
 from server.db.base import Base, utcnow
 
@@ -48,6 +48,21 @@ class JobStatus(enum.StrEnum):
 # A job in one of these states still needs its files.
 ACTIVE_JOB_STATUSES = (JobStatus.validating_files, JobStatus.queued, JobStatus.running, JobStatus.paused)
 
+# The project every install starts with (made by the migration that introduced projects): where keys go unless told.
+DEFAULT_PROJECT_ID = "proj_default"
+DEFAULT_PROJECT_NAME = "default"
+
+
+class Project(Base):
+    """A team's space, as OpenAI's projects: every key belongs to one, and the files, jobs, model versions and
+    inference records a key creates belong to its project. Keys other than admin keys see their project's only."""
+
+    __tablename__ = "projects"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("proj_"))
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
 
 class ApiKey(Base):
     __tablename__ = "api_keys"
@@ -55,6 +70,7 @@ class ApiKey(Base):
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("key_"))
     name: Mapped[str] = mapped_column(String(200))
     role: Mapped[str] = mapped_column(String(16))
+    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id"))
     # The first characters of the secret, unique: finds the row without ever storing the secret.
     prefix: Mapped[str] = mapped_column(String(32), unique=True)
     # sha256 of the full secret (hex). The secret has 256 bits of entropy, so a fast hash is enough.
@@ -67,9 +83,13 @@ class ApiKey(Base):
 
 class File(Base):
     __tablename__ = "files"
-    __table_args__ = (Index("ix_files_created_at_id", "created_at", "id"),)
+    __table_args__ = (
+        Index("ix_files_created_at_id", "created_at", "id"),
+        Index("ix_files_project_id_created_at_id", "project_id", "created_at", "id"),
+    )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("file-"))
+    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id"))
     filename: Mapped[str] = mapped_column(String(512))
     purpose: Mapped[str] = mapped_column(String(32))
     bytes: Mapped[int] = mapped_column(BigInteger)
@@ -86,11 +106,15 @@ class FineTuningJob(Base):
     __tablename__ = "fine_tuning_jobs"
     __table_args__ = (
         Index("ix_fine_tuning_jobs_status_created_at", "status", "created_at"),
-        # Listing, newest first, a page at a time (`server.services.jobs.list_jobs`).
+        # Listing, newest first, a page at a time (`server.services.jobs.list_jobs`), over all projects or one.
         Index("ix_fine_tuning_jobs_created_at_id", "created_at", "id"),
+        Index("ix_fine_tuning_jobs_project_id_created_at_id", "project_id", "created_at", "id"),
+        # A project's unfinished jobs, counted against its quota.
+        Index("ix_fine_tuning_jobs_project_id_status", "project_id", "status"),
     )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("ftjob-"))
+    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id"))
     model: Mapped[str] = mapped_column(String(256))
     training_file_id: Mapped[str] = mapped_column(ForeignKey("files.id"))
     validation_file_id: Mapped[str | None] = mapped_column(ForeignKey("files.id"))
@@ -179,6 +203,17 @@ class ModelVersion(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     created_by: Mapped[str | None] = mapped_column(ForeignKey("api_keys.id"))
     archived_at: Mapped[datetime | None]
+    # The projects that may use this version; none: every project. A job's result is its job's project's.
+    allowed_projects: Mapped[list[ModelVersionProject]] = relationship(cascade="all, delete-orphan")
+
+
+class ModelVersionProject(Base):
+    """A project allowed to use a model version (see `ModelVersion.allowed_projects`)."""
+
+    __tablename__ = "model_version_projects"
+
+    version_id: Mapped[str] = mapped_column(ForeignKey("model_versions.id"), primary_key=True)
+    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id"), primary_key=True)
 
 
 class ModelAlias(Base):
@@ -260,12 +295,15 @@ class AuditLog(Base):
         Index("ix_audit_log_created_at", "created_at"),
         Index("ix_audit_log_actor_key_id", "actor_key_id"),
         Index("ix_audit_log_action", "action"),
+        Index("ix_audit_log_project_id", "project_id"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     # No foreign key: the log must outlive anything it mentions, and failed logins name no key.
     actor_key_id: Mapped[str | None] = mapped_column(String(40))
+    # The actor key's project (none without a key).
+    project_id: Mapped[str | None] = mapped_column(String(40))
     action: Mapped[str] = mapped_column(String(64))
     method: Mapped[str] = mapped_column(String(8))
     path: Mapped[str] = mapped_column(Text)
@@ -284,6 +322,7 @@ class InferenceRecord(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     api_key_id: Mapped[str | None] = mapped_column(ForeignKey("api_keys.id"))
+    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id"))
     endpoint: Mapped[str] = mapped_column(String(64))
     requested_model: Mapped[str] = mapped_column(String(256))
     model_version_id: Mapped[str | None] = mapped_column(ForeignKey("model_versions.id"))
@@ -291,3 +330,16 @@ class InferenceRecord(Base):
     completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
     latency_ms: Mapped[float | None]
     status_code: Mapped[int] = mapped_column(Integer)
+
+
+class RegisteredWorker(Base):
+    """A fine-tuning worker (`zaya worker`) and the devices one job may train with on its host, as it last said: the
+    API refuses a job asking for more devices than any recently seen worker has."""
+
+    __tablename__ = "workers"
+
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    devices: Mapped[int] = mapped_column(Integer)
+    # "gpu" (one process per GPU) or "cpu" (one process per core).
+    device_kind: Mapped[str] = mapped_column(String(8))
+    seen_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -46,7 +46,7 @@ from server.db.base import utcnow
 from server.db.models import FineTuningJob, JobStatus
 from server.errors import APIError
 from server.jobs.attempt import AttemptFiles, EventReader, exit_description, write_control
-from server.services import jobs, training
+from server.services import jobs, training, workers
 from server.settings import Settings
 from zaya_model.training.atomic_io import write_json_atomic
 
@@ -81,12 +81,19 @@ class JobRun:
     """The state one claimed job shares between the training thread (hooks) and the heartbeat thread."""
 
     def __init__(
-        self, sessions: sessionmaker[Session], lease: jobs.Lease, config: WorkerConfig, shutdown: threading.Event
+        self,
+        sessions: sessionmaker[Session],
+        lease: jobs.Lease,
+        config: WorkerConfig,
+        shutdown: threading.Event,
+        announce: Callable[[], None] = lambda: None,
     ) -> None:
+        """`announce` is called with each heartbeat: the worker saying it is still there (`Worker.announce`)."""
         self.sessions = sessions
         self.lease = lease
         self.config = config
         self.shutdown = shutdown
+        self.announce = announce
         self.requested_action: str | None = None
         self.lost = threading.Event()
         self._stop_heartbeat = threading.Event()
@@ -105,6 +112,7 @@ class JobRun:
             try:
                 with self.sessions() as session:
                     self.requested_action = jobs.heartbeat(session, self.lease, lease_seconds=self.config.lease_seconds)
+                self.announce()
             except jobs.LeaseLost:
                 logger.warning("lost the lease on %s; stopping it", self.lease.job_id)
                 self.lost.set()
@@ -229,6 +237,19 @@ class Worker:
         self.config = config
         self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}"
         self.shutdown = threading.Event()
+        # The processes one job may train with here: its GPUs, else its CPU cores, or fewer if the settings say so.
+        detected, self.device_kind = workers.host_devices()
+        self.devices = settings.worker_devices or detected
+        self._announced_at: float | None = None
+
+    def announce(self) -> None:
+        """Tell the API this worker runs and how many devices it has, at most every `workers.REFRESH`."""
+        now = time.monotonic()
+        if self._announced_at is not None and now - self._announced_at < workers.REFRESH.total_seconds():
+            return
+        with self.sessions() as session:
+            workers.announce(session, self.worker_id, devices=self.devices, device_kind=self.device_kind)
+        self._announced_at = now
 
     def requeue_expired(self) -> list[str]:
         with self.sessions() as session:
@@ -238,12 +259,19 @@ class Worker:
         return requeued
 
     def validate_pending(self) -> list[str]:
-        """Validate the files of jobs waiting in `validating_files`; queue them, or fail them naming file and line."""
+        """Validate the jobs waiting in `validating_files`: their devices (some worker seen lately must have that
+        many) and files; queue them, or fail them naming `devices`, or the file and line."""
         with self.sessions() as session:
             job_ids = jobs.jobs_to_validate(session)
         for job_id in job_ids:
             with self.sessions() as session:
-                error = training.file_error(session, self.settings, session.get_one(FineTuningJob, job_id))
+                job = session.get_one(FineTuningJob, job_id)
+                problem = workers.devices_problem(session, job.devices)
+                error = (
+                    {"code": "devices_unavailable", "message": problem, "param": "devices"}
+                    if problem is not None
+                    else training.file_error(session, self.settings, job)
+                )
                 if jobs.finish_validation(session, job_id, error) and error is not None:
                     logger.warning("job %s failed file validation: %s", job_id, error["message"])
         return job_ids
@@ -251,10 +279,13 @@ class Worker:
     def run_once(self) -> bool:
         """Re-queue abandoned jobs, validate new jobs' files, then claim and run one job; False when there was
         nothing to do."""
+        self.announce()
         self.requeue_expired()
         validated = self.validate_pending()
         with self.sessions() as session:
-            lease = jobs.claim_next_job(session, worker_id=self.worker_id, lease_seconds=self.config.lease_seconds)
+            lease = jobs.claim_next_job(
+                session, worker_id=self.worker_id, lease_seconds=self.config.lease_seconds, max_devices=self.devices
+            )
         if lease is None:
             return bool(validated)
         logger.info("claimed job %s (attempt %d)", lease.job_id, lease.attempt)
@@ -277,7 +308,7 @@ class Worker:
                 self.shutdown.wait(self.config.poll_seconds)
 
     def run_job(self, lease: jobs.Lease) -> None:
-        with JobRun(self.sessions, lease, self.config, self.shutdown) as run:
+        with JobRun(self.sessions, lease, self.config, self.shutdown, self.announce) as run:
             try:
                 with self.sessions() as session:
                     fine_tune_run, resume_from = training.job_run(session, self.settings, lease.job_id, lease.attempt)

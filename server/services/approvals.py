@@ -1,6 +1,12 @@
 """The four-eyes rule for alias moves: with it on, a promotion or rollback becomes a pending request that a second
 admin key approves (the move is made then, and `alias_history` records requester, approver, both times and the
 reason) or rejects. The requesting key can reject (withdraw) its own request but never approve it.
+
+A second key is a second person only if no one holds both: whoever creates a key sees its secret, so a key, the key
+that created it, the one that created that one and so on (its `created_by` chain) may all be one person's. An
+approval counts only when the approver's chain and the requester's share no key: not a key the requester made
+(directly or through keys it made), not the requester's own maker, not a sibling made by the same key. Admin keys
+meant to approve each other are made independently (`zaya keys create --role admin`).
 """
 
 from __future__ import annotations
@@ -9,7 +15,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from server.db.base import utcnow
-from server.db.models import AliasApproval, AliasHistory, ApprovalStatus, new_id
+from server.db.models import AliasApproval, AliasHistory, ApiKey, ApprovalStatus, new_id
 from server.db.session import matched_rows
 from server.errors import Conflict, Forbidden, NotFound
 from server.services import registry
@@ -101,11 +107,17 @@ def _decide(
         raise Conflict(f"Approval request {approval.id} is already {approval.status}.", code="approval_decided")
 
 
-def approve(
-    session: Session, approval: AliasApproval, *, approver: str | None, reason: str | None, gate: bool
-) -> AliasHistory:
-    """Make the requested move, re-checked now (the alias must not have moved since; the gate still applies).
-    Flushes; the caller commits (and rolls back on an error, which also leaves the request pending)."""
+def creation_chain(session: Session, key_id: str | None) -> list[str]:
+    """The key, the key that created it, the one that created that one, ... up to a key made without one."""
+    chain: list[str] = []
+    while key_id is not None and key_id not in chain:
+        chain.append(key_id)
+        key_id = session.scalar(select(ApiKey.created_by).where(ApiKey.id == key_id))
+    return chain
+
+
+def check_approver(session: Session, approval: AliasApproval, approver: str | None) -> None:
+    """403 `self_approval` unless `approver` is independent of the request's requester (see the module's doc)."""
     if approver is None or approver == approval.requested_by:
         raise Forbidden(
             f"Four-eyes rule: approval request {approval.id} must be approved by a different admin key than the one "
@@ -113,6 +125,31 @@ def approve(
             param="approval_id",
             code="self_approval",
         )
+    requester_chain = creation_chain(session, approval.requested_by)
+    shared = next((key for key in creation_chain(session, approver) if key in requester_chain), None)
+    if shared is None:
+        return
+    requester = approval.requested_by
+    if shared == requester:
+        why = f"key {approver} was made by the requester's key {requester} (directly or through keys it made)"
+    elif shared == approver:
+        why = f"key {approver} made the requester's key {requester} (directly or through keys it made)"
+    else:
+        why = f"keys {approver} and {requester} were both made from key {shared}, whose holder saw both secrets"
+    raise Forbidden(
+        f"Four-eyes rule: {why}, so one person may hold both. Approve request {approval.id} with an admin key made "
+        "independently of the requester's, e.g. with `zaya keys create --role admin`.",
+        param="approval_id",
+        code="self_approval",
+    )
+
+
+def approve(
+    session: Session, approval: AliasApproval, *, approver: str | None, reason: str | None, gate: bool
+) -> AliasHistory:
+    """Make the requested move, re-checked now (the alias must not have moved since; the gate still applies).
+    Flushes; the caller commits (and rolls back on an error, which also leaves the request pending)."""
+    check_approver(session, approval, approver)
     _decide(session, approval, ApprovalStatus.approved, approver, reason)
     current = registry.find_alias(session, approval.model_name, approval.alias)
     if (current.version_id if current else None) != approval.from_version_id:

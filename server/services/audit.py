@@ -10,6 +10,7 @@ from sqlalchemy.orm import Session
 
 from server.db.base import utcnow
 from server.db.models import AuditLog
+from server.services.access import Scope
 
 
 def outcome_for(status_code: int) -> str:
@@ -24,6 +25,7 @@ INSERT_ENTRY = insert(AuditLog)
 def entry(
     *,
     actor_key_id: str | None,
+    project_id: str | None,
     action: str,
     method: str,
     path: str,
@@ -35,6 +37,7 @@ def entry(
     return {
         "created_at": utcnow(),
         "actor_key_id": actor_key_id,
+        "project_id": project_id,
         "action": action,
         "method": method,
         "path": path,
@@ -54,6 +57,7 @@ def record(session: Session, **fields: Any) -> AuditLog:
 
 def list_entries(
     session: Session,
+    scope: Scope,
     *,
     actor: str | None = None,
     action: str | None = None,
@@ -62,8 +66,9 @@ def list_entries(
     after: int | None = None,
     limit: int = 100,
 ) -> list[AuditLog]:
-    """Newest first; `after` is the id of the last entry of the previous page."""
-    query = select(AuditLog).order_by(AuditLog.id.desc()).limit(limit)
+    """The scope's entries (those of its project's keys), newest first; `after` is the id of the last entry of the
+    previous page."""
+    query = scope.owned(select(AuditLog), AuditLog.project_id).order_by(AuditLog.id.desc()).limit(limit)
     if actor is not None:
         query = query.where(AuditLog.actor_key_id == actor)
     if action is not None:

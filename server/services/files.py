@@ -13,6 +13,8 @@ from finetune.datasets.validation import validate_dataset
 from server.db.base import utcnow
 from server.db.models import ACTIVE_JOB_STATUSES, File, FineTuningJob, new_id
 from server.errors import Conflict, InvalidRequest, NotFound
+from server.services.access import Principal, Scope
+from server.services.quotas import check_storage
 from server.services.storage import StreamedFile
 from server.settings import Settings
 
@@ -69,9 +71,10 @@ def create_file(
     *,
     filename: str | None,
     purpose: str | None,
-    created_by: str | None,
+    owner: Principal,
 ) -> File:
-    """Validate a received upload and store it: the row and the content appear together or not at all."""
+    """Validate a received upload and store it in `owner`'s project: the row and the content appear together or not
+    at all."""
     try:
         if not purpose:
             raise InvalidRequest("Missing required parameter: 'purpose'.", param="purpose", code="missing_required")
@@ -93,9 +96,11 @@ def create_file(
             purpose=purpose,
             bytes=upload.size,
             sha256=upload.sha256,
-            created_by=created_by,
+            created_by=owner.key_id,
+            project_id=owner.project_id,
             status_details=pii_summary,
         )
+        check_storage(session, owner.project_id, upload.size, settings.project_max_stored_bytes)
         session.add(file)
         session.flush()
         stored = upload.commit(file.id)
@@ -110,24 +115,24 @@ def create_file(
             upload.discard()
 
 
-def get_file(session: Session, file_id: str) -> File:
-    file = session.get(File, file_id)
+def get_file(session: Session, scope: Scope, file_id: str) -> File:
+    file = scope.get(session, File, file_id)
     if file is None or file.deleted_at is not None:
         raise NotFound(f"No such File object: {file_id}", param="id")
     return file
 
 
 def list_files(
-    session: Session, *, purpose: str | None, limit: int, order: str, after: str | None
+    session: Session, scope: Scope, *, purpose: str | None, limit: int, order: str, after: str | None
 ) -> tuple[list[File], bool]:
-    """A page of files (newest first unless order='asc') and whether more follow."""
+    """A page of the scope's files (newest first unless order='asc') and whether more follow."""
     ascending = order == "asc"
     columns = (File.created_at, File.id)
-    query = select(File).where(File.deleted_at.is_(None))
+    query = scope.owned(select(File).where(File.deleted_at.is_(None)), File.project_id)
     if purpose is not None:
         query = query.where(File.purpose == purpose)
     if after is not None:
-        cursor = session.get(File, after)
+        cursor = scope.get(session, File, after)
         if cursor is None:
             raise InvalidRequest(f"No such File object for 'after': {after}", param="after")
         position = (cursor.created_at, cursor.id)

@@ -40,7 +40,9 @@ from server.engines.base import (
 )
 from server.engines.heap import freeze_startup_heap
 from server.errors import APIError, GenerationFailed, InvalidRequest, ServiceUnavailable, TooManyRequests
+from server.services.access import Principal, Scope
 from server.services.model_resolution import ServableModel, resolve
+from server.services.quotas import OpenStreams
 from server.settings import Settings
 
 if TYPE_CHECKING:
@@ -164,6 +166,7 @@ class _Run:
 @dataclass
 class _Record:
     api_key_id: str
+    project_id: str
     endpoint: str
     requested_model: str
     model_version_id: str | None = None
@@ -177,6 +180,7 @@ class _Record:
         return {
             "created_at": utcnow(),
             "api_key_id": self.api_key_id,
+            "project_id": self.project_id,
             "endpoint": self.endpoint,
             "requested_model": self.requested_model[:256],
             "model_version_id": self.model_version_id,
@@ -196,8 +200,12 @@ class Generation:
     `GenerationFailed` (recorded 500); a reader that stops early (cancelled, or closing the stream) leaves 499.
     """
 
-    def __init__(self, record: _Record, runs: list[_Run], n: int, rows: RowWriter) -> None:
+    def __init__(
+        self, record: _Record, runs: list[_Run], n: int, rows: RowWriter, close_stream: Callable[[], None]
+    ) -> None:
+        """`close_stream` gives back the request's place among its key's open streams (`OpenStreams`)."""
         self._record, self._runs, self._rows = record, runs, rows
+        self._close_stream = close_stream
         self.choices_per_prompt = n
         self.n = n * len(runs)
         self._tokens = [0] * self.n
@@ -295,6 +303,7 @@ class Generation:
         self._closed = True
         with anyio.CancelScope(shield=True):
             await _close_runs(self._runs, self._pumps)
+            self._close_stream()
             await self._rows.execute(INSERT_RECORD, self._record.row())
 
 
@@ -347,6 +356,7 @@ class InferenceService:
     ) -> None:
         """`reads` resolve models, `rows` writes the inference records, `budget` charges each request's tokens."""
         self.settings, self.reads, self.rows, self.budget = settings, reads, rows, budget
+        self.open_streams = OpenStreams(settings.key_max_open_streams)
         self._engine = engine
         self._engine_factory = engine_factory
         self._engine_state: EngineState = "ready" if engine is not None else "not_started"
@@ -415,32 +425,40 @@ class InferenceService:
                 report["status"] = details.get("status", "unavailable")
         return report
 
-    async def tokenizer(self, model: str) -> PreTrainedTokenizerBase:
-        """The tokenizer `model` is served with (resolved as a request's `model` is); 404 or 503 as a request gets."""
-        servable = await self.reads.run(resolve, model)
+    async def tokenizer(self, scope: Scope, model: str) -> PreTrainedTokenizerBase:
+        """The tokenizer `model` is served with (resolved as a request's `model` is, within `scope`); 404 or 503 as a
+        request gets."""
+        servable = await self.reads.run(resolve, scope, model)
         try:
             return await self.engine.tokenizer(servable.base)
         except ModelLoadError as error:
             raise ServiceUnavailable(error.message, code="model_unavailable") from error
 
     # --- the request flow -------------------------------------------------------------------------------------
-    async def start_generation(self, key_id: str, request: GenerationRequest) -> Generation:
-        """Resolve the model, check and charge the request, and start generating; refusals are recorded and raised."""
+    async def start_generation(self, caller: Principal, request: GenerationRequest) -> Generation:
+        """Resolve the model as the caller's project sees it, check and charge the request, and start generating;
+        refusals are recorded and raised."""
         prompts = request.prompts()
-        record = _Record(key_id, prompts[0].endpoint, request.model)
+        key_id = caller.key_id
+        record = _Record(key_id, caller.project_id, prompts[0].endpoint, request.model)
         try:
-            servable = await self.reads.run(resolve, request.model)
-            record.model_version_id = servable.version_id
-            prepared = [await self._prepare(servable, prompt, request) for prompt in prompts]
-            record.prompt_tokens = sum(len(each.token_ids) for each in prepared)
-            tokens = sum(len(each.token_ids) + each.params.max_tokens * each.params.n for each in prepared)
-            self.budget.charge_tokens(key_id, tokens, param=request.max_tokens_param)
-            runs = await self._start_runs(servable, prepared)
+            close_stream = self.open_streams.open(key_id)
+            try:
+                servable = await self.reads.run(resolve, caller.scope, request.model)
+                record.model_version_id = servable.version_id
+                prepared = [await self._prepare(servable, prompt, request) for prompt in prompts]
+                record.prompt_tokens = sum(len(each.token_ids) for each in prepared)
+                tokens = sum(len(each.token_ids) + each.params.max_tokens * each.params.n for each in prepared)
+                self.budget.charge_tokens(key_id, tokens, param=request.max_tokens_param)
+                runs = await self._start_runs(servable, prepared)
+            except BaseException:
+                close_stream()
+                raise
         except APIError as error:
             record.status_code = error.status_code
             await self.rows.execute(INSERT_RECORD, record.row())
             raise
-        return Generation(record, runs, prepared[0].params.n, self.rows)
+        return Generation(record, runs, prepared[0].params.n, self.rows, close_stream)
 
     async def _prepare(self, servable: ServableModel, prompt: Prompt, request: GenerationRequest) -> _PreparedPrompt:
         try:

@@ -23,7 +23,9 @@ from server.db.models import Checkpoint, File, FineTuningJob, JobEvent, JobStatu
 from server.db.session import matched_rows
 from server.errors import Conflict, InvalidRequest, NotFound
 from server.services import registry
+from server.services.access import Principal, Scope
 from server.services.model_resolution import find_version, fine_tuned_model_name
+from server.services.quotas import check_jobs
 
 # The hyperparameters OpenAI's job object shows; "auto" until a run has chosen them.
 OPENAI_HYPERPARAMETERS = ("batch_size", "learning_rate_multiplier", "n_epochs")
@@ -37,8 +39,8 @@ class LeaseLost(Exception):
 # --- creation and the user's controls -------------------------------------------------------------------------------
 
 
-def usable_file(session: Session, file_id: str, param: str) -> File:
-    file = session.get(File, file_id)
+def usable_file(session: Session, scope: Scope, file_id: str, param: str) -> File:
+    file = scope.get(session, File, file_id)
     if file is None or file.deleted_at is not None:
         raise InvalidRequest(f"No such File object: {file_id}", param=param, code="file_not_found")
     if file.purpose != "fine-tune":
@@ -50,13 +52,15 @@ def usable_file(session: Session, file_id: str, param: str) -> File:
     return file
 
 
-def trainable_base(session: Session, *, model: str, training_file: str, validation_file: str | None) -> ModelVersion:
-    """The base model version a job on `model` trains, once its files are usable fine-tuning files; 4xx naming the
-    field otherwise."""
-    usable_file(session, training_file, "training_file")
+def trainable_base(
+    session: Session, scope: Scope, *, model: str, training_file: str, validation_file: str | None
+) -> ModelVersion:
+    """The base model version a job on `model` trains, once its files are usable fine-tuning files (all within
+    `scope`); 4xx naming the field otherwise."""
+    usable_file(session, scope, training_file, "training_file")
     if validation_file is not None:
-        usable_file(session, validation_file, "validation_file")
-    base = find_version(session, model)
+        usable_file(session, scope, validation_file, "validation_file")
+    base = find_version(session, scope, model)
     if base.kind != "full":
         raise InvalidRequest(
             f"'{model}' is a LoRA adapter ({base.id}); fine-tune its base or a merged full version instead.",
@@ -68,6 +72,7 @@ def trainable_base(session: Session, *, model: str, training_file: str, validati
 
 def create_job(
     session: Session,
+    owner: Principal,
     *,
     model: str,
     training_file: str,
@@ -76,14 +81,19 @@ def create_job(
     suffix: str | None,
     seed: int | None,
     metadata: dict[str, str] | None,
-    created_by: str | None,
     devices: int = 1,
+    max_jobs: int = 0,
 ) -> FineTuningJob:
-    """Check the files and the base model, then store the job in `validating_files`: a worker validates its files
-    against the base model (`finish_validation`) and queues it. Commits."""
-    base = trainable_base(session, model=model, training_file=training_file, validation_file=validation_file)
+    """Check the files and the base model (as `owner` sees them), then store the job in `owner`'s project in
+    `validating_files`: a worker validates its files against the base model (`finish_validation`) and queues it.
+    The project may hold `max_jobs` unfinished jobs (0: any number). Commits."""
+    base = trainable_base(
+        session, owner.scope, model=model, training_file=training_file, validation_file=validation_file
+    )
+    check_jobs(session, owner.project_id, max_jobs)
     job = FineTuningJob(
         id=new_id("ftjob-"),
+        project_id=owner.project_id,
         model=model,
         base_version_id=base.id,
         training_file_id=training_file,
@@ -93,7 +103,7 @@ def create_job(
         seed=seed if seed is not None else secrets.randbelow(2**31),
         method=method,
         user_metadata=metadata,
-        created_by=created_by,
+        created_by=owner.key_id,
         devices=devices,
     )
     session.add(job)
@@ -139,22 +149,23 @@ def finish_validation(session: Session, job_id: str, error: dict[str, Any] | Non
     return True
 
 
-def get_job(session: Session, job_id: str) -> FineTuningJob:
-    job = session.get(FineTuningJob, job_id)
+def get_job(session: Session, scope: Scope, job_id: str) -> FineTuningJob:
+    job = scope.get(session, FineTuningJob, job_id)
     if job is None:
         raise NotFound(f"No such fine-tuning job: {job_id}", param="fine_tuning_job_id", code="job_not_found")
     return job
 
 
 def list_jobs(
-    session: Session, *, after: str | None, limit: int, metadata: dict[str, str] | None = None
+    session: Session, scope: Scope, *, after: str | None, limit: int, metadata: dict[str, str] | None = None
 ) -> tuple[list[FineTuningJob], bool]:
-    """A page of jobs, newest first, and whether more follow; OpenAI-style: `after` is the last job id of the
-    previous page, `metadata` keeps jobs with all of these key-value pairs. Filtered and cut in the query."""
+    """A page of the scope's jobs, newest first, and whether more follow; OpenAI-style: `after` is the last job id of
+    the previous page, `metadata` keeps jobs with all of these key-value pairs. Filtered and cut in the query."""
     columns = (FineTuningJob.created_at, FineTuningJob.id)
     query = select(FineTuningJob).order_by(*(column.desc() for column in columns)).limit(limit + 1)
+    query = scope.owned(query, FineTuningJob.project_id)
     if after is not None:
-        cursor = session.get(FineTuningJob, after)
+        cursor = scope.get(session, FineTuningJob, after)
         if cursor is None:
             raise InvalidRequest(f"No such fine-tuning job for 'after': {after}", param="after")
         query = query.where(tuple_(*columns) < (cursor.created_at, cursor.id))
@@ -271,8 +282,10 @@ class Lease:
     attempt: int
 
 
-def claim_next_job(session: Session, *, worker_id: str, lease_seconds: float) -> Lease | None:
-    """Atomically take the oldest queued job, or None. Commits.
+def claim_next_job(
+    session: Session, *, worker_id: str, lease_seconds: float, max_devices: int | None = None
+) -> Lease | None:
+    """Atomically take the oldest queued job (of those on at most `max_devices` devices), or None. Commits.
 
     PostgreSQL: the candidate row is locked with FOR UPDATE SKIP LOCKED, so concurrent workers pick different jobs
     without waiting. SQLite: one UPDATE whose WHERE re-checks `status = 'queued'`; SQLite runs writes one at a
@@ -286,6 +299,8 @@ def claim_next_job(session: Session, *, worker_id: str, lease_seconds: float) ->
         .order_by(FineTuningJob.created_at, FineTuningJob.id)
         .limit(1)
     )
+    if max_devices is not None:
+        oldest_queued = oldest_queued.where(FineTuningJob.devices <= max_devices)
     if session.get_bind().dialect.name == "postgresql":
         job_id = session.scalar(oldest_queued.with_for_update(skip_locked=True))
         if job_id is None:
@@ -460,6 +475,7 @@ def finish_succeeded(
         base_version_id=base.id,
         job_id=job.id,
         metrics=metrics,
+        projects=[job.project_id],
         lineage={
             "job_id": job.id,
             "base_version_id": base.id,

@@ -13,7 +13,8 @@ from sqlalchemy import bindparam, select, update
 from sqlalchemy.orm import Session
 
 from server.db.base import utcnow
-from server.db.models import ApiKey, Role
+from server.db.models import DEFAULT_PROJECT_ID, ApiKey, Role
+from server.services.access import Scope
 
 SECRET_MARKER = "zk-"
 PREFIX_LENGTH = len(SECRET_MARKER) + 12
@@ -29,8 +30,15 @@ def hash_secret(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
-def create_key(session: Session, *, name: str, role: Role | str, created_by: str | None = None) -> CreatedKey:
-    """Create a key and return its secret: the only time the secret exists outside the client."""
+def create_key(
+    session: Session,
+    *,
+    name: str,
+    role: Role | str,
+    created_by: str | None = None,
+    project_id: str = DEFAULT_PROJECT_ID,
+) -> CreatedKey:
+    """Create a key in a project and return its secret: the only time the secret exists outside the client."""
     role = Role(role)
     name = name.strip()
     if not name:
@@ -42,6 +50,7 @@ def create_key(session: Session, *, name: str, role: Role | str, created_by: str
         prefix=secret[:PREFIX_LENGTH],
         secret_hash=hash_secret(secret),
         created_by=created_by,
+        project_id=project_id,
     )
     session.add(key)
     session.flush()
@@ -79,8 +88,8 @@ def authenticate(session: Session, secret: str, *, last_used_resolution: timedel
     return key
 
 
-def list_keys(session: Session) -> list[ApiKey]:
-    return list(session.scalars(select(ApiKey).order_by(ApiKey.created_at, ApiKey.id)))
+def list_keys(session: Session, scope: Scope) -> list[ApiKey]:
+    return list(session.scalars(scope.owned(select(ApiKey), ApiKey.project_id).order_by(ApiKey.created_at, ApiKey.id)))
 
 
 def revoke_key(session: Session, key: ApiKey) -> ApiKey:

@@ -9,7 +9,9 @@ Accepted forms:
   checkpoints list), whatever the job's state: served from the checkpoint's directory, an adapter on the job's base
   version or a full checkpoint, as the final model would be. Checkpoints are not model versions: the inference
   record names them by the requested model alone.
-Anything else, and archived versions, is a 404 naming `model`.
+Anything else, archived versions, versions the caller's project may not use and checkpoints of another project's jobs
+(`server.services.access`) are a 404 naming `model`; what is out of the caller's scope gets exactly the answer an
+unknown model gets. A bare `name` without a `production` alias is its latest active version the caller may use.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from sqlalchemy.orm import Session
 from server.db.models import Checkpoint, FineTuningJob, JobStatus, ModelAlias, ModelVersion
 from server.engines.base import ModelRef
 from server.errors import NotFound
+from server.services.access import Scope
 
 DEFAULT_ALIAS = "production"
 VERSION_ID_PREFIX = "mv-"
@@ -44,10 +47,10 @@ def _not_found(model: str, why: str = "does not exist") -> NotFound:
     return NotFound(f"The model '{model}' {why}.", param="model", code="model_not_found")
 
 
-def _latest_active(session: Session, name: str) -> ModelVersion | None:
+def _latest_active(session: Session, scope: Scope, name: str) -> ModelVersion | None:
     return session.scalars(
         select(ModelVersion)
-        .where(ModelVersion.name == name, ModelVersion.status == "active")
+        .where(ModelVersion.name == name, ModelVersion.status == "active", scope.version_usable())
         .order_by(ModelVersion.version.desc())
         .limit(1)
     ).first()
@@ -86,8 +89,8 @@ def _fine_tuned(session: Session, model: str) -> ModelVersion | None:
     return session.scalars(select(ModelVersion).where(ModelVersion.job_id == job.id).limit(1)).first()
 
 
-def find_version(session: Session, model: str) -> ModelVersion:
-    """The model version a `model` string names; 404 (param `model`) if none or archived."""
+def find_version(session: Session, scope: Scope, model: str) -> ModelVersion:
+    """The model version a `model` string names; 404 (param `model`) if none, out of `scope` or archived."""
     version = _fine_tuned(session, model) if model.startswith(FINE_TUNED_PREFIX) else None
     if version is None:
         name, at, selector = model.partition("@")
@@ -99,18 +102,18 @@ def find_version(session: Session, model: str) -> ModelVersion:
         elif selector:
             version = _aliased(session, name, selector)
         else:
-            version = _aliased(session, name, DEFAULT_ALIAS) or _latest_active(session, name)
-    if version is None:
+            version = _aliased(session, name, DEFAULT_ALIAS) or _latest_active(session, scope, name)
+    if version is None or not scope.can_use(version):
         raise _not_found(model)
     if version.status != "active":
         raise _not_found(model, f"points to the archived version {version.id}")
     return version
 
 
-def _checkpoint(session: Session, model: str, job_model: str, step: int) -> ServableModel:
+def _checkpoint(session: Session, scope: Scope, model: str, job_model: str, step: int) -> ServableModel:
     """A job's checkpoint at `step`, served from its directory as the job's final model would be."""
     job = _named_job(session, job_model)
-    if job is None:
+    if job is None or not scope.includes(job.project_id):
         raise _not_found(model)
     query = select(Checkpoint).where(Checkpoint.job_id == job.id, Checkpoint.step == step)
     checkpoint = session.scalars(query).one_or_none()
@@ -128,11 +131,11 @@ def _checkpoint(session: Session, model: str, job_model: str, step: int) -> Serv
     return ServableModel(model, None, ModelRef(base.id, Path(base.path)), adapter=reference)
 
 
-def resolve(session: Session, model: str) -> ServableModel:
+def resolve(session: Session, scope: Scope, model: str) -> ServableModel:
     checkpoint = CHECKPOINT_NAME.match(model)
     if checkpoint is not None:
-        return _checkpoint(session, model, checkpoint["model"], int(checkpoint["step"]))
-    version = find_version(session, model)
+        return _checkpoint(session, scope, model, checkpoint["model"], int(checkpoint["step"]))
+    version = find_version(session, scope, model)
     if version.kind != "adapter":
         return ServableModel(model, version.id, ModelRef(version.id, Path(version.path)))
     base = session.get(ModelVersion, version.base_version_id) if version.base_version_id else None

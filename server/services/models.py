@@ -1,4 +1,5 @@
-"""What `GET /v1/models` lists: registered model names, their aliases (`name@alias`) and fine-tuned models.
+"""What `GET /v1/models` lists: registered model names, their aliases (`name@alias`) and fine-tuned models, as far
+as the caller's scope may use them (`server.services.access`).
 
 A succeeded job's model version is named after its `fine_tuned_model`, so it is listed once. Resolving a name to a
 version is `server.services.model_resolution`'s job.
@@ -13,30 +14,36 @@ from sqlalchemy.orm import Session
 
 from server.db.models import FineTuningJob, JobStatus, ModelAlias, ModelVersion
 from server.errors import NotFound
+from server.services.access import Scope
 
 
-def list_model_ids(session: Session) -> list[tuple[str, datetime]]:
-    """(model id, creation time) for every usable model, sorted by id."""
+def list_model_ids(session: Session, scope: Scope) -> list[tuple[str, datetime]]:
+    """(model id, creation time) for every model the scope may use, sorted by id."""
     entries: dict[str, datetime] = {}
     names = session.execute(
         select(ModelVersion.name, func.min(ModelVersion.created_at))
-        .where(ModelVersion.status == "active")
+        .where(ModelVersion.status == "active", scope.version_usable())
         .group_by(ModelVersion.name)
     )
     entries.update({name: created for name, created in names})
-    for alias in session.scalars(select(ModelAlias)):
+    aliases = select(ModelAlias).join(ModelVersion, ModelVersion.id == ModelAlias.version_id)
+    for alias in session.scalars(aliases.where(scope.version_usable())):
         entries[f"{alias.model_name}@{alias.alias}"] = alias.updated_at
     fine_tuned = session.execute(
-        select(FineTuningJob.fine_tuned_model, FineTuningJob.finished_at).where(
-            FineTuningJob.status == JobStatus.succeeded, FineTuningJob.fine_tuned_model.is_not(None)
+        select(FineTuningJob.fine_tuned_model, FineTuningJob.finished_at)
+        .join(ModelVersion, ModelVersion.id == FineTuningJob.result_model_version_id)
+        .where(
+            FineTuningJob.status == JobStatus.succeeded,
+            FineTuningJob.fine_tuned_model.is_not(None),
+            scope.version_usable(),
         )
     )
     entries.update({name: finished for name, finished in fine_tuned if name is not None and finished is not None})
     return sorted(entries.items())
 
 
-def get_model_id(session: Session, model: str) -> tuple[str, datetime]:
-    for entry in list_model_ids(session):
+def get_model_id(session: Session, scope: Scope, model: str) -> tuple[str, datetime]:
+    for entry in list_model_ids(session, scope):
         if entry[0] == model:
             return entry
     raise NotFound(f"The model '{model}' does not exist.", param="model", code="model_not_found")

@@ -19,9 +19,19 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from server.db.base import utcnow
-from server.db.models import AliasApproval, AliasHistory, File, FineTuningJob, ModelAlias, ModelVersion, new_id
+from server.db.models import (
+    AliasApproval,
+    AliasHistory,
+    File,
+    FineTuningJob,
+    ModelAlias,
+    ModelVersion,
+    ModelVersionProject,
+    new_id,
+)
 from server.engines import serving_problems
 from server.errors import Conflict, InvalidRequest, NotFound
+from server.services.access import Scope
 from server.services.adapters import prepare_adapter
 from server.settings import Settings
 
@@ -99,8 +109,11 @@ def get_version(session: Session, version_id: str | None) -> ModelVersion:
     return version
 
 
-def list_versions(session: Session, *, name: str | None = None, include_archived: bool = True) -> list[ModelVersion]:
-    query = select(ModelVersion).order_by(ModelVersion.name, ModelVersion.version)
+def list_versions(
+    session: Session, scope: Scope, *, name: str | None = None, include_archived: bool = True
+) -> list[ModelVersion]:
+    """The versions the scope may use."""
+    query = select(ModelVersion).where(scope.version_usable()).order_by(ModelVersion.name, ModelVersion.version)
     if name is not None:
         query = query.where(ModelVersion.name == name)
     if not include_archived:
@@ -119,9 +132,11 @@ def register_version(
     lineage: dict[str, Any] | None = None,
     description: str | None = None,
     created_by: str | None = None,
+    projects: list[str] | None = None,
     serving: Settings | None = None,
 ) -> ModelVersion:
-    """Add version N+1 of `name` for a checkpoint or adapter dir (checked here). Flushes; the caller commits.
+    """Add version N+1 of `name` for a checkpoint or adapter dir (checked here), usable by the `projects` (ids)
+    given, or by every project. Flushes; the caller commits.
 
     With `serving` (the server's settings), a full checkpoint the configured engine cannot run is refused, naming
     what it cannot run (an adapter runs on its base, or as that base's shape once merged).
@@ -164,8 +179,19 @@ def register_version(
         lineage=lineage,
         description=description,
         created_by=created_by,
+        allowed_projects=[ModelVersionProject(project_id=project_id) for project_id in sorted(set(projects or ()))],
     )
     session.add(version)
+    session.flush()
+    return version
+
+
+def limit_version(session: Session, version: ModelVersion, project_ids: list[str]) -> ModelVersion:
+    """Make `version` usable by these projects only; an empty list: by every project. Flushes."""
+    wanted = set(project_ids)
+    kept = [limit for limit in version.allowed_projects if limit.project_id in wanted]
+    have = {limit.project_id for limit in kept}
+    version.allowed_projects = kept + [ModelVersionProject(project_id=project) for project in sorted(wanted - have)]
     session.flush()
     return version
 

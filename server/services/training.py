@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 from server.db.models import File, FineTuningJob, JobStatus, ModelVersion
 from server.errors import APIError, InvalidRequest
 from server.services import jobs
+from server.services.access import Scope
 from server.services.files import content_path
 from server.settings import Settings
 
@@ -68,7 +69,7 @@ def file_error(session: Session, app_settings: Settings, job: FineTuningJob) -> 
         checks.append(("validation_file", job.validation_file_id, None))
     for param, file_id, other_id in checks:
         try:
-            file = jobs.usable_file(session, file_id, param)
+            file = jobs.usable_file(session, Scope.everything(), file_id, param)
             other = content_path(app_settings, session.get_one(File, other_id)) if other_id else None
             problems = dataset_problems(
                 content_path(app_settings, file), model_dir=Path(base.path), settings=settings, other_path=other
@@ -116,6 +117,7 @@ THROUGHPUT_JOBS = 5
 def estimate(
     session: Session,
     app_settings: Settings,
+    scope: Scope,
     *,
     model: str,
     training_file: str,
@@ -123,12 +125,14 @@ def estimate(
     settings: FineTuneSettings,
 ) -> tuple[TrainingEstimate, list[str]]:
     """What a job with these inputs would train, before it is created: its trained tokens (`finetune.estimate`)
-    and, when earlier jobs on the same base model and of the same method and adapter kind succeeded, the time at
-    their median recorded throughput. 4xx naming the field for bad input. Returns (estimate, the jobs read)."""
+    and, when earlier jobs in `scope` on the same base model and of the same method and adapter kind succeeded, the
+    time at their median recorded throughput. 4xx naming the field for bad input. Returns (estimate, the jobs read)."""
     from finetune.estimate import estimate_tokens
     from zaya_model import ZayaConfig
 
-    base = jobs.trainable_base(session, model=model, training_file=training_file, validation_file=validation_file)
+    base = jobs.trainable_base(
+        session, scope, model=model, training_file=training_file, validation_file=validation_file
+    )
     checks = [("training_file", training_file, validation_file)]
     if validation_file is not None:
         checks.append(("validation_file", validation_file, None))
@@ -145,7 +149,7 @@ def estimate(
             raise InvalidRequest(message[:MAX_ERROR_MESSAGE], param=param, code=f"invalid_{param}")
         reports[param] = report
     result = estimate_tokens(settings, reports["training_file"], ZayaConfig.from_pretrained(base.path))
-    rates, job_ids = recorded_throughput(session, base.id, settings)
+    rates, job_ids = recorded_throughput(session, scope, base.id, settings)
     if not rates:
         return result.with_throughput(None, f"no succeeded {settings.type} {settings.adapter} job on this model"), []
     source = f"median of the {len(rates)} latest succeeded {settings.type} {settings.adapter} jobs on this model"
@@ -153,17 +157,18 @@ def estimate(
 
 
 def recorded_throughput(
-    session: Session, base_version_id: str, settings: FineTuneSettings
+    session: Session, scope: Scope, base_version_id: str, settings: FineTuneSettings
 ) -> tuple[list[float], list[str]]:
-    """The trained tokens per second that the newest succeeded jobs on this base model, of the same method type and
-    adapter kind, recorded (in their model versions' metrics), and those jobs' ids."""
-    rows = session.execute(
+    """The trained tokens per second that the scope's newest succeeded jobs on this base model, of the same method
+    type and adapter kind, recorded (in their model versions' metrics), and those jobs' ids."""
+    query = (
         select(FineTuningJob.id, FineTuningJob.method, ModelVersion.metrics)
         .join(ModelVersion, ModelVersion.id == FineTuningJob.result_model_version_id)
         .where(FineTuningJob.base_version_id == base_version_id, FineTuningJob.status == JobStatus.succeeded)
         .order_by(FineTuningJob.finished_at.desc(), FineTuningJob.id.desc())
         .limit(200)
-    ).all()
+    )
+    rows = session.execute(scope.owned(query, FineTuningJob.project_id)).all()
     rates, job_ids = [], []
     for job_id, method, metrics in rows:
         rate = (metrics or {}).get("trained_tokens_per_second")
@@ -189,7 +194,7 @@ def job_run(session: Session, app_settings: Settings, job_id: str, attempt: int)
     job = session.get_one(FineTuningJob, job_id)
     base = session.get_one(ModelVersion, job.base_version_id)
     files = {
-        file_id: content_path(app_settings, jobs.usable_file(session, file_id, "file"))
+        file_id: content_path(app_settings, jobs.usable_file(session, Scope.everything(), file_id, "file"))
         for file_id in (job.training_file_id, job.validation_file_id)
         if file_id is not None
     }

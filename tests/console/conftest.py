@@ -21,6 +21,7 @@ sessions = server_fixtures.sessions
 app = server_fixtures.app
 client = server_fixtures.client
 make_key = server_fixtures.make_key
+make_project = server_fixtures.make_project
 keys = server_fixtures.keys
 valid_dataset = server_fixtures.valid_dataset
 tiny_model_dir = server_fixtures.tiny_model_dir

@@ -346,13 +346,18 @@ def test_upload_train_promote_and_chat(signed_in, screenshot):
 
     # Admin: a key's secret is shown once; revoking it; the audit log filtered by action.
     admin.goto("/console/keys")
-    admin.get_by_label("Name").fill("second analyst")
+    admin.get_by_label("Project name").fill("risk")
+    admin.get_by_role("button", name="Create project").click()
+    playwright_api.expect(admin.locator("#flash")).to_contain_text("Project created")
+    admin.get_by_label("Name", exact=True).fill("second analyst")
     admin.get_by_label("Role").select_option("analyst")
-    admin.get_by_role("button", name="Create").click()
+    admin.get_by_label("Project", exact=True).select_option(label="risk")
+    admin.get_by_role("button", name="Create", exact=True).click()
     secret = admin.locator("#new-secret-value")
     playwright_api.expect(admin.locator("#new-secret")).to_be_visible()
     new_secret = secret.input_value()
     assert new_secret.startswith("zk-")
+    playwright_api.expect(admin.locator("#keys tr", has_text="second analyst")).to_contain_text("risk")
     screenshot(admin, "keys")
     admin.reload()
     assert new_secret not in admin.content()
@@ -360,7 +365,7 @@ def test_upload_train_promote_and_chat(signed_in, screenshot):
     playwright_api.expect(admin.locator("#flash")).to_contain_text("Key revoked")
     assert admin.get_by_role("button", name="Revoke second analyst").count() == 0
     admin.goto("/console/audit?action=keys.create")
-    actions = admin.locator("#audit tbody tr td:nth-child(3)").all_inner_texts()
+    actions = admin.locator("#audit tbody tr td:nth-child(4)").all_inner_texts()
     assert actions and set(actions) == {"keys.create"}
     admin.goto("/console/audit")
     screenshot(admin, "audit")

@@ -20,9 +20,10 @@ from sqlalchemy import delete
 from server.app import create_app
 from server.db.base import Base
 from server.db.migrations import upgrade
-from server.db.models import Role
+from server.db.models import DEFAULT_PROJECT_ID, Project, Role
 from server.db.session import make_engine, make_sessionmaker, session_scope
 from server.services.keys import create_key
+from server.services.projects import create_project
 from server.settings import LocalEngineSettings, Settings
 
 MAX_UPLOAD_BYTES = 256 * 1024
@@ -43,11 +44,13 @@ def database_url(tmp_path_factory, fresh_database) -> Iterator[str]:
 
 
 def empty_all_tables(database_url: str) -> None:
+    """Delete every row but the default project's (the migration makes it; a new install has it)."""
     engine = make_engine(database_url)
     try:
         with engine.begin() as connection:
             for table in reversed(Base.metadata.sorted_tables):
-                connection.execute(delete(table))
+                keep = table.c.id == DEFAULT_PROJECT_ID if table is Project.__table__ else None
+                connection.execute(delete(table) if keep is None else delete(table).where(~keep))
     finally:
         engine.dispose()
 
@@ -84,12 +87,26 @@ def client(app) -> Iterator[TestClient]:
 
 @pytest.fixture
 def make_key(sessions):
-    """Create a key directly in the database (as `zaya keys create` does); returns (key id, secret)."""
+    """Create a key directly in the database (as `zaya keys create` does), by default in the default project;
+    returns (key id, secret)."""
 
-    def make(role: Role | str, name: str = "test") -> tuple[str, str]:
+    def make(
+        role: Role | str, name: str = "test", *, project_id: str = DEFAULT_PROJECT_ID, created_by: str | None = None
+    ) -> tuple[str, str]:
         with session_scope(sessions) as session:
-            created = create_key(session, name=name, role=role)
+            created = create_key(session, name=name, role=role, project_id=project_id, created_by=created_by)
         return created.key.id, created.secret
+
+    return make
+
+
+@pytest.fixture
+def make_project(sessions):
+    """Create a project (as `zaya projects create` does); returns its id."""
+
+    def make(name: str) -> str:
+        with sessions() as session:
+            return create_project(session, name).id
 
     return make
 

@@ -13,6 +13,7 @@ from sqlalchemy.exc import IntegrityError
 from server.db.models import AliasHistory, ModelVersion
 from server.errors import Conflict
 from server.services import registry
+from server.services.access import Scope
 from server.services.model_resolution import find_version
 
 
@@ -65,7 +66,7 @@ def test_two_racing_promotions_of_one_alias_cannot_both_win(sessions, tiny_model
     assert isinstance(refused, Conflict), refused
     assert refused.code == "alias_moved" and "concurrent request" in refused.message
     with sessions() as session:
-        assert find_version(session, "zaya-tiny@production").id == first.id
+        assert find_version(session, Scope.everything(), "zaya-tiny@production").id == first.id
         history = session.scalars(select(AliasHistory).order_by(AliasHistory.id)).all()
         assert [(entry.to_version_id, entry.sequence) for entry in history] == [(held.id, 1), (first.id, 2)]
 

@@ -15,7 +15,16 @@ from transformers import AutoTokenizer
 
 from finetune.bootstrap import build_tiny_model
 from server.api.inference.responses import ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk
-from server.db.models import AuditLog, File, FineTuningJob, InferenceRecord, JobStatus, ModelAlias, ModelVersion
+from server.db.models import (
+    DEFAULT_PROJECT_ID,
+    AuditLog,
+    File,
+    FineTuningJob,
+    InferenceRecord,
+    JobStatus,
+    ModelAlias,
+    ModelVersion,
+)
 from server.engines.base import end_of_sequence_ids
 from zaya_model import ZayaForCausalLM
 
@@ -282,12 +291,16 @@ def test_model_strings_resolve_by_alias_version_and_fine_tuned_name(client, sess
         session.add(newer)
         session.flush()
         session.add(ModelAlias(model_name="zaya-tiny", alias="staging", version_id=newer.id))
-        training_file = File(filename="train.jsonl", purpose="fine-tune", bytes=1, sha256="0" * 64)
+        training_file = File(
+            filename="train.jsonl", purpose="fine-tune", bytes=1, sha256="0" * 64, project_id=DEFAULT_PROJECT_ID
+        )
         session.add(training_file)
         session.flush()
         job = FineTuningJob(
+            id="ftjob-1",  # a fine-tuned model's name ends with its job's id
             model="zaya-tiny",
             training_file_id=training_file.id,
+            project_id=DEFAULT_PROJECT_ID,
             status=JobStatus.succeeded,
             fine_tuned_model="ft:zaya-tiny:zaya:bank:ftjob-1",
             result_model_version_id=newer.id,

@@ -14,6 +14,7 @@ from server.app import create_app
 from server.db.models import AuditLog, ModelVersion
 from server.jobs.worker import Worker, WorkerConfig
 from server.services import registry
+from server.services.access import Scope
 from server.services.model_resolution import find_version
 
 
@@ -151,6 +152,57 @@ def test_approving_a_request_after_the_alias_moved_otherwise_is_refused(four_eye
     assert four_eyes.get(f"/v1/admin/model_aliases/approvals/{request_id}", headers=bob).json()["status"] == "pending"
 
 
+def made_by(client, maker: dict, name: str) -> tuple[str, dict]:
+    """An admin key `maker` creates over the API: its id and headers."""
+    created = client.post("/v1/admin/keys", headers=maker, json={"name": name, "role": "admin"})
+    assert created.status_code == 200, created.text
+    return created.json()["id"], {"Authorization": f"Bearer {created.json()['secret']}"}
+
+
+def test_an_approval_counts_only_from_a_key_no_one_holds_with_the_requesters(four_eyes, make_key, auth, checkpoint):
+    """Whoever makes a key sees its secret: keys the requester made (directly or through keys they made), the key
+    that made the requester's, and keys made by the same key may all be one person's, and cannot approve."""
+    alice = auth(make_key("admin", "alice")[1])
+    bob_id, bob = make_key("admin", "bob")
+    bob = auth(bob)
+    deputy_id, deputy = made_by(four_eyes, alice, "alice's second key")
+    _, nested = made_by(four_eyes, deputy, "made by alice's second key")
+    _, sibling = made_by(four_eyes, alice, "alice's third key")
+    versions = [register(four_eyes, alice, checkpoint(f"v{n}")) for n in range(3)]
+
+    def refused(request_id: str, approver: dict) -> str:
+        response = four_eyes.post(f"/v1/admin/model_aliases/approvals/{request_id}/approve", headers=approver)
+        assert response.status_code == 403, response.text
+        assert response.json()["error"]["code"] == "self_approval"
+        return response.json()["error"]["message"]
+
+    request_id = promote(four_eyes, alice, versions[0]).json()["id"]
+    assert "was made by the requester's key" in refused(request_id, deputy)
+    assert "was made by the requester's key" in refused(request_id, nested)  # through a key alice made
+    approved = four_eyes.post(f"/v1/admin/model_aliases/approvals/{request_id}/approve", headers=bob)
+    assert approved.status_code == 200 and approved.json()["decided_by"] == bob_id
+
+    # The other way round: a key alice made requests, alice approves; and a key alice made beside it.
+    request_id = promote(four_eyes, deputy, versions[1]).json()["id"]
+    assert "made the requester's key" in refused(request_id, alice)
+    assert "were both made from key" in refused(request_id, sibling)
+    assert "zaya keys create --role admin" in refused(request_id, nested)
+    status = four_eyes.get(f"/v1/admin/model_aliases/approvals/{request_id}", headers=bob).json()["status"]
+    assert status == "pending"  # the refused approvals changed nothing
+    approved = four_eyes.post(f"/v1/admin/model_aliases/approvals/{request_id}/approve", headers=bob)
+    assert approved.status_code == 200 and approved.json()["move"]["actor_key_id"] == deputy_id
+
+
+def test_creating_an_admin_key_is_audited_with_its_creator(client, make_key, auth):
+    creator_id, creator = make_key("admin", "ops")
+    created_id, _ = made_by(client, auth(creator), "new admin")
+    listed = {key["id"]: key for key in client.get("/v1/admin/keys", headers=auth("admin")).json()["data"]}
+    assert listed[created_id]["created_by"] == creator_id and listed[created_id]["role"] == "admin"
+    [entry] = client.get("/v1/admin/audit", headers=auth("admin"), params={"action": "keys.create"}).json()["data"]
+    assert (entry["actor_key_id"], entry["target"], entry["outcome"]) == (creator_id, created_id, "success")
+    assert entry["project_id"] == listed[creator_id]["project_id"]
+
+
 def test_the_evaluation_gate_refuses_a_worse_held_out_loss(client, auth, checkpoint):
     admin = auth("admin")
     holder_id = register(client, admin, checkpoint("v1", loss=1.25))
@@ -267,5 +319,5 @@ def test_a_fine_tuning_job_registers_the_held_out_loss_the_gate_reads(
     finished = client.get(f"/v1/fine_tuning/jobs/{job['id']}", headers=auth("data")).json()
     assert finished["status"] == "succeeded", finished
     with sessions() as session:
-        version = find_version(session, finished["fine_tuned_model"])
+        version = find_version(session, Scope.everything(), finished["fine_tuned_model"])
         assert registry.held_out_loss(version) == version.metrics["best_valid_loss"] > 0

@@ -7,9 +7,10 @@ import io
 import openai
 import pytest
 
-from server.db.models import Checkpoint, File, FineTuningJob, JobEvent
+from server.db.models import DEFAULT_PROJECT_ID, Checkpoint, File, FineTuningJob, JobEvent
 from server.jobs.worker import Worker, WorkerConfig
 from server.services import registry
+from server.services.access import Scope
 
 
 @pytest.fixture
@@ -195,10 +196,13 @@ def test_files_of_the_wrong_purpose_deleted_files_and_adapters_are_refused(
     client, auth, base_model, valid_dataset, sessions, tiny_adapter_dir
 ):
     with sessions() as session:
-        other = File(filename="a.jsonl", purpose="assistants", bytes=1, sha256="0" * 64)
+        other = File(filename="a.jsonl", purpose="assistants", bytes=1, sha256="0" * 64, project_id=DEFAULT_PROJECT_ID)
         session.add(other)
         registry.register_version(
-            session, name="an-adapter", path=tiny_adapter_dir, base_version_id=registry.list_versions(session)[0].id
+            session,
+            name="an-adapter",
+            path=tiny_adapter_dir,
+            base_version_id=registry.list_versions(session, Scope.everything())[0].id,
         )
         session.commit()
         other_id = other.id

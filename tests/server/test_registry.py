@@ -8,6 +8,7 @@ import shutil
 import pytest
 
 from server.db.models import AuditLog
+from server.services.access import Scope
 from server.services.model_resolution import find_version
 from zaya_cli.main import main
 
@@ -32,7 +33,8 @@ def test_register_promote_rollback_archive_with_history_and_audit(client, admin,
         second["id"],
     ]
     with sessions() as session:
-        assert find_version(session, "zaya-tiny").id == second["id"]  # no alias yet: the latest version
+        # No alias yet: the latest version.
+        assert find_version(session, Scope.everything(), "zaya-tiny").id == second["id"]
 
     no_reason = client.post(f"/v1/admin/models/{first['id']}/promote", headers=admin, json={"alias": "production"})
     assert no_reason.status_code == 400 and no_reason.json()["error"]["param"] == "reason"
@@ -49,8 +51,8 @@ def test_register_promote_rollback_archive_with_history_and_audit(client, admin,
     assert again.status_code == 409
     client.post(f"/v1/admin/models/{second['id']}/promote", headers=admin, json={"reason": "better loss"})
     with sessions() as session:
-        assert find_version(session, "zaya-tiny").id == second["id"]
-        assert find_version(session, "zaya-tiny@production").id == second["id"]
+        assert find_version(session, Scope.everything(), "zaya-tiny").id == second["id"]
+        assert find_version(session, Scope.everything(), "zaya-tiny@production").id == second["id"]
 
     models = {m["id"] for m in client.get("/v1/models", headers=auth("analyst")).json()["data"]}
     assert {"zaya-tiny", "zaya-tiny@production"} <= models
@@ -59,7 +61,7 @@ def test_register_promote_rollback_archive_with_history_and_audit(client, admin,
     rolled = client.post("/v1/admin/model_aliases/rollback", headers=admin, json=rollback)
     assert rolled.status_code == 200 and rolled.json()["to_version_id"] == first["id"]
     with sessions() as session:
-        assert find_version(session, "zaya-tiny").id == first["id"]
+        assert find_version(session, Scope.everything(), "zaya-tiny").id == first["id"]
     aliases = client.get("/v1/admin/model_aliases", headers=admin).json()["data"]
     assert [(a["model"], a["version_id"]) for a in aliases] == [("zaya-tiny@production", first["id"])]
 
@@ -118,7 +120,7 @@ def test_zaya_models_register_cli(settings, sessions, tiny_model_dir, tmp_path, 
     assert main(["models", "register", str(tmp_path / "nothing"), "--name", "bank-model"]) == 1
     assert "is not a directory" in capsys.readouterr().err
     with sessions() as session:
-        version = find_version(session, "bank-model")
+        version = find_version(session, Scope.everything(), "bank-model")
         assert (version.version, version.description, version.path) == (1, "from CLI", str(copy.resolve()))
         assert printed[-1] == version.id  # the last line: scripts read it with `tail -n1`
         audit = session.query(AuditLog).filter_by(action="admin_models.register").one()

@@ -21,6 +21,7 @@ from server.db.base import utcnow
 from server.db.models import Checkpoint, FineTuningJob, JobEvent, JobStatus, ModelVersion
 from server.jobs.worker import Pace, Worker, WorkerConfig
 from server.services import registry
+from server.services.access import Scope
 from server.services.model_resolution import find_version
 
 FAST = WorkerConfig(lease_seconds=20, heartbeat_seconds=0.2, max_attempts=3, poll_seconds=0.1)
@@ -108,9 +109,9 @@ def test_a_job_trains_and_registers_exactly_one_model_version(client, auth, work
         assert len(versions) == 1
         version = versions[0]
         assert (version.name, version.kind, version.version) == (job["fine_tuned_model"], "adapter", 1)
-        assert version.base_version_id == find_version(session, "zaya-tiny").id
+        assert version.base_version_id == find_version(session, Scope.everything(), "zaya-tiny").id
         assert version.lineage["training_file"] == job["training_file"]
-        assert find_version(session, job["fine_tuned_model"]).id == version.id
+        assert find_version(session, Scope.everything(), job["fine_tuned_model"]).id == version.id
         steps = sorted(c.step for c in session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)))
         assert steps == [2, 4]
 

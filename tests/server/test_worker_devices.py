@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
-from server.db.models import Checkpoint, JobEvent
+from server.db.base import utcnow
+from server.db.models import Checkpoint, JobEvent, RegisteredWorker
 from server.jobs.attempt import AttemptFiles, EventReader
 from server.jobs.worker import Worker, WorkerConfig
-from server.services import registry
+from server.services import jobs, registry, workers
 
 FAST = WorkerConfig(lease_seconds=60, heartbeat_seconds=0.5, max_attempts=3, poll_seconds=0.1)
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -82,6 +83,72 @@ def test_a_batch_that_does_not_split_over_the_devices_is_refused(client, auth, b
     assert created.json()["devices"] == 1  # the default
 
 
+def worker_with(settings, sessions, devices: int, name: str) -> Worker:
+    """A worker that says it has `devices` devices (`ZAYA_WORKER_DEVICES`), announced as `zaya worker` does."""
+    worker = Worker(settings.model_copy(update={"worker_devices": devices}), sessions, FAST, worker_id=name)
+    worker.announce()
+    return worker
+
+
+def test_devices_beyond_every_running_worker_are_refused_at_creation(
+    client, auth, settings, sessions, base_model, training_file
+):
+    worker_with(settings, sessions, 2, "small-host")
+    for url in ("/v1/fine_tuning/jobs", "/v1/fine_tuning/jobs/estimate"):
+        response = client.post(url, headers=auth("data"), json=job_body(base_model, training_file, devices=4))
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert (error["param"], error["code"]) == ("devices", "devices_unavailable")
+        assert error["message"] == (
+            "devices: 4 is more than any worker can train one job with; the largest, small-host, has 2 CPU cores."
+        )
+    body = job_body(base_model, training_file, devices=2)
+    assert client.post("/v1/fine_tuning/jobs", headers=auth("data"), json=body).status_code == 200
+
+    # A worker not seen for longer than `SEEN_WITHIN` no longer counts.
+    with sessions() as session:
+        session.add(
+            RegisteredWorker(id="gone", devices=8, device_kind="gpu", seen_at=utcnow() - workers.SEEN_WITHIN * 2)
+        )
+        session.commit()
+    body = job_body(base_model, training_file, devices=4)
+    response = client.post("/v1/fine_tuning/jobs", headers=auth("data"), json=body)
+    assert response.status_code == 400 and "the largest, small-host," in response.json()["error"]["message"]
+
+
+def test_a_job_no_worker_can_run_fails_at_validation_naming_devices(
+    client, auth, settings, sessions, base_model, training_file
+):
+    """No worker seen at creation: the job is accepted, and the first worker to validate it fails it."""
+    body = job_body(base_model, training_file, devices=4)
+    body["method"]["supervised"]["hyperparameters"] = {**HYPERPARAMETERS, "batch_size": 4}
+    created = client.post("/v1/fine_tuning/jobs", headers=auth("data"), json=body)
+    assert created.status_code == 200, created.text
+    job_id = created.json()["id"]
+    worker = Worker(settings.model_copy(update={"worker_devices": 2}), sessions, FAST, worker_id="small-host")
+    assert worker.devices == 2
+    worker.run_once()
+    job = client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=auth("data")).json()
+    assert job["status"] == "failed"
+    assert job["error"]["param"] == "devices" and "the largest, small-host, has 2 CPU cores" in job["error"]["message"]
+    with sessions() as session:
+        messages = session.scalars(select(JobEvent.message).where(JobEvent.job_id == job_id)).all()
+    assert not any(message.startswith("Training process") for message in messages)
+
+
+def test_a_worker_claims_only_jobs_it_can_run(client, auth, settings, sessions, base_model, training_file):
+    small = worker_with(settings, sessions, 1, "small-host")
+    worker_with(settings, sessions, 2, "large-host")
+    body = job_body(base_model, training_file, devices=2)
+    job_id = client.post("/v1/fine_tuning/jobs", headers=auth("data"), json=body).json()["id"]
+    assert small.run_once()  # validates the job (a worker with 2 devices runs), and leaves it for that one
+    assert client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=auth("data")).json()["status"] == "queued"
+    with sessions() as session:
+        assert jobs.claim_next_job(session, worker_id="small-host", lease_seconds=60, max_devices=1) is None
+        lease = jobs.claim_next_job(session, worker_id="large-host", lease_seconds=60, max_devices=2)
+    assert lease is not None and lease.job_id == job_id
+
+
 def train_losses(sessions, job_id: str) -> dict[int, float]:
     with sessions() as session:
         events = session.scalars(select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.type == "metrics"))
@@ -93,30 +160,31 @@ def train_losses(sessions, job_id: str) -> dict[int, float]:
 def test_two_processes_train_as_one_and_their_checkpoint_resumes_on_one(
     adapter, client, auth, settings, sessions, base_model, training_file, tiny_model_dir, tmp_path
 ):
-    worker = Worker(settings, sessions, FAST, worker_id="test-worker")
-    jobs = {}
+    # Two processes, whatever the host has (on one core they share it).
+    worker = Worker(settings.model_copy(update={"worker_devices": 2}), sessions, FAST, worker_id="test-worker")
+    job_ids = {}
     for devices in (1, 2):
         body = job_body(base_model, training_file, adapter, devices=devices)
         created = client.post("/v1/fine_tuning/jobs", headers=auth("data"), json=body)
         assert created.status_code == 200 and created.json()["devices"] == devices, created.text
-        jobs[devices] = created.json()["id"]
+        job_ids[devices] = created.json()["id"]
     while worker.run_once():
         pass
     finished = {
         devices: client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=auth("data")).json()
-        for devices, job_id in jobs.items()
+        for devices, job_id in job_ids.items()
     }
     for devices, job in finished.items():
         assert job["status"] == "succeeded", (devices, job)
     assert finished[2]["trained_tokens"] == finished[1]["trained_tokens"] > 0  # every process's batch counted
     with sessions() as session:
         started = session.scalars(
-            select(JobEvent).where(JobEvent.job_id == jobs[2], JobEvent.message.like("Training process %"))
+            select(JobEvent).where(JobEvent.job_id == job_ids[2], JobEvent.message.like("Training process %"))
         ).one()
     parallelism = {"lora": "DDP", "full": "FSDP2"}[adapter]
     assert started.message.endswith(f"started (2 devices, {parallelism}).") and started.data["devices"] == 2
 
-    one, two = train_losses(sessions, jobs[1]), train_losses(sessions, jobs[2])
+    one, two = train_losses(sessions, job_ids[1]), train_losses(sessions, job_ids[2])
     assert sorted(one) == sorted(two) == [1, 2, 3, 4]
     assert one[1] != one[4]  # it trained
     tolerance = TOLERANCE[adapter]
@@ -125,7 +193,9 @@ def test_two_processes_train_as_one_and_their_checkpoint_resumes_on_one(
 
     # The two processes' checkpoint at step 2, resumed by one process, continues as the one-process run did.
     with sessions() as session:
-        checkpoint = session.scalars(select(Checkpoint).where(Checkpoint.job_id == jobs[2], Checkpoint.step == 2)).one()
+        checkpoint = session.scalars(
+            select(Checkpoint).where(Checkpoint.job_id == job_ids[2], Checkpoint.step == 2)
+        ).one()
     assert sorted(path.name for path in Path(checkpoint.path).glob("rng_state_*.pth")) == [
         "rng_state_0.pth",
         "rng_state_1.pth",

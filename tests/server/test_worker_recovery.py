@@ -17,7 +17,7 @@ import pytest
 from sqlalchemy import select, update
 
 from server.db.base import utcnow
-from server.db.models import File, FineTuningJob, JobEvent, JobStatus, ModelVersion
+from server.db.models import DEFAULT_PROJECT_ID, File, FineTuningJob, JobEvent, JobStatus, ModelVersion
 from server.services import jobs, registry
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -33,11 +33,19 @@ def queued_jobs(sessions, tmp_path):
         (model_dir / "config.json").write_text('{"model_type": "zaya"}')
         with sessions() as session:
             base = registry.register_version(session, name=f"base-{secrets.token_hex(3)}", path=model_dir)
-            dataset = File(filename="t.jsonl", purpose="fine-tune", bytes=1, sha256="0" * 64)
+            dataset = File(
+                filename="t.jsonl", purpose="fine-tune", bytes=1, sha256="0" * 64, project_id=DEFAULT_PROJECT_ID
+            )
             session.add(dataset)
             session.flush()
             created = [
-                FineTuningJob(model=base.name, base_version_id=base.id, training_file_id=dataset.id, status="queued")
+                FineTuningJob(
+                    model=base.name,
+                    base_version_id=base.id,
+                    training_file_id=dataset.id,
+                    status="queued",
+                    project_id=DEFAULT_PROJECT_ID,
+                )
                 for _ in range(n)
             ]
             session.add_all(created)

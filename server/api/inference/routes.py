@@ -30,7 +30,7 @@ router = APIRouter(tags=["inference"])
 async def create_chat_completion(
     body: ChatCompletionRequest, request: Request, principal: AnalystDep, service: InferenceDep
 ) -> ChatCompletion | Completion | Response:
-    generation = await service.start_generation(principal.key_id, body)
+    generation = await service.start_generation(principal, body)
     return await answer(request, generation, body, kind=ChatCompletion, response_id=f"chatcmpl-{secrets.token_hex(12)}")
 
 
@@ -43,5 +43,5 @@ async def create_chat_completion(
 async def create_completion(
     body: CompletionRequest, request: Request, principal: AnalystDep, service: InferenceDep
 ) -> ChatCompletion | Completion | Response:
-    generation = await service.start_generation(principal.key_id, body)
+    generation = await service.start_generation(principal, body)
     return await answer(request, generation, body, kind=Completion, response_id=f"cmpl-{secrets.token_hex(12)}")

@@ -6,18 +6,25 @@ Every mutation is a POST, so the audit middleware records it; alias moves also l
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request, Response
-from pydantic import Field, StrictBool, computed_field
+from pydantic import BeforeValidator, Field, StrictBool, computed_field
+from sqlalchemy.orm import Session
 
-from server.api.deps import AdminDep, SessionDep, SettingsDep, set_audit_target
+from server.api.deps import AdminDep, ListingScopeDep, SessionDep, SettingsDep, set_audit_target
 from server.api.schemas import ListResponse, RequestBody, RowObject, UnixTime
-from server.db.models import AliasApproval, AliasHistory, ApprovalStatus
+from server.db.models import AliasApproval, AliasHistory, ApprovalStatus, ModelVersionProject
 from server.services import approvals, registry
+from server.services.access import Scope
 from server.services.model_resolution import find_version
+from server.services.projects import require_project
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"])
+
+
+def _project_ids(limits: list[ModelVersionProject | str]) -> list[str]:
+    return sorted(limit if isinstance(limit, str) else limit.project_id for limit in limits)
 
 
 class ModelVersionObject(RowObject):
@@ -37,6 +44,8 @@ class ModelVersionObject(RowObject):
     created_at: UnixTime
     created_by: str | None
     archived_at: UnixTime | None
+    # The projects that may use the version; empty: every project.
+    projects: Annotated[list[str], BeforeValidator(_project_ids)] = Field(validation_alias="allowed_projects")
 
 
 class AliasObject(RowObject):
@@ -102,6 +111,13 @@ class RegisterBody(RequestBody):
     path: str = Field(min_length=1, description="a checkpoint dir (config.json) or LoRA adapter dir on the server")
     base_model: str | None = Field(default=None, description="for adapters: the model (version) it was trained on")
     description: str | None = None
+    projects: list[str] | None = Field(
+        default=None, description="ids or names of the only projects that may use it (default: every project)"
+    )
+
+
+class ProjectsBody(RequestBody):
+    projects: list[str] = Field(description="ids or names of the only projects that may use it; empty: every project")
 
 
 class PromoteBody(RequestBody):
@@ -121,16 +137,22 @@ class DecisionBody(RequestBody):
     reason: str | None = None
 
 
+def _project_ids_of(session: Session, references: list[str]) -> list[str]:
+    return [require_project(session, reference, param="projects").id for reference in references]
+
+
 @router.get("/models", name="admin_models.list")
-def list_versions(session: SessionDep, _: AdminDep, name: str | None = None) -> ListResponse[ModelVersionObject]:
-    return ListResponse[ModelVersionObject](data=registry.list_versions(session, name=name))
+def list_versions(
+    session: SessionDep, _: AdminDep, scope: ListingScopeDep, name: str | None = None
+) -> ListResponse[ModelVersionObject]:
+    return ListResponse[ModelVersionObject](data=registry.list_versions(session, scope, name=name))
 
 
 @router.post("/models", name="admin_models.register")
 def register_version(
     body: RegisterBody, request: Request, session: SessionDep, settings: SettingsDep, principal: AdminDep
 ) -> ModelVersionObject:
-    base = find_version(session, body.base_model) if body.base_model else None
+    base = find_version(session, Scope.everything(), body.base_model) if body.base_model else None
     version = registry.register_version(
         session,
         name=body.name,
@@ -138,6 +160,7 @@ def register_version(
         base_version_id=base.id if base else None,
         description=body.description,
         created_by=principal.key_id,
+        projects=_project_ids_of(session, body.projects or []),
         serving=settings,
     )
     session.commit()
@@ -154,6 +177,16 @@ def get_version(version_id: str, session: SessionDep, _: AdminDep) -> ModelVersi
 def get_lineage(version_id: str, session: SessionDep, _: AdminDep) -> dict[str, Any]:
     version = registry.get_version(session, version_id)
     return {"object": "model_version.lineage", "version_id": version.id, "chain": registry.lineage(session, version)}
+
+
+@router.post("/models/{version_id}/projects", name="admin_models.projects")
+def limit_version(version_id: str, body: ProjectsBody, session: SessionDep, _: AdminDep) -> ModelVersionObject:
+    """Set the projects that may use the version (replacing the list); an empty list opens it to every project."""
+    version = registry.limit_version(
+        session, registry.get_version(session, version_id), _project_ids_of(session, body.projects)
+    )
+    session.commit()
+    return ModelVersionObject.model_validate(version)
 
 
 @router.post("/models/{version_id}/archive", name="admin_models.archive")

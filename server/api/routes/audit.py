@@ -1,4 +1,4 @@
-"""Admin: the audit log, newest first, filterable by actor key, action and time."""
+"""Admin: the audit log, newest first, filterable by project, actor key, action and time."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from server.api.deps import AdminDep, SessionDep
+from server.api.deps import AdminDep, ListingScopeDep, SessionDep
 from server.api.schemas import AuditEntry, ListResponse
 from server.errors import InvalidRequest
 from server.services import audit as audit_service
@@ -19,6 +19,7 @@ router = APIRouter(prefix="/v1/admin/audit", tags=["admin"])
 def list_audit(
     session: SessionDep,
     _: AdminDep,
+    scope: ListingScopeDep,
     actor: Annotated[str | None, Query(description="API key id of the caller")] = None,
     action: Annotated[str | None, Query(description="e.g. files.create, keys.revoke")] = None,
     since: Annotated[datetime | None, Query(description="ISO 8601 time, inclusive")] = None,
@@ -30,6 +31,6 @@ def list_audit(
         if moment is not None and moment.tzinfo is None:
             raise InvalidRequest(f"'{name}' needs a time zone, e.g. 2026-01-01T00:00:00Z.", param=name)
     entries = audit_service.list_entries(
-        session, actor=actor, action=action, since=since, until=until, after=after, limit=limit + 1
+        session, scope, actor=actor, action=action, since=since, until=until, after=after, limit=limit + 1
     )
     return ListResponse[AuditEntry](data=entries[:limit], has_more=len(entries) > limit)

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse
 from starlette.concurrency import run_in_threadpool
 
-from server.api.deps import DataDep, SessionDep, SettingsDep, set_audit_target
+from server.api.deps import DataDep, ListingScopeDep, OwnedFile, SessionDep, SettingsDep, set_audit_target
 from server.api.schemas import FileDeleted, FileObject, ListResponse
 from server.api.uploads import receive_multipart
 from server.services import files as file_service
@@ -49,7 +49,7 @@ async def create_file(request: Request, session: SessionDep, settings: SettingsD
         upload.file,
         filename=upload.filename,
         purpose=upload.fields.get("purpose"),
-        created_by=principal.key_id,
+        owner=principal,
     )
     set_audit_target(request, file.id)
     return FileObject.model_validate(file)
@@ -59,30 +59,29 @@ async def create_file(request: Request, session: SessionDep, settings: SettingsD
 def list_files(
     session: SessionDep,
     _: DataDep,
+    scope: ListingScopeDep,
     purpose: str | None = None,
     limit: Annotated[int, Query(ge=1, le=10000)] = 10000,
     order: Literal["asc", "desc"] = "desc",
     after: str | None = None,
 ) -> ListResponse[FileObject]:
-    files, has_more = file_service.list_files(session, purpose=purpose, limit=limit, order=order, after=after)
+    files, has_more = file_service.list_files(session, scope, purpose=purpose, limit=limit, order=order, after=after)
     return ListResponse[FileObject](data=files, has_more=has_more)
 
 
 @router.get("/{file_id}", name="files.get")
-def get_file(file_id: str, session: SessionDep, _: DataDep) -> FileObject:
-    return FileObject.model_validate(file_service.get_file(session, file_id))
+def get_file(file: OwnedFile) -> FileObject:
+    return FileObject.model_validate(file)
 
 
 @router.get("/{file_id}/content", name="files.content")
-def get_file_content(file_id: str, session: SessionDep, settings: SettingsDep, _: DataDep) -> FileResponse:
-    file = file_service.get_file(session, file_id)
+def get_file_content(file: OwnedFile, settings: SettingsDep) -> FileResponse:
     return FileResponse(
         file_service.content_path(settings, file), media_type="application/octet-stream", filename=file.filename
     )
 
 
 @router.delete("/{file_id}", name="files.delete")
-def delete_file(file_id: str, session: SessionDep, settings: SettingsDep, _: DataDep) -> FileDeleted:
-    file = file_service.get_file(session, file_id)
+def delete_file(file: OwnedFile, session: SessionDep, settings: SettingsDep) -> FileDeleted:
     file_service.delete_file(session, settings, file)
     return FileDeleted(id=file.id)

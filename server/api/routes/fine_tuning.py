@@ -18,12 +18,14 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from finetune.settings import FineTuneSettings, Hyperparameters, SupervisedSettings
-from server.api.deps import DataDep, SessionDep, SettingsDep, set_audit_target
+from server.api.deps import DataDep, ListingScopeDep, OwnedJob, SessionDep, SettingsDep, set_audit_target
 from server.api.schemas import ListResponse, RequestBody, RowObject, UnixTime
 from server.db.models import Checkpoint, FineTuningJob, ModelVersion
 from server.errors import InvalidRequest
 from server.services import jobs as job_service
-from server.services import model_resolution, training
+from server.services import model_resolution, training, workers
+from server.services.access import Principal
+from server.settings import Settings
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
 
@@ -163,15 +165,17 @@ class CheckpointObject(BaseModel):
 # --- routes -------------------------------------------------------------------------------------------------------
 
 
-def _create(session: Session, body: JobCreate, created_by: str) -> FineTuningJob:
+def _create(session: Session, settings: Settings, body: JobCreate, owner: Principal) -> FineTuningJob:
     method = body.effective_method()
     training.check_inputs(method, has_validation_file=body.validation_file is not None)
+    workers.check_devices(session, body.devices)
     batch_size = method.hyperparameters.batch_size
     if isinstance(batch_size, int) and batch_size % body.devices:
         message = f"The batch size {batch_size} does not split evenly over {body.devices} devices."
         raise InvalidRequest(message, param="devices", code="invalid_value")
     return job_service.create_job(
         session,
+        owner,
         model=body.model,
         training_file=body.training_file,
         validation_file=body.validation_file,
@@ -179,28 +183,34 @@ def _create(session: Session, body: JobCreate, created_by: str) -> FineTuningJob
         suffix=body.suffix,
         seed=body.seed,
         metadata=body.metadata,
-        created_by=created_by,
         devices=body.devices,
+        max_jobs=settings.project_max_concurrent_jobs,
     )
 
 
 @router.post("", name="fine_tuning.jobs.create")
-async def create_job(body: JobCreate, request: Request, session: SessionDep, principal: DataDep) -> JobObject:
-    job = await run_in_threadpool(_create, session, body, principal.key_id)
+async def create_job(
+    body: JobCreate, request: Request, session: SessionDep, settings: SettingsDep, principal: DataDep
+) -> JobObject:
+    job = await run_in_threadpool(_create, session, settings, body, principal)
     set_audit_target(request, job.id)
     return JobObject.model_validate(job)
 
 
 @router.post("/estimate", name="fine_tuning.jobs.estimate")
-async def estimate_job(body: JobCreate, session: SessionDep, settings: SettingsDep, _: DataDep) -> EstimateObject:
+async def estimate_job(
+    body: JobCreate, session: SessionDep, settings: SettingsDep, principal: DataDep
+) -> EstimateObject:
     """The trained tokens and training time of the job this body would create (the body of `POST
     /v1/fine_tuning/jobs`); its files are validated against the base model here, at once."""
     method = body.effective_method()
     training.check_inputs(method, has_validation_file=body.validation_file is not None)
+    await run_in_threadpool(workers.check_devices, session, body.devices)
     estimate, job_ids = await run_in_threadpool(
         training.estimate,
         session,
         settings,
+        principal.scope,
         model=body.model,
         training_file=body.training_file,
         validation_file=body.validation_file,
@@ -223,6 +233,7 @@ def list_jobs(
     request: Request,
     session: SessionDep,
     _: DataDep,
+    scope: ListingScopeDep,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> ListResponse[JobObject]:
@@ -232,39 +243,37 @@ def list_jobs(
         for key, value in request.query_params.items()
         if key.startswith("metadata[") and key.endswith("]")
     }
-    rows, has_more = job_service.list_jobs(session, after=after, limit=limit, metadata=metadata or None)
+    rows, has_more = job_service.list_jobs(session, scope, after=after, limit=limit, metadata=metadata or None)
     return ListResponse[JobObject](data=rows, has_more=has_more)
 
 
 @router.get("/{fine_tuning_job_id}", name="fine_tuning.jobs.get")
-def get_job(fine_tuning_job_id: str, session: SessionDep, _: DataDep) -> JobObject:
-    return JobObject.model_validate(job_service.get_job(session, fine_tuning_job_id))
+def get_job(job: OwnedJob) -> JobObject:
+    return JobObject.model_validate(job)
 
 
 @router.post("/{fine_tuning_job_id}/cancel", name="fine_tuning.jobs.cancel")
-def cancel_job(fine_tuning_job_id: str, session: SessionDep, _: DataDep) -> JobObject:
-    return JobObject.model_validate(job_service.cancel_job(session, job_service.get_job(session, fine_tuning_job_id)))
+def cancel_job(job: OwnedJob, session: SessionDep) -> JobObject:
+    return JobObject.model_validate(job_service.cancel_job(session, job))
 
 
 @router.post("/{fine_tuning_job_id}/pause", name="fine_tuning.jobs.pause")
-def pause_job(fine_tuning_job_id: str, session: SessionDep, _: DataDep) -> JobObject:
-    return JobObject.model_validate(job_service.pause_job(session, job_service.get_job(session, fine_tuning_job_id)))
+def pause_job(job: OwnedJob, session: SessionDep) -> JobObject:
+    return JobObject.model_validate(job_service.pause_job(session, job))
 
 
 @router.post("/{fine_tuning_job_id}/resume", name="fine_tuning.jobs.resume")
-def resume_job(fine_tuning_job_id: str, session: SessionDep, _: DataDep) -> JobObject:
-    return JobObject.model_validate(job_service.resume_job(session, job_service.get_job(session, fine_tuning_job_id)))
+def resume_job(job: OwnedJob, session: SessionDep) -> JobObject:
+    return JobObject.model_validate(job_service.resume_job(session, job))
 
 
 @router.get("/{fine_tuning_job_id}/events", name="fine_tuning.jobs.events")
 def list_events(
-    fine_tuning_job_id: str,
+    job: OwnedJob,
     session: SessionDep,
-    _: DataDep,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 20,
 ) -> ListResponse[EventObject]:
-    job = job_service.get_job(session, fine_tuning_job_id)
     cursor = None
     if after is not None:
         number = after.removeprefix(EVENT_ID_PREFIX)
@@ -277,13 +286,11 @@ def list_events(
 
 @router.get("/{fine_tuning_job_id}/checkpoints", name="fine_tuning.jobs.checkpoints")
 def list_checkpoints(
-    fine_tuning_job_id: str,
+    job: OwnedJob,
     session: SessionDep,
-    _: DataDep,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 10,
 ) -> ListResponse[CheckpointObject]:
-    job = job_service.get_job(session, fine_tuning_job_id)
     rows, has_more = job_service.list_checkpoints(session, job, after=after, limit=limit)
     base = session.get(ModelVersion, job.base_version_id) if job.base_version_id else None
     name = job.fine_tuned_model or (

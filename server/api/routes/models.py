@@ -6,7 +6,7 @@ import asyncio
 
 from fastapi import APIRouter, Response
 
-from server.api.deps import AnalystDep, InferenceDep, SessionDep
+from server.api.deps import AnalystDep, InferenceDep, ListingScopeDep, SessionDep
 from server.api.schemas import ListResponse, ModelObject
 from server.services import models as model_service
 from server.services.tokenizers import archive_name, tokenizer_archive
@@ -17,16 +17,17 @@ OWNER = "zaya"
 
 
 @router.get("", name="models.list")
-def list_models(session: SessionDep, _: AnalystDep) -> ListResponse[ModelObject]:
+def list_models(session: SessionDep, _: AnalystDep, scope: ListingScopeDep) -> ListResponse[ModelObject]:
     data = [
-        ModelObject(id=name, created=created, owned_by=OWNER) for name, created in model_service.list_model_ids(session)
+        ModelObject(id=name, created=created, owned_by=OWNER)
+        for name, created in model_service.list_model_ids(session, scope)
     ]
     return ListResponse[ModelObject](data=data)
 
 
 @router.get("/{model}", name="models.get")
-def get_model(model: str, session: SessionDep, _: AnalystDep) -> ModelObject:
-    name, created = model_service.get_model_id(session, model)
+def get_model(model: str, session: SessionDep, principal: AnalystDep) -> ModelObject:
+    name, created = model_service.get_model_id(session, principal.scope, model)
     return ModelObject(id=name, created=created, owned_by=OWNER)
 
 
@@ -36,10 +37,10 @@ def get_model(model: str, session: SessionDep, _: AnalystDep) -> ModelObject:
     response_class=Response,
     responses={200: {"content": {"application/zip": {}}, "description": "The tokenizer's files, zipped."}},
 )
-async def get_tokenizer(model: str, inference: InferenceDep, _: AnalystDep) -> Response:
+async def get_tokenizer(model: str, inference: InferenceDep, principal: AnalystDep) -> Response:
     """The tokenizer `model` is served with, as the files `AutoTokenizer.from_pretrained` reads (no weights), for
-    clients that count tokens themselves (docs/clients.md). Any `model` a chat request takes."""
-    tokenizer = await inference.tokenizer(model)
+    clients that count tokens themselves (docs/clients.md). Any `model` a chat request of this key takes."""
+    tokenizer = await inference.tokenizer(principal.scope, model)
     archive = await asyncio.to_thread(tokenizer_archive, tokenizer)
     disposition = f'attachment; filename="{archive_name(model)}"'
     return Response(archive, media_type="application/zip", headers={"Content-Disposition": disposition})

@@ -80,7 +80,9 @@ const ZayaConsole = (() => {
     if (table) {
       const row = table.insertRow(-1);
       row.dataset.keyId = created.id;
-      for (const text of [created.name, created.role, created.prefix + "…", "just now", "—", "—", ""]) {
+      const project = document.querySelector(`#key-project option[value="${created.project_id}"]`);
+      const projectName = project ? project.textContent : created.project_id;
+      for (const text of [created.name, created.role, projectName, created.prefix + "…", "just now", "—", "—", ""]) {
         row.insertCell(-1).textContent = text;
       }
     }

@@ -6,7 +6,7 @@ from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import text
 
-from server.db.models import FineTuningJob, JobStatus
+from server.db.models import DEFAULT_PROJECT_ID, FineTuningJob, JobStatus
 
 
 def test_keys_are_created_listed_and_revoked_over_http(client, auth, sessions):
@@ -94,7 +94,11 @@ def test_metrics_count_requests_and_job_states(client, auth, sessions, valid_dat
         "/v1/files", headers=auth("data"), data={"purpose": "fine-tune"}, files={"file": ("t.jsonl", valid_dataset)}
     )
     with sessions() as session:
-        session.add(FineTuningJob(model="m", training_file_id=upload.json()["id"], status=JobStatus.queued))
+        session.add(
+            FineTuningJob(
+                model="m", training_file_id=upload.json()["id"], status=JobStatus.queued, project_id=DEFAULT_PROJECT_ID
+            )
+        )
         session.commit()
     client.get("/v1/files", headers=auth("data"))
 

@@ -1,4 +1,6 @@
-"""Every route x every role: no key -> 401, too weak a role -> 403, enough -> 2xx. Plus the error shapes."""
+"""Every route x every role: no key -> 401, too weak a role -> 403, enough -> 2xx. Every route x every role of
+another project: its objects answer exactly as missing ones, its lists leave them out, admin keys see them. Plus the
+error shapes."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 from starlette.routing import Route
 
-from server.db.models import ModelVersion, Role
+from server.db.models import DEFAULT_PROJECT_ID, ModelVersion, Role
 from server.services import approvals, jobs, registry
 
 PUBLIC = None
@@ -35,6 +37,9 @@ REQUIRED_ROLE = {
     ("POST", "/v1/admin/keys"): Role.admin,
     ("GET", "/v1/admin/keys"): Role.admin,
     ("POST", "/v1/admin/keys/{key_id}/revoke"): Role.admin,
+    ("POST", "/v1/admin/projects"): Role.admin,
+    ("GET", "/v1/admin/projects"): Role.admin,
+    ("GET", "/v1/admin/projects/{project_id}"): Role.admin,
     ("GET", "/v1/admin/audit"): Role.admin,
     ("POST", "/v1/fine_tuning/jobs"): Role.data,
     ("POST", "/v1/fine_tuning/jobs/estimate"): Role.data,
@@ -50,6 +55,7 @@ REQUIRED_ROLE = {
     ("GET", "/v1/admin/models/{version_id}"): Role.admin,
     ("GET", "/v1/admin/models/{version_id}/lineage"): Role.admin,
     ("POST", "/v1/admin/models/{version_id}/archive"): Role.admin,
+    ("POST", "/v1/admin/models/{version_id}/projects"): Role.admin,
     ("POST", "/v1/admin/models/{version_id}/promote"): Role.admin,
     ("GET", "/v1/admin/model_aliases"): Role.admin,
     ("GET", "/v1/admin/model_aliases/history"): Role.admin,
@@ -77,6 +83,51 @@ INFERENCE_BODIES = {
 }
 
 
+# How each route keeps projects apart (`server.services.access`). A route missing here fails
+# `test_every_route_has_an_isolation_rule`.
+OWN = "names one object: another project's answers exactly as a missing one"
+LISTS = "lists the caller's project's objects only (admin keys: every project's)"
+CREATES = "makes its object in the caller's project, from inputs the caller's project may use"
+ADMIN = "admin keys only, which see every project"
+NONE = "shows no project's objects"
+
+ISOLATION = {
+    ("GET", "/health"): NONE,
+    ("GET", "/metrics"): ADMIN,
+    ("GET", "/openapi.json"): NONE,
+    ("GET", "/docs"): NONE,
+    ("GET", "/docs/oauth2-redirect"): NONE,
+    ("GET", "/redoc"): NONE,
+    ("GET", "/v1/models"): LISTS,
+    ("GET", "/v1/models/{model}"): OWN,
+    ("GET", "/v1/models/{model}/tokenizer"): OWN,
+    ("POST", "/v1/chat/completions"): CREATES,
+    ("POST", "/v1/completions"): CREATES,
+    ("POST", "/v1/files"): CREATES,
+    ("GET", "/v1/files"): LISTS,
+    ("GET", "/v1/files/{file_id}"): OWN,
+    ("GET", "/v1/files/{file_id}/content"): OWN,
+    ("DELETE", "/v1/files/{file_id}"): OWN,
+    ("POST", "/v1/fine_tuning/jobs"): CREATES,
+    ("POST", "/v1/fine_tuning/jobs/estimate"): CREATES,
+    ("GET", "/v1/fine_tuning/jobs"): LISTS,
+    ("GET", "/v1/fine_tuning/jobs/{fine_tuning_job_id}"): OWN,
+    ("POST", "/v1/fine_tuning/jobs/{fine_tuning_job_id}/cancel"): OWN,
+    ("POST", "/v1/fine_tuning/jobs/{fine_tuning_job_id}/pause"): OWN,
+    ("POST", "/v1/fine_tuning/jobs/{fine_tuning_job_id}/resume"): OWN,
+    ("GET", "/v1/fine_tuning/jobs/{fine_tuning_job_id}/events"): OWN,
+    ("GET", "/v1/fine_tuning/jobs/{fine_tuning_job_id}/checkpoints"): OWN,
+    ("GET", "/console/"): NONE,
+    ("GET", "/console/playground"): LISTS,
+    ("GET", "/console/jobs"): LISTS,
+    ("GET", "/console/jobs/{fine_tuning_job_id}"): OWN,
+    ("GET", "/console/datasets"): LISTS,
+    ("GET", "/console/datasets/{file_id}"): OWN,
+}
+# Admin keys see every project: the admin routes' rule is their role.
+ISOLATION |= {route: ADMIN for route, role in REQUIRED_ROLE.items() if role is Role.admin and route not in ISOLATION}
+
+
 def app_routes(app) -> set[tuple[str, str]]:
     routes = set()
     for route in app.routes:
@@ -87,6 +138,11 @@ def app_routes(app) -> set[tuple[str, str]]:
 
 def test_every_route_is_in_the_matrix(app):
     assert app_routes(app) == set(REQUIRED_ROLE)
+
+
+def test_every_route_has_an_isolation_rule(app):
+    assert app_routes(app) == set(ISOLATION)
+    assert all(REQUIRED_ROLE[route] is Role.admin for route, rule in ISOLATION.items() if rule is ADMIN)
 
 
 class RequestFactory:
@@ -103,6 +159,8 @@ class RequestFactory:
             make_key,
         )
         self.model_dir = model_dir
+        # Models named in requests are limited to the default project (where the admin key's objects are).
+        self.limited = False
 
     def new_file(self) -> str:
         response = self.client.post(
@@ -115,13 +173,27 @@ class RequestFactory:
         return response.json()["id"]
 
     def registered_model(self) -> str:
+        if self.limited:
+            return self.limited_model()
         with self.sessions() as session:
             if session.query(ModelVersion).filter_by(name="zaya-tiny").count() == 0:
                 session.add(ModelVersion(name="zaya-tiny", version=1, kind="full", path="/models/zaya-tiny"))
                 session.commit()
         return "zaya-tiny"
 
+    def limited_model(self) -> str:
+        """A servable model version limited to the default project (as a fine-tuning job's result is to its job's)."""
+        with self.sessions() as session:
+            if session.query(ModelVersion).filter_by(name="matrix-limited").count() == 0:
+                registry.register_version(
+                    session, name="matrix-limited", path=self.model_dir, projects=[DEFAULT_PROJECT_ID]
+                )
+                session.commit()
+        return "matrix-limited"
+
     def servable_model(self) -> str:
+        if self.limited:
+            return self.limited_model()
         with self.sessions() as session:
             if session.query(ModelVersion).filter_by(name="zaya-servable").count() == 0:
                 session.add(ModelVersion(name="zaya-servable", version=1, kind="full", path=str(self.model_dir)))
@@ -195,6 +267,12 @@ class RequestFactory:
             kwargs = {"data": {"purpose": "fine-tune"}, "files": {"file": ("train.jsonl", self.dataset)}}
         if path == "/v1/admin/keys" and method == "POST":
             kwargs = {"json": {"name": "made in matrix", "role": "analyst"}}
+        if path == "/v1/admin/projects" and method == "POST":
+            kwargs = {"json": {"name": f"matrix-{secrets.token_hex(4)}"}}
+        if "{project_id}" in path:
+            path = path.replace("{project_id}", DEFAULT_PROJECT_ID)
+        if path.endswith("/projects") and path.startswith("/v1/admin/models/"):
+            kwargs = {"json": {"projects": ["default"]}}
         if path in INFERENCE_BODIES and method == "POST":
             kwargs = {"json": {"model": self.servable_model(), **INFERENCE_BODIES[path]}}
         return {"method": method, "url": path, **kwargs}
@@ -215,6 +293,120 @@ def test_route_role_matrix(method, path, client, keys, auth, valid_dataset, sess
         else:
             assert response.status_code == 403, f"{role}: {response.status_code} {response.text}"
             assert response.json()["error"]["type"] == "permission_error"
+
+
+@pytest.fixture
+def other_project(make_project, make_key) -> dict[Role, str]:
+    """A key of every role in a second project, `other` (the `keys` fixture's are in the default project)."""
+    project_id = make_project("other")
+    return {role: make_key(role, f"other {role.value}", project_id=project_id)[1] for role in Role}
+
+
+@pytest.fixture
+def factory(client, auth, valid_dataset, sessions, make_key, tiny_model_dir) -> RequestFactory:
+    """Requests on objects of the default project (made with its admin key), naming a model limited to it."""
+    built = RequestFactory(client, auth("admin"), valid_dataset, sessions, make_key, tiny_model_dir)
+    built.limited = True
+    return built
+
+
+def named_object(template: str, request: dict) -> str:
+    """The object a built request names: in its path where the route's template has a parameter, else in its body."""
+    for part, value in zip(template.split("/"), request["url"].split("/"), strict=True):
+        if part.startswith("{"):
+            return value
+    body = request["json"]
+    return body.get("training_file") or body["model"]
+
+
+def naming_instead(request: dict, name: str, other: str) -> dict:
+    """`request` naming `other` where it named `name`."""
+    renamed = {**request, "url": request["url"].replace(name, other)}
+    if "json" in request:
+        renamed["json"] = {key: other if value == name else value for key, value in request["json"].items()}
+    return renamed
+
+
+def assert_answered_as_missing(client, request: dict, name: str, headers: dict, status: int) -> None:
+    """The request on another project's object gets, id aside, exactly the answer a request on a missing one gets."""
+    missing = name[:-4] + secrets.token_hex(2)
+    theirs = client.request(**request, headers=headers)
+    absent = client.request(**naming_instead(request, name, missing), headers=headers)
+    assert theirs.status_code == absent.status_code == status, (theirs.text, absent.text)
+    assert theirs.text.replace(name, "<id>") == absent.text.replace(missing, "<id>")
+
+
+@pytest.mark.parametrize(("method", "path"), sorted(route for route, rule in ISOLATION.items() if rule is OWN))
+def test_another_projects_object_answers_as_a_missing_one(method, path, client, auth, factory, other_project):
+    required = REQUIRED_ROLE[(method, path)]
+    owner = client.request(**factory.build(method, path), headers=auth(required.value))
+    assert 200 <= owner.status_code < 300, owner.text
+    for role in Role:
+        request = factory.build(method, path)
+        if not role.allows(required):
+            assert client.request(**request, headers=auth(other_project[role])).status_code == 403
+        elif role is Role.admin:
+            response = client.request(**request, headers=auth(other_project[role]))
+            assert 200 <= response.status_code < 300, f"{role}: {response.text}"
+        else:
+            assert_answered_as_missing(client, request, named_object(path, request), auth(other_project[role]), 404)
+
+
+def listed_object(factory: RequestFactory, path: str) -> str:
+    if path in ("/v1/files", "/console/datasets"):
+        return factory.new_file()
+    if path in ("/v1/fine_tuning/jobs", "/console/jobs"):
+        return factory.new_job()
+    return factory.limited_model()
+
+
+@pytest.mark.parametrize(("method", "path"), sorted(route for route, rule in ISOLATION.items() if rule is LISTS))
+def test_lists_leave_out_another_projects_objects(method, path, client, auth, factory, other_project):
+    required = REQUIRED_ROLE[(method, path)]
+    shown = listed_object(factory, path)
+
+    def listing(secret: str, **params) -> str:
+        response = client.request(method, path, headers=auth(secret), params=params)
+        assert response.status_code == 200, response.text
+        return response.text
+
+    assert shown in listing(required.value)
+    for role in Role:
+        if role.allows(required):
+            assert (shown in listing(other_project[role])) is (role is Role.admin), role
+    # Admin keys list one project with `project` (id or name); other keys only their own.
+    assert shown not in listing(other_project[Role.admin], project="other")
+    assert shown in listing(other_project[Role.admin], project="default")
+    assert shown not in listing(other_project[required], project="other")
+    named = client.request(method, path, headers=auth(other_project[required]), params={"project": "default"})
+    unknown = client.request(method, path, headers=auth(other_project[required]), params={"project": "nothing"})
+    assert named.status_code == unknown.status_code == 400
+    assert named.json()["error"] == {**unknown.json()["error"], "message": "No such project: default"}
+
+
+@pytest.mark.parametrize(("method", "path"), sorted(route for route, rule in ISOLATION.items() if rule is CREATES))
+def test_creations_use_and_land_in_the_callers_project_only(method, path, client, auth, factory, other_project):
+    required = REQUIRED_ROLE[(method, path)]
+    if path == "/v1/files":
+        made = client.request(**factory.build(method, path), headers=auth(other_project[required]))
+        assert made.status_code == 200, made.text
+        for role, visible in ((required.value, False), (other_project[required], True)):
+            response = client.get(f"/v1/files/{made.json()['id']}", headers=auth(role))
+            assert response.status_code == (200 if visible else 404)
+        return
+    # Jobs from another project's training file, inference on another project's model: as if they were missing.
+    status = 404 if path in INFERENCE_BODIES else 400
+    for role in Role:
+        request = factory.build(method, path)
+        if not role.allows(required):
+            assert client.request(**request, headers=auth(other_project[role])).status_code == 403
+        elif role is Role.admin:
+            response = client.request(**request, headers=auth(other_project[role]))
+            assert response.status_code == 200, response.text
+        else:
+            assert_answered_as_missing(client, request, named_object(path, request), auth(other_project[role]), status)
+    owner = client.request(**factory.build(method, path), headers=auth(required.value))
+    assert owner.status_code == 200, owner.text
 
 
 def test_bad_keys_get_401_in_openai_shape(client, keys):

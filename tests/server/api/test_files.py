@@ -12,7 +12,7 @@ import openai
 import pytest
 from sqlalchemy import select
 
-from server.db.models import File, FineTuningJob, JobStatus
+from server.db.models import DEFAULT_PROJECT_ID, File, FineTuningJob, JobStatus
 
 
 @pytest.fixture
@@ -104,7 +104,11 @@ def test_deleting_a_file_used_by_an_active_job_is_409(openai_client, valid_datas
     validation = openai_client.files.create(file=("valid.jsonl", valid_dataset), purpose="fine-tune")
     with sessions() as session:
         job = FineTuningJob(
-            model="zaya-tiny", training_file_id=training.id, validation_file_id=validation.id, status=JobStatus.queued
+            model="zaya-tiny",
+            training_file_id=training.id,
+            validation_file_id=validation.id,
+            status=JobStatus.queued,
+            project_id=DEFAULT_PROJECT_ID,
         )
         session.add(job)
         session.commit()

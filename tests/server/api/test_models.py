@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from server.db.base import utcnow
-from server.db.models import File, FineTuningJob, JobStatus, ModelAlias, ModelVersion
+from server.db.models import DEFAULT_PROJECT_ID, File, FineTuningJob, JobStatus, ModelAlias, ModelVersion
 
 
 @pytest.fixture
@@ -28,19 +28,24 @@ def test_lists_names_aliases_and_fine_tuned_models(analyst_client, sessions):
     with sessions() as session:
         version = ModelVersion(name="zaya-tiny", version=1, kind="full", path="/m/1")
         archived = ModelVersion(name="old", version=1, kind="full", path="/m/old", status="archived")
-        dataset = File(filename="t.jsonl", purpose="fine-tune", bytes=1, sha256="0" * 64)
+        dataset = File(filename="t.jsonl", purpose="fine-tune", bytes=1, sha256="0" * 64, project_id=DEFAULT_PROJECT_ID)
         session.add_all([version, archived, dataset])
         session.flush()
         session.add(ModelAlias(model_name="zaya-tiny", alias="production", version_id=version.id))
-        session.add(
-            FineTuningJob(
-                model="zaya-tiny",
-                training_file_id=dataset.id,
-                status=JobStatus.succeeded,
-                fine_tuned_model="ft:zaya-tiny:org:bank:ftjob-1",
-                finished_at=utcnow(),
-            )
+        job = FineTuningJob(
+            model="zaya-tiny",
+            training_file_id=dataset.id,
+            project_id=DEFAULT_PROJECT_ID,
+            status=JobStatus.succeeded,
+            fine_tuned_model="ft:zaya-tiny:org:bank:ftjob-1",
+            finished_at=utcnow(),
         )
+        session.add(job)
+        session.flush()
+        tuned = ModelVersion(name=job.fine_tuned_model, version=1, kind="full", path="/m/ft", job_id=job.id)
+        session.add(tuned)
+        session.flush()
+        job.result_model_version_id = tuned.id
         session.commit()
 
     models = {model.id: model for model in analyst_client.models.list()}

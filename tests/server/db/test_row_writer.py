@@ -11,7 +11,7 @@ from sqlalchemy.exc import IntegrityError
 
 from server.db import row_writer
 from server.db.base import utcnow
-from server.db.models import AuditLog, InferenceRecord
+from server.db.models import DEFAULT_PROJECT_ID, AuditLog, InferenceRecord
 from server.db.row_writer import RowWriter
 from server.db.session import make_engine
 from server.services.audit import INSERT_ENTRY
@@ -43,6 +43,7 @@ def record_row(api_key_id: str | None) -> dict:
     return {
         "created_at": utcnow(),
         "api_key_id": api_key_id,
+        "project_id": DEFAULT_PROJECT_ID,
         "endpoint": "completions",
         "requested_model": "m",
         "model_version_id": None,

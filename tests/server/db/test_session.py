@@ -11,7 +11,7 @@ from sqlalchemy import text
 from sqlalchemy.exc import IntegrityError, StatementError
 
 from server.db.migrations import upgrade
-from server.db.models import ApiKey, File
+from server.db.models import DEFAULT_PROJECT_ID, ApiKey, File
 from server.db.session import RequestReads, make_engine, make_sessionmaker
 from server.settings import Settings
 
@@ -31,7 +31,16 @@ def test_sqlite_runs_in_wal_mode_with_foreign_keys(tmp_path):
             assert connection.execute(text("PRAGMA journal_mode")).scalar() == "wal"
             assert connection.execute(text("PRAGMA foreign_keys")).scalar() == 1
         with make_sessionmaker(engine)() as session:
-            session.add(File(filename="a", purpose="fine-tune", bytes=1, sha256="0" * 64, created_by="key_missing"))
+            session.add(
+                File(
+                    filename="a",
+                    purpose="fine-tune",
+                    bytes=1,
+                    sha256="0" * 64,
+                    created_by="key_missing",
+                    project_id=DEFAULT_PROJECT_ID,
+                )
+            )
             with pytest.raises(IntegrityError):
                 session.commit()
     finally:
@@ -40,7 +49,7 @@ def test_sqlite_runs_in_wal_mode_with_foreign_keys(tmp_path):
 
 def test_timestamps_come_back_timezone_aware_and_naive_ones_are_refused(sessions):
     with sessions() as session:
-        key = ApiKey(name="n", role="admin", prefix="zk-timestamp", secret_hash="0" * 64)
+        key = ApiKey(name="n", role="admin", prefix="zk-timestamp", secret_hash="0" * 64, project_id=DEFAULT_PROJECT_ID)
         session.add(key)
         session.commit()
         session.expire_all()

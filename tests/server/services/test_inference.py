@@ -13,7 +13,7 @@ from sqlalchemy import select
 
 from server.api.inference.protocol import ChatCompletionRequest, CompletionRequest
 from server.api.ratelimit import RateLimits
-from server.db.models import InferenceRecord, ModelVersion
+from server.db.models import DEFAULT_PROJECT_ID, InferenceRecord, ModelVersion, Role
 from server.db.row_writer import RowWriter
 from server.db.session import RequestReads, make_engine
 from server.engines.base import (
@@ -23,7 +23,8 @@ from server.engines.base import (
     EngineUnavailable,
     ModelLoadError,
 )
-from server.errors import NotFound, RateLimited
+from server.errors import NotFound, QuotaExceeded, RateLimited
+from server.services.access import Principal
 from server.services.inference import InferenceService, engine_error
 
 MESSAGES = [{"role": "user", "content": "Summarise case CASE-7."}]
@@ -64,6 +65,11 @@ def records(sessions) -> list[InferenceRecord]:
         return list(session.scalars(select(InferenceRecord).order_by(InferenceRecord.id)))
 
 
+def analyst(make_key) -> Principal:
+    key_id, _ = make_key("analyst")
+    return Principal(key_id=key_id, name="analyst", role=Role.analyst, project_id=DEFAULT_PROJECT_ID)
+
+
 def chat(max_tokens: int, n: int = 1, model: str = "tiny") -> ChatCompletionRequest:
     return ChatCompletionRequest(model=model, messages=MESSAGES, max_tokens=max_tokens, n=n, temperature=0.0)
 
@@ -73,10 +79,10 @@ def completion(max_tokens: int, model: str = "tiny") -> CompletionRequest:
 
 
 def test_a_whole_answer_has_every_choice_and_leaves_its_record(run_with_service, make_key, sessions, version_id):
-    key_id, _ = make_key("analyst")
+    caller = analyst(make_key)
 
     async def scenario(service: InferenceService):
-        generation = await service.start_generation(key_id, chat(6, n=2))
+        generation = await service.start_generation(caller, chat(6, n=2))
         async with generation:
             choices = await generation.collect()
         return generation, choices
@@ -94,10 +100,10 @@ def test_a_whole_answer_has_every_choice_and_leaves_its_record(run_with_service,
 def test_a_reader_that_stops_early_stops_the_generation_and_is_recorded_499(
     run_with_service, make_key, sessions, version_id
 ):
-    key_id, _ = make_key("analyst")
+    caller = analyst(make_key)
 
     async def scenario(service: InferenceService):
-        generation = await service.start_generation(key_id, completion(200))
+        generation = await service.start_generation(caller, completion(200))
         async with generation, aclosing(generation.deltas()) as deltas:
             for _ in range(2):
                 await anext(deltas)
@@ -114,14 +120,14 @@ def test_a_reader_that_stops_early_stops_the_generation_and_is_recorded_499(
 
 
 def test_refusals_come_before_any_output_and_are_recorded(run_with_service, make_key, sessions, settings):
-    key_id, _ = make_key("analyst")
+    caller = analyst(make_key)
     small_budget = settings.model_copy(update={"rate_limit_tokens_per_minute": 50})
 
     async def scenario(service: InferenceService):
         with pytest.raises(NotFound):
-            await service.start_generation(key_id, completion(4, model="no-such-model"))
+            await service.start_generation(caller, completion(4, model="no-such-model"))
         with pytest.raises(RateLimited) as refused:
-            await service.start_generation(key_id, completion(60))
+            await service.start_generation(caller, completion(60))
         return refused.value
 
     refused = run_with_service(scenario, small_budget)
@@ -149,3 +155,34 @@ def test_only_a_refused_request_is_the_clients_error_and_engine_failures_are_ser
     assert (api_error.status_code, api_error.type, api_error.message) == (status, kind, error.message)
     assert (api_error.headers or {}).get("Retry-After") == retry_after
     assert api_error.param == error.param
+
+
+def test_a_key_holds_at_most_its_open_streams(run_with_service, make_key, sessions, settings):
+    """Generations in flight count against their key until closed, whether read or not; a refused one is recorded
+    as 429, another key is not affected, and a closed one (finished, or its reader gone) frees its place."""
+    caller, other = analyst(make_key), analyst(make_key)
+    two_streams = settings.model_copy(update={"key_max_open_streams": 2})
+
+    async def scenario(service: InferenceService):
+        held = [await service.start_generation(caller, completion(200)) for _ in range(2)]
+        with pytest.raises(QuotaExceeded) as refused:
+            await service.start_generation(caller, completion(4))
+        async with await service.start_generation(other, completion(4)) as generation:
+            await generation.collect()
+        async with held[0]:
+            await held[0].collect()  # read to the end
+        await held[1].aclose()  # abandoned
+        assert service.open_streams.count(caller.key_id) == 0
+        async with await service.start_generation(caller, completion(4)) as generation:
+            await generation.collect()
+        return refused.value
+
+    refused = run_with_service(scenario, two_streams)
+    assert (refused.status_code, refused.code, refused.headers) == (
+        429,
+        "open_streams_quota_exceeded",
+        {"Retry-After": "1"},
+    )
+    assert "ZAYA_KEY_MAX_OPEN_STREAMS = 2" in refused.message
+    statuses = [(record.api_key_id, record.status_code) for record in records(sessions)]
+    assert statuses.count((caller.key_id, 429)) == 1 and (other.key_id, 200) in statuses

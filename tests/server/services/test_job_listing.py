@@ -9,8 +9,9 @@ import pytest
 from sqlalchemy import event
 
 from server.db.base import utcnow
-from server.db.models import File, FineTuningJob
+from server.db.models import DEFAULT_PROJECT_ID, File, FineTuningJob
 from server.errors import InvalidRequest
+from server.services.access import Scope
 from server.services.jobs import list_jobs
 
 # Hostile keys too: a SQLite JSON path cannot name a key with a double quote.
@@ -25,7 +26,9 @@ NEWEST_FIRST = ["ftjob-01", "ftjob-00", "ftjob-02", "ftjob-03", "ftjob-04", "ftj
 def jobs(sessions) -> None:
     now = utcnow()
     with sessions() as session:
-        dataset = File(filename="train.jsonl", purpose="fine-tune", bytes=1, sha256="0" * 64)
+        dataset = File(
+            filename="train.jsonl", purpose="fine-tune", bytes=1, sha256="0" * 64, project_id=DEFAULT_PROJECT_ID
+        )
         session.add(dataset)
         session.flush()
         session.add_all(
@@ -33,6 +36,7 @@ def jobs(sessions) -> None:
                 id=f"ftjob-{index:02d}",
                 model="base",
                 training_file_id=dataset.id,
+                project_id=DEFAULT_PROJECT_ID,
                 user_metadata=METADATA[index % len(METADATA)],
                 created_at=now - timedelta(seconds=max(index, 1)),
             )
@@ -45,7 +49,7 @@ def pages(session, limit: int, **filters) -> list[tuple[list[str], bool]]:
     """Every page, each asked for with the last id of the one before."""
     result, after = [], None
     while True:
-        rows, has_more = list_jobs(session, after=after, limit=limit, **filters)
+        rows, has_more = list_jobs(session, Scope.everything(), after=after, limit=limit, **filters)
         result.append(([job.id for job in rows], has_more))
         if not has_more:
             return result
@@ -72,5 +76,5 @@ def test_metadata_filters_and_limits_run_in_the_query(sessions, jobs):
 
 def test_after_an_unknown_job_names_the_parameter(sessions, jobs):
     with sessions() as session, pytest.raises(InvalidRequest) as error:
-        list_jobs(session, after="ftjob-nope", limit=3)
+        list_jobs(session, Scope.everything(), after="ftjob-nope", limit=3)
     assert error.value.param == "after"

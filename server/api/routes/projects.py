@@ -1,0 +1,34 @@
+"""Admin: projects (create, list, retrieve), as OpenAI's `/v1/organization/projects`. Keys are made in a project with
+`POST /v1/admin/keys {"project": ...}`."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from server.api.deps import AdminDep, SessionDep, set_audit_target
+from server.api.schemas import ListResponse, ProjectCreate, ProjectObject
+from server.db.models import Project
+from server.errors import NotFound
+from server.services import projects as project_service
+
+router = APIRouter(prefix="/v1/admin/projects", tags=["admin"])
+
+
+@router.post("", name="projects.create")
+def create_project(body: ProjectCreate, request: Request, session: SessionDep, _: AdminDep) -> ProjectObject:
+    project = project_service.create_project(session, body.name)
+    set_audit_target(request, project.id)
+    return ProjectObject.model_validate(project)
+
+
+@router.get("", name="projects.list")
+def list_projects(session: SessionDep, _: AdminDep) -> ListResponse[ProjectObject]:
+    return ListResponse[ProjectObject](data=project_service.list_projects(session))
+
+
+@router.get("/{project_id}", name="projects.get")
+def get_project(project_id: str, session: SessionDep, _: AdminDep) -> ProjectObject:
+    project = session.get(Project, project_id)
+    if project is None:
+        raise NotFound(f"No such project: {project_id}", param="project_id", code="project_not_found")
+    return ProjectObject.model_validate(project)
