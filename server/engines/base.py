@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from server.engines.grammar import OutputGrammar
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -39,6 +41,9 @@ class SamplingParams:
     # Generate past the model's end-of-sequence tokens, to exactly max_tokens unless a stop string ends the choice
     # first (vLLM's `ignore_eos`).
     ignore_eos: bool = False
+    # Hold the text to this grammar (JSON of a schema, tool calls) by masking each step's logits: the choice ends at
+    # an end-of-sequence token only once the grammar is complete. Logprobs are those of the masked distribution.
+    grammar: OutputGrammar | None = None
 
     @property
     def greedy(self) -> bool:

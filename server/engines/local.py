@@ -30,9 +30,13 @@ import threading
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedTokenizerBase
+
+if TYPE_CHECKING:
+    import xgrammar
 
 from server.engines.base import (
     ChoiceDelta,
@@ -45,6 +49,7 @@ from server.engines.base import (
     TokenLogprob,
 )
 from server.engines.detokenizer import StopStringDetokenizer
+from server.engines.grammar import GrammarCompiler, GrammarError, GrammarMatcher
 from server.engines.model_files import end_of_sequence_ids, load_model_config, load_model_tokenizer
 from server.engines.sampling import choice_generator, sample_token
 from server.engines.threads import on_own_thread
@@ -61,6 +66,7 @@ class _Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
+    grammar: xgrammar.CompiledGrammar | None = None  # `params.grammar` compiled for the model's tokenizer
     deltas: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -76,6 +82,7 @@ class _Sequence:
     index: int
     detokenizer: StopStringDetokenizer
     generator: torch.Generator
+    matcher: GrammarMatcher | None = None
     next_token: int = -1
     generated: int = 0
     finished: bool = False
@@ -266,6 +273,7 @@ class _Scheduler:
                 index=index,
                 detokenizer=StopStringDetokenizer(self.tokenizer, request.params.stop),
                 generator=choice_generator(request.params.seed, index),
+                matcher=GrammarMatcher(request.grammar, self.model.config.vocab_size) if request.grammar else None,
             )
             for request in requests
             for index in range(request.params.n)
@@ -334,7 +342,11 @@ class _Scheduler:
     def _sample(self, rows: list[_Sequence], logits: torch.Tensor) -> None:
         for row, row_logits in zip(rows, logits, strict=True):
             params = row.request.params
+            if row.matcher is not None:
+                row_logits = row.matcher.mask(row_logits)
             token = sample_token(row_logits, params, row.generator)
+            if row.matcher is not None:
+                row.matcher.accept(token)
             row.generated += 1
             row.next_token = token
             self.stats.decoded_tokens += 1
@@ -466,6 +478,7 @@ class LocalEngine(Engine):
         self._loaded: OrderedDict[str, _Loaded] = OrderedDict()  # by served version id, least recently used first
         self._tokenizers: dict[str, PreTrainedTokenizerBase] = {}
         self._configs: dict[str, ZayaConfig] = {}
+        self._grammar_compilers: dict[str, GrammarCompiler] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._compute: _ComputeThread | None = None  # started with the first model
 
@@ -482,6 +495,7 @@ class LocalEngine(Engine):
                 await self._unload(served_id)
         self._tokenizers.pop(version_id, None)
         self._configs.pop(version_id, None)
+        self._grammar_compilers.pop(version_id, None)
 
     async def unload_adapter(self, version_id: str) -> None:
         await self._unload(version_id)
@@ -541,8 +555,9 @@ class LocalEngine(Engine):
             raise EngineError(f"n must be at most {self.settings.max_batch_size} on this engine.", param="n")
         if len(prompt_token_ids) + params.max_tokens > await self.context_length(model):
             raise EngineError("The prompt plus max_tokens exceed the model's context length.", param="max_tokens")
+        grammar = await self._compile(model, params) if params.grammar is not None else None
         scheduler = await self._ensure_loaded(model, adapter)
-        request = _Request(list(prompt_token_ids), params, asyncio.get_running_loop())
+        request = _Request(list(prompt_token_ids), params, asyncio.get_running_loop(), grammar)
         scheduler.submit(request)
         try:
             remaining = params.n
@@ -555,6 +570,21 @@ class LocalEngine(Engine):
         finally:
             # Client gone, consumer closed the stream, or done: the scheduler drops the rows at its next step.
             request.cancelled.set()
+
+    async def _compile(self, model: ModelRef, params: SamplingParams) -> xgrammar.CompiledGrammar:
+        """`params.grammar` compiled for the model's tokenizer, off the event loop and the compute thread (reading a
+        large vocabulary, or compiling a large schema, takes a while)."""
+        compiler = self._grammar_compilers.get(model.version_id)
+        if compiler is None:
+            tokenizer = await self.tokenizer(model)
+            vocab_size = self._configs[model.version_id].vocab_size  # read by the context length check
+            stop_ids = sorted(end_of_sequence_ids(tokenizer))
+            compiler = await asyncio.to_thread(GrammarCompiler, tokenizer, vocab_size, stop_ids)
+            self._grammar_compilers[model.version_id] = compiler
+        try:
+            return await asyncio.to_thread(compiler.compile, params.grammar)
+        except GrammarError as error:
+            raise EngineError(error.message, param=error.param) from error
 
     def stats(self, version_id: str) -> SchedulerStats | None:
         """Counters of the scheduler serving `version_id` (tests and metrics)."""
