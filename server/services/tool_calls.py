@@ -1,11 +1,11 @@
 """Tool calls in a chat answer: the `<tool_call>` blocks of the model's text parsed back into OpenAI's `tool_calls`,
-whole or as the text streams, and the check that a model's chat template writes them that way.
+whole or as the text streams.
 
-The chat template (`zaya_model.pretrain.tokenizer`) renders each call as
-`<tool_call>\\n{"name": "<name>", "arguments": {...}}\\n</tool_call>`, and decoding under `tools` is held to that
-format (`OutputGrammar.tool_calls`), so a call the parser meets is well formed; a block that is not (cut by
-`max_tokens` before its name, say) stays text. Whitespace between text and a call, or between calls, is the
-format's, not the answer's: it is dropped.
+The chat template (`zaya_model.pretrain.tokenizer`; `finetune.datasets.rendering.renders_tools` checks a model's)
+renders each call as `<tool_call>\\n{"name": "<name>", "arguments": {...}}\\n</tool_call>`, and decoding under
+`tools` is held to that format (`OutputGrammar.tool_calls`), so a call the parser meets is well formed; a block
+that is not (cut by `max_tokens` before its name, say) stays text. Whitespace between text and a call, or between
+calls, is the format's, not the answer's: it is dropped.
 """
 
 from __future__ import annotations
@@ -14,13 +14,9 @@ import json
 import re
 import secrets
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+from finetune.datasets.rendering import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
-CALL_OPEN = "<tool_call>"
-CALL_CLOSE = "</tool_call>"
 # The start of a call, up to its arguments: the name is known once this matches.
 _CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
 
@@ -92,7 +88,7 @@ class ToolCallParser:
         if self._state == "text":
             parsed.content = self._buffer.lstrip() if self._after_call else self._buffer
         elif self._state == "head":
-            parsed.content = CALL_OPEN + self._buffer
+            parsed.content = TOOL_CALL_OPEN + self._buffer
         self._buffer = ""
         return parsed
 
@@ -102,13 +98,15 @@ class ToolCallParser:
             if not self._buffer:
                 return False
             self._after_call = False
-        start = self._buffer.find(CALL_OPEN)
+        start = self._buffer.find(TOOL_CALL_OPEN)
         if start >= 0:
             parsed.content += self._buffer[:start].rstrip()
-            self._buffer, self._state = self._buffer[start + len(CALL_OPEN) :], "head"
+            self._buffer, self._state = self._buffer[start + len(TOOL_CALL_OPEN) :], "head"
             return True
         # Keep back a trailing part of an opening tag and the whitespace before it (or at the end).
-        keep = next((size for size in range(len(CALL_OPEN) - 1, 0, -1) if self._buffer.endswith(CALL_OPEN[:size])), 0)
+        keep = next(
+            (size for size in range(len(TOOL_CALL_OPEN) - 1, 0, -1) if self._buffer.endswith(TOOL_CALL_OPEN[:size])), 0
+        )
         release = self._buffer[: len(self._buffer) - keep]
         held = len(release) - len(release.rstrip())
         parsed.content += release[: len(release) - held]
@@ -118,12 +116,12 @@ class ToolCallParser:
     def _head(self, parsed: ParsedDelta) -> bool:
         head = _CALL_HEAD.match(self._buffer)
         if head is None or head.end() == len(self._buffer):  # the whitespace before the arguments may go on
-            closed = self._buffer.find(CALL_CLOSE)
+            closed = self._buffer.find(TOOL_CALL_CLOSE)
             if closed < 0:
                 return False
             # Not a call after all: the block is text.
-            parsed.content += CALL_OPEN + self._buffer[: closed + len(CALL_CLOSE)]
-            self._buffer, self._state = self._buffer[closed + len(CALL_CLOSE) :], "text"
+            parsed.content += TOOL_CALL_OPEN + self._buffer[: closed + len(TOOL_CALL_CLOSE)]
+            self._buffer, self._state = self._buffer[closed + len(TOOL_CALL_CLOSE) :], "text"
             return True
         call = ToolCall(new_call_id(), json.loads(head.group(1)), "")
         self.calls.append(call)
@@ -166,10 +164,10 @@ class ToolCallParser:
             parsed.add(ParsedDelta(tool_calls=[ToolCallDelta(len(self.calls) - 1, arguments=piece)]))
 
     def _tail(self, parsed: ParsedDelta) -> bool:
-        closed = self._buffer.find(CALL_CLOSE)
+        closed = self._buffer.find(TOOL_CALL_CLOSE)
         if closed < 0:
             return False
-        self._buffer, self._state = self._buffer[closed + len(CALL_CLOSE) :], "text"
+        self._buffer, self._state = self._buffer[closed + len(TOOL_CALL_CLOSE) :], "text"
         self.completed += 1
         self._after_call = True
         return True
@@ -181,27 +179,3 @@ def parse_tool_calls(text: str) -> tuple[str, list[ToolCall], bool]:
     parsed = parser.feed(text)
     parsed.add(parser.finish())
     return parsed.content, parser.calls, parser.completed == len(parser.calls)
-
-
-# A conversation exercising every part of the tool format, and how a template that speaks it renders the call.
-_PROBE_TOOL = {"type": "function", "function": {"name": "probe_tool", "parameters": {"type": "object"}}}
-_PROBE_MESSAGES = [
-    {"role": "user", "content": "probe"},
-    {
-        "role": "assistant",
-        "content": None,
-        "tool_calls": [{"id": "call_0", "type": "function", "function": {"name": "probe_call", "arguments": {"a": 1}}}],
-    },
-    {"role": "tool", "tool_call_id": "call_0", "content": "probe_result"},
-]
-_PROBE_CALL = f'{CALL_OPEN}\n{{"name": "probe_call", "arguments": {{"a": 1}}}}\n{CALL_CLOSE}'
-
-
-def renders_tool_calls(tokenizer: PreTrainedTokenizerBase) -> bool:
-    """Whether the tokenizer's chat template lists tools, renders calls in the format decoding and parsing use, and
-    renders tool results: a template that drops any of them would silently lose part of a request."""
-    try:
-        text = tokenizer.apply_chat_template(_PROBE_MESSAGES, tools=[_PROBE_TOOL], tokenize=False)
-    except Exception:  # a template that refuses the roles or fields
-        return False
-    return '"probe_tool"' in text and _PROBE_CALL in text and "probe_result" in text

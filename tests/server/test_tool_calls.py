@@ -7,8 +7,9 @@ import json
 import pytest
 import xgrammar
 
+from finetune.datasets.rendering import renders_tools
 from server.engines.grammar import GrammarCompiler, OutputGrammar
-from server.services.tool_calls import ParsedDelta, ToolCallParser, parse_tool_calls, renders_tool_calls
+from server.services.tool_calls import ParsedDelta, ToolCallParser, parse_tool_calls
 from zaya_model.pretrain.tokenizer import train_tokenizer
 
 FIRST = (
@@ -98,13 +99,13 @@ def tokenizer():
 
 
 def test_our_template_speaks_the_format_and_plain_chatml_does_not(tokenizer):
-    assert renders_tool_calls(tokenizer)
+    assert renders_tools(tokenizer)
     tokenizer_without = train_tokenizer(["x y z"] * 10, vocab_size=270)
     tokenizer_without.chat_template = (
         "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + "
         "'<|im_end|>\\n' }}{% endfor %}"
     )
-    assert not renders_tool_calls(tokenizer_without)
+    assert not renders_tools(tokenizer_without)
 
 
 def test_a_call_as_the_template_renders_it_is_what_the_tool_grammar_decodes(tokenizer):
