@@ -42,7 +42,7 @@ from server.db.models import File, FineTuningJob, JobStatus, Role, new_id  # noq
 from server.db.scratch import scratch_database  # noqa: E402
 from server.db.session import make_autocommit_sessionmaker, make_engine, make_sessionmaker, session_scope  # noqa: E402
 from server.services import jobs, keys, registry  # noqa: E402
-from zaya_model.atomic_io import write_json_atomic  # noqa: E402
+from zaya_model.training.atomic_io import write_json_atomic  # noqa: E402
 
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "api_bench.json"
 DATABASE_URL_ENV = "ZAYA_BENCH_DATABASE_URL"

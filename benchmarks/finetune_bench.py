@@ -46,7 +46,7 @@ from finetune.settings import DEFAULT_LORA_TARGET_MODULES  # noqa: E402
 from finetune.train import LORA_EXPERT_PARAMETERS  # noqa: E402
 from zaya_model.cpu.compiled_layers import enable_compiled_layers  # noqa: E402
 from zaya_model.pretrain import train_tokenizer  # noqa: E402
-from zaya_model.training import BalancingBiasUpdater  # noqa: E402
+from zaya_model.training.balancing import BalancingBiasUpdater  # noqa: E402
 from zaya_model.training.runtime import prepare_training_process  # noqa: E402
 
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "finetune_bench.json"

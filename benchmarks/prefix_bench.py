@@ -195,7 +195,7 @@ def table(report: dict, args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from zaya_model.atomic_io import write_json_atomic
+    from zaya_model.training.atomic_io import write_json_atomic
 
     args = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="prefix-bench-") as workdir:

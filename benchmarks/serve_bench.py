@@ -396,7 +396,7 @@ async def alternating_loads(systems: dict[tuple[str, str], contextlib.AbstractAs
     once and measured in alternating rounds (A B ... then ... B A), so that the machine's drift within the run falls
     on each alike; a system's rounds add up to one load."""
     from server.engines.cpu_placement import pin_process
-    from server.heap import freeze_heap
+    from server.engines.heap import freeze_heap
 
     placement = vllm_cpu_placement()
     async with contextlib.AsyncExitStack() as stack:
@@ -993,7 +993,7 @@ def main(argv: list[str] | None = None) -> int:
         "stage_seconds": stages,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    from zaya_model.atomic_io import write_json_atomic
+    from zaya_model.training.atomic_io import write_json_atomic
 
     write_json_atomic(args.out, report)
     print(table(loads))

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from zaya_model.atomic_io import fsync_path, fsync_tree
+from zaya_model.training.atomic_io import fsync_path, fsync_tree
 
 BASE_MODEL_FILE = "base_model.json"  # in an adapter dir: which base model the adapter was trained on
 METRICS_FILE = "metrics.json"  # in a checkpoint dir: step, train/valid loss, valid token accuracy

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from zaya_model.training import BalancingBiasUpdater
+from zaya_model.training.balancing import BalancingBiasUpdater
 
 BALANCING_STATE_FILE = "balancing_optimizer.pt"
 

@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Any
 
-from zaya_cli import CommandError
+from command_line import CommandError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -132,9 +132,9 @@ def _register_evaluate(subparsers: argparse._SubParsersAction) -> None:
 def run_finetune_command(args: argparse.Namespace) -> int:
     from transformers.utils import logging as transformers_logging
 
+    from command_line.flags import FlagError
     from finetune.settings import settings_from_flags
     from finetune.train import CheckpointWriteError, FinetuneError, FineTuneRun, run_finetune
-    from zaya_cli.flags import FlagError
     from zaya_model.training.callbacks import NonFiniteLossError
     from zaya_model.training.runtime import prepare_training_process
 

@@ -1,10 +1,10 @@
 """Before a run: how many tokens it will train and, given a throughput, how long that takes.
 
-Tokens are billed as the trainer counts them (`finetune.trainer`): the dataset's trained tokens (its validation
-report's `n_trained_tokens`, the tokens that carry loss) once per epoch, with "auto" epochs resolved as the run will
-resolve them (`finetune.auto`). A `max_steps` that ends the run before its epochs scales the count by the share of
-steps run. A DPO run also trains the newline the chat template writes after each answer's end of turn (TRL's
-completion is the templated text after the prompt), one token per answer the estimate leaves out.
+Tokens are billed as the trainer counts them (`finetune.checkpointed_training`): the dataset's trained tokens (its
+validation report's `n_trained_tokens`, the tokens that carry loss) once per epoch, with "auto" epochs resolved as
+the run will resolve them (`finetune.auto`). A `max_steps` that ends the run before its epochs scales the count by
+the share of steps run. A DPO run also trains the newline the chat template writes after each answer's end of turn
+(TRL's completion is the templated text after the prompt), one token per answer the estimate leaves out.
 
 The time is the trained tokens over a throughput in trained tokens per second, which comes from one of two places:
 

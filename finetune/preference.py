@@ -19,8 +19,8 @@ from trl import DPOConfig, DPOTrainer
 
 from zaya_model import ZayaForCausalLM
 
+from .checkpointed_training import CheckpointedTraining
 from .datasets.formats import Example
-from .trainer import CheckpointedTraining
 
 
 def preference_dataset(examples: list[Example]) -> Dataset:

@@ -6,7 +6,7 @@ or `{"type": "dpo", "dpo": {"hyperparameters": {..., "beta"}}}`. Our additions l
 `adapter` ("lora" | "full"), `lora`, `merge_adapter` and further hyperparameters (bounds on the run, evaluation
 cadence, checkpoint rotation, memory and speed switches). The API validates a request's `method` with it, the
 worker reads a job's stored `method` back with it, and `zaya finetune`'s flags are generated from it
-(`zaya_cli.flags`), so there is one set of defaults and a bad value is reported under the field's own name.
+(`command_line.flags`), so there is one set of defaults and a bad value is reported under the field's own name.
 
 "auto" stays a value until a run resolves it from the dataset and the model (`finetune.auto`).
 """
@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, WrapValidator, field_validator
 from pydantic_core import PydanticCustomError
 
-from zaya_cli.flags import Cli, Flag, FlagError, flag_error, flag_values, model_flags, set_path
+from command_line.flags import Cli, Flag, FlagError, flag_error, flag_values, model_flags, set_path
 
 METHOD_TYPES = ("supervised", "dpo")
 # learning rate = base rate of the adapter kind, scaled to the model (finetune.auto) x learning_rate_multiplier
@@ -242,7 +242,7 @@ def cli_flags() -> list[Flag]:
 
 
 def add_settings_flags(parser: argparse.ArgumentParser) -> None:
-    from zaya_cli.flags import add_flags
+    from command_line.flags import add_flags
 
     unique: dict[str, Flag] = {}
     for flag in cli_flags():

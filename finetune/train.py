@@ -39,8 +39,8 @@ from transformers import (
 )
 
 from zaya_model import ZayaConfig, ZayaForCausalLM
-from zaya_model.atomic_io import write_json_atomic
 from zaya_model.cpu.compiled_layers import enable_compiled_layers
+from zaya_model.training.atomic_io import write_json_atomic
 from zaya_model.training.callbacks import (
     COMPILING_MESSAGE,
     HooksCallback,
@@ -59,11 +59,11 @@ from .artifacts import (
 )
 from .auto import ResolvedHyperparameters, resolve_hyperparameters
 from .balancing import BalancingBiasCallback
+from .checkpointed_training import CheckpointedTraining, CheckpointWriteError, FinalCheckpointCallback, final_metrics
 from .data import IGNORE_INDEX, TokenizedDataset, make_collator, read_examples, token_statistics
 from .datasets.validation import ValidationReport, validate_dataset
 from .evaluate import describe, evaluate_file, stop_token_ids
 from .settings import DEFAULT_LORA_TARGET_MODULES, FinetuneError, FineTuneSettings
-from .trainer import CheckpointedTraining, CheckpointWriteError, FinalCheckpointCallback, final_metrics
 
 MAX_PROBLEMS_SHOWN = 10
 LORA_EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]

@@ -13,10 +13,15 @@ import sys
 
 from pydantic import ValidationError
 
-from zaya_cli import CommandError
+from command_line import CommandError
 
 # Modules exposing `register(subparsers)`, which adds their subcommands and sets `func` on each.
-COMMAND_MODULES: list[str] = ["server.commands", "finetune.cli", "zaya_model.pretrain.cli", "server.run"]
+COMMAND_MODULES: list[str] = [
+    "server.commands.manage",
+    "finetune.cli",
+    "zaya_model.pretrain.cli",
+    "server.commands.run",
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -30,10 +30,10 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOut
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .cache_zaya import ZayaCache
-from .checkpoints import is_legacy_config, load_legacy_checkpoint
 from .configuration_zaya import ZayaConfig
 from .expert_lora import ExpertWeight, expert_weight, peft_expert_weights
 from .grouped_linear import group_layout, group_row_multiple
+from .legacy_layout import is_legacy_config, load_legacy_checkpoint
 
 
 class ZayaRMSNorm(nn.Module):

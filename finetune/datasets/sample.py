@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from zaya_model.atomic_io import write_text_atomic
+from zaya_model.training.atomic_io import write_text_atomic
 
 from .synthetic import explain_disposition, generate_cases, generate_chat_examples, render_case_file
 

@@ -20,6 +20,8 @@ DATABASE_RETRY_AFTER_S = 2
 
 UNION_MEMBER_TAGS = frozenset({"str", "int", "float", "bool", "bytes", "list", "dict", "none"})
 ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
+# The error code (and pydantic error type) of a request field this server refuses to take.
+UNSUPPORTED_PARAMETER = "unsupported_parameter"
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
@@ -67,8 +69,22 @@ def _field_name(location: tuple) -> str | None:
     return name.lstrip(".") or None
 
 
+def _refusal(error: dict) -> JSONResponse:
+    """A field the request may not carry, in OpenAI's words: undeclared ("Unrecognized request argument"), or
+    declared and not honoured by this server (`server.api.inference.protocol.Unsupported`)."""
+    param = _field_name(tuple(error.get("loc", ())))
+    if error["type"] == "extra_forbidden":
+        message = f"Unrecognized request argument supplied: {param}"
+    else:
+        message = f"Unsupported parameter: '{param}' is not supported by this server ({error['msg']})."
+    return error_response(400, message, param=param, code=UNSUPPORTED_PARAMETER)
+
+
 async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
+    refused = [error for error in errors if error["type"] in ("extra_forbidden", UNSUPPORTED_PARAMETER)]
+    if refused:
+        return _refusal(refused[0])
     # A validator's own message (our checks) says more than the type errors of the other union members.
     explained = [error for error in errors if error["type"] == "value_error"]
     first = (explained or errors or [{"type": "", "loc": (), "msg": "invalid request"}])[0]

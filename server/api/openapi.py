@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
 
-from server.api.completion_schemas import STREAMED_CHUNKS
+from server.api.inference.responses import STREAMED_CHUNKS
 from server.api.middleware import PUBLIC_PATHS
 
 ERROR_SCHEMA = {

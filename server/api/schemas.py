@@ -1,7 +1,9 @@
-"""Response bodies. The OpenAI ones mirror OpenAI's objects field for field, so the official client parses them.
+"""Request and response bodies shared by the routes. The OpenAI ones mirror OpenAI's objects field for field, so the
+official client parses them.
 
-Objects that show a database row are `RowObject`s, read from the ORM object's attributes
-(`FileObject.model_validate(file)`); `ListResponse` is every list's envelope.
+Every request body is a `RequestBody`: a field it does not declare is refused as OpenAI refuses it (400 "Unrecognized
+request argument supplied"; `server.api.errors`). Objects that show a database row are `RowObject`s, read from the
+ORM object's attributes (`FileObject.model_validate(file)`); `ListResponse` is every list's envelope.
 """
 
 from __future__ import annotations
@@ -22,6 +24,12 @@ def _unix(moment: datetime | int | None) -> int | None:
 
 # A moment as OpenAI's objects give it: Unix seconds (read from the database's datetimes).
 UnixTime = Annotated[int, BeforeValidator(_unix)]
+
+
+class RequestBody(BaseModel):
+    """A request body: undeclared fields are refused, never ignored."""
+
+    model_config = ConfigDict(extra="forbid")
 
 
 class RowObject(BaseModel):
@@ -88,7 +96,7 @@ class ApiKeyCreated(ApiKeyObject):
     secret: str = Field(description="The key itself. Shown only in this response; store it now.")
 
 
-class ApiKeyCreate(BaseModel):
+class ApiKeyCreate(RequestBody):
     name: str = Field(min_length=1, max_length=200)
     role: Role
 

@@ -29,11 +29,16 @@ class StopStringDetokenizer:
         self.stopped = False
         self._stream = DecodeStream(skip_special_tokens=True)
 
-    def add(self, token_id: int) -> str:
-        """Append a token; return the text that became final (empty while held back). Sets `stopped` on a stop."""
+    def add(self, token_id: int, *, may_stop: bool = True) -> str:
+        """Append a token; return the text that became final (empty while held back). Sets `stopped` on a stop.
+
+        With `may_stop` false (before a choice's `min_tokens`) no stop string ends the choice and nothing is held
+        back: stop strings are looked for in the text that follows."""
         self.token_ids.append(token_id)
         # None while the token ends inside a UTF-8 sequence (its text comes with a later token).
         self.pending += self._stream.step(self.tokenizer.backend_tokenizer, token_id) or ""
+        if not may_stop:
+            return self._release(len(self.pending))
         # Every stop match starts in the unreleased tail: a tail that could begin a stop string is always held.
         cut = min((i for i in (self.pending.find(s) for s in self.stop) if i >= 0), default=-1)
         if cut >= 0:

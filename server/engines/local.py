@@ -27,38 +27,42 @@ import asyncio
 import logging
 import queue
 import threading
-from collections import OrderedDict, deque
-from collections.abc import AsyncIterator
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
-if TYPE_CHECKING:
-    import xgrammar
-
 from server.engines.base import (
     ChoiceDelta,
+    DeltaQueue,
     Engine,
     EngineError,
     EngineOverloaded,
+    LoadedModels,
     ModelLoadError,
     ModelRef,
     SamplingParams,
     TokenLogprob,
+    end_of_sequence_ids,
 )
-from server.engines.detokenizer import StopStringDetokenizer
 from server.engines.grammar import GrammarCompiler, GrammarError, GrammarMatcher
-from server.engines.model_files import end_of_sequence_ids, load_model_config, load_model_tokenizer
-from server.engines.sampling import choice_generator, sample_token
+from server.engines.output import ChoiceOutput
+from server.engines.sampling import TokenSampler, choice_generator
 from server.engines.threads import on_own_thread
 from server.settings import LocalEngineSettings
-from zaya_model import ZayaConfig, ZayaForCausalLM
+from zaya_model import ZayaForCausalLM
 from zaya_model.cache_zaya import ZayaCache
 from zaya_model.cpu.decode import CompiledDecoder, StaticDecodeCache, capacity_for
 
+if TYPE_CHECKING:
+    import xgrammar
+
 logger = logging.getLogger(__name__)
+
+PROMPT_SCORING_CHUNK = 256  # prompt positions whose logits are computed at once for prompt logprobs
 
 
 @dataclass
@@ -66,8 +70,8 @@ class _Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
+    deltas: DeltaQueue
     grammar: xgrammar.CompiledGrammar | None = None  # `params.grammar` compiled for the model's tokenizer
-    deltas: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def send(self, item: ChoiceDelta | BaseException) -> None:
@@ -79,14 +83,14 @@ class _Sequence:
     """One choice of a request: one row of the batch."""
 
     request: _Request
-    index: int
-    detokenizer: StopStringDetokenizer
-    generator: torch.Generator
-    matcher: GrammarMatcher | None = None
+    output: ChoiceOutput
+    sampler: TokenSampler
+    matcher: GrammarMatcher | None = None  # the choice's place in its request's grammar, if it has one
     next_token: int = -1
-    generated: int = 0
-    finished: bool = False
-    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.output.finished
 
 
 @dataclass
@@ -267,33 +271,55 @@ class _Scheduler:
         return admitted
 
     def _prefill(self, requests: list[_Request]) -> None:
-        rows = [
-            _Sequence(
-                request=request,
-                index=index,
-                detokenizer=StopStringDetokenizer(self.tokenizer, request.params.stop),
-                generator=choice_generator(request.params.seed, index),
-                matcher=GrammarMatcher(request.grammar, self.model.config.vocab_size) if request.grammar else None,
-            )
-            for request in requests
-            for index in range(request.params.n)
-        ]
-        width = max(len(row.request.prompt_token_ids) for row in rows)
-        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, row in enumerate(rows):
-            prompt = row.request.prompt_token_ids
+        width = max(len(request.prompt_token_ids) for request in requests)
+        input_ids = torch.full((len(requests), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(requests), width), dtype=torch.long)
+        for i, request in enumerate(requests):
+            prompt = request.prompt_token_ids
             input_ids[i, width - len(prompt) :] = torch.tensor(prompt)
             mask[i, width - len(prompt) :] = 1
-        output = self.model(
+        # One row per request: its n choices share the prompt, so its cache rows are copies of that row's.
+        output = self.model.model(
             input_ids=input_ids,
             attention_mask=mask,
             position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
             use_cache=True,
-            logits_to_keep=1,
         )
-        self._merge(rows, output.past_key_values, mask)
-        self._sample(rows, output.logits[:, -1])
+        hidden = output.last_hidden_state
+        rows: list[_Sequence] = []
+        for i, request in enumerate(requests):
+            params, prompt = request.params, request.prompt_token_ids
+            scored = None
+            if params.prompt_logprobs is not None:
+                scored = self._score_prompt(hidden[i, width - len(prompt) :], prompt, params.prompt_logprobs)
+            rows += [
+                _Sequence(
+                    request,
+                    ChoiceOutput(index, self.tokenizer, params, self.end_ids, scored),
+                    TokenSampler(params, prompt, self.end_ids, choice_generator(params.seed, index)),
+                    GrammarMatcher(request.grammar, self.model.config.vocab_size) if request.grammar else None,
+                )
+                for index in range(params.n)
+            ]
+        choices = torch.tensor([i for i, request in enumerate(requests) for _ in range(request.params.n)])
+        cache = output.past_key_values
+        for layer in cache.layers:
+            layer.batch_select_indices(choices)
+        self._merge(rows, cache, mask[choices])
+        for row in rows:
+            if row.request.params.max_tokens == 0:  # the prompt scored, nothing to generate
+                row.output.end("length")
+                self._send(row)
+        self._sample(rows, self.model.lm_head(hidden[choices, -1]))
+
+    def _score_prompt(self, hidden: torch.Tensor, prompt: list[int], top: int) -> list[TokenLogprob]:
+        """Each prompt token's logprob given the tokens before it (`hidden`: the prompt's last hidden states)."""
+        entries = [TokenLogprob(self.tokenizer.decode([prompt[0]]), None)]
+        for start in range(0, len(prompt) - 1, PROMPT_SCORING_CHUNK):
+            logits = self.model.lm_head(hidden[start : start + PROMPT_SCORING_CHUNK])
+            targets = prompt[start + 1 : start + 1 + PROMPT_SCORING_CHUNK]
+            entries += [self._logprob(row, token, top) for row, token in zip(logits, targets, strict=False)]
+        return entries
 
     def _decode_step(self) -> None:
         input_ids = torch.tensor([[row.next_token] for row in self.rows])
@@ -341,40 +367,25 @@ class _Scheduler:
 
     def _sample(self, rows: list[_Sequence], logits: torch.Tensor) -> None:
         for row, row_logits in zip(rows, logits, strict=True):
+            if row.finished:
+                continue
             params = row.request.params
             if row.matcher is not None:
                 row_logits = row.matcher.mask(row_logits)
-            token = sample_token(row_logits, params, row.generator)
+            token = row.next_token = row.sampler(row_logits)
             if row.matcher is not None:
                 row.matcher.accept(token)
-            row.generated += 1
-            row.next_token = token
             self.stats.decoded_tokens += 1
-            text, finish = "", None
-            if token in self.end_ids and not params.ignore_eos:
-                text, finish = row.detokenizer.flush(), "stop"
-            else:
-                if params.logprobs:
-                    row.pending_logprobs.append(self._logprob(row_logits, token, params.top_logprobs))
-                text = row.detokenizer.add(token)
-                if row.detokenizer.stopped:
-                    finish = "stop"
-                elif row.generated >= params.max_tokens:
-                    text, finish = text + row.detokenizer.flush(), "length"
-            if text or finish:
-                row.request.send(
-                    ChoiceDelta(
-                        index=row.index,
-                        text=text,
-                        logprobs=row.pending_logprobs,
-                        finish_reason=finish,
-                        completion_tokens=row.generated,
-                    )
-                )
-                row.pending_logprobs = []
-            row.finished = finish is not None
+            row.output.add(token, self._logprob(row_logits, token, params.top_logprobs) if params.logprobs else None)
+            self._send(row)
+
+    def _send(self, row: _Sequence) -> None:
+        delta = row.output.take()
+        if delta is not None:
+            row.request.send(delta)
 
     def _logprob(self, logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+        """The model's own logprob of `token` given next-token `logits`, with the `top` best alternatives."""
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         alternatives = ()
         if top:
@@ -474,13 +485,16 @@ class LocalEngine(Engine):
     name = "local"
 
     def __init__(self, settings: LocalEngineSettings | None = None) -> None:
+        super().__init__()
         self.settings = settings or LocalEngineSettings()
-        self._loaded: OrderedDict[str, _Loaded] = OrderedDict()  # by served version id, least recently used first
-        self._tokenizers: dict[str, PreTrainedTokenizerBase] = {}
-        self._configs: dict[str, ZayaConfig] = {}
-        self._grammar_compilers: dict[str, GrammarCompiler] = {}
+        self._loaded: LoadedModels[_Loaded] = LoadedModels()  # by served version id
+        self._grammar_compilers: dict[str, GrammarCompiler] = {}  # by base version id
         self._locks: dict[str, asyncio.Lock] = {}
         self._compute: _ComputeThread | None = None  # started with the first model
+
+    @property
+    def max_choices(self) -> int:
+        return self.settings.max_batch_size
 
     # --- loading --------------------------------------------------------------------------------------------
     async def load_model(self, model: ModelRef) -> None:
@@ -493,22 +507,11 @@ class LocalEngine(Engine):
         for served_id, loaded in list(self._loaded.items()):
             if served_id == version_id or loaded.base_version_id == version_id:
                 await self._unload(served_id)
-        self._tokenizers.pop(version_id, None)
-        self._configs.pop(version_id, None)
+        self._forget(version_id)
         self._grammar_compilers.pop(version_id, None)
 
     async def unload_adapter(self, version_id: str) -> None:
         await self._unload(version_id)
-
-    async def tokenizer(self, model: ModelRef) -> PreTrainedTokenizerBase:
-        if model.version_id not in self._tokenizers:
-            self._tokenizers[model.version_id] = await asyncio.to_thread(load_model_tokenizer, model)
-        return self._tokenizers[model.version_id]
-
-    async def context_length(self, model: ModelRef) -> int:
-        if model.version_id not in self._configs:
-            self._configs[model.version_id] = await asyncio.to_thread(load_model_config, model)
-        return self._configs[model.version_id].max_position_embeddings
 
     async def _ensure_loaded(self, base: ModelRef, adapter: ModelRef | None) -> _Scheduler:
         served = adapter or base
@@ -517,21 +520,15 @@ class LocalEngine(Engine):
             if served.version_id not in self._loaded:
                 tokenizer = await self.tokenizer(base)
                 model = await on_own_thread(_load_weights, base, adapter)
-                await self._make_room()
+                await self._loaded.make_room(
+                    self.settings.max_loaded_models, lambda loaded: loaded.scheduler.busy, self._unload
+                )
                 if self._compute is None:
                     self._compute = _ComputeThread()
                 scheduler = _Scheduler(model, tokenizer, self.settings, self._compute.wake)
                 self._compute.add(scheduler)
                 self._loaded[served.version_id] = _Loaded(scheduler, base.version_id)
-            self._loaded.move_to_end(served.version_id)
-            return self._loaded[served.version_id].scheduler
-
-    async def _make_room(self) -> None:
-        while len(self._loaded) >= self.settings.max_loaded_models:
-            idle = next((key for key, loaded in self._loaded.items() if not loaded.scheduler.busy), None)
-            if idle is None:
-                raise EngineOverloaded("Every loaded model is busy; retry shortly.")
-            await self._unload(idle)
+            return self._loaded.use(served.version_id).scheduler
 
     async def _unload(self, served_id: str) -> None:
         loaded = self._loaded.pop(served_id, None)
@@ -543,43 +540,31 @@ class LocalEngine(Engine):
                 await asyncio.to_thread(loaded.scheduler.compiled.stop, 600)
 
     # --- generation -----------------------------------------------------------------------------------------
-    async def generate(
+    async def _submit(
         self,
         model: ModelRef,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        *,
-        adapter: ModelRef | None = None,
-    ) -> AsyncIterator[ChoiceDelta]:
-        if params.n > self.settings.max_batch_size:
-            raise EngineError(f"n must be at most {self.settings.max_batch_size} on this engine.", param="n")
-        if len(prompt_token_ids) + params.max_tokens > await self.context_length(model):
-            raise EngineError("The prompt plus max_tokens exceed the model's context length.", param="max_tokens")
-        grammar = await self._compile(model, params) if params.grammar is not None else None
+        adapter: ModelRef | None,
+        deltas: DeltaQueue,
+    ) -> Callable[[], None]:
         scheduler = await self._ensure_loaded(model, adapter)
-        request = _Request(list(prompt_token_ids), params, asyncio.get_running_loop(), grammar)
+        grammar = await self._compile(model, scheduler, params) if params.grammar is not None else None
+        request = _Request(list(prompt_token_ids), params, asyncio.get_running_loop(), deltas, grammar)
         scheduler.submit(request)
-        try:
-            remaining = params.n
-            while remaining:
-                delta = await request.deltas.get()
-                if isinstance(delta, BaseException):
-                    raise delta
-                remaining -= delta.finish_reason is not None
-                yield delta
-        finally:
-            # Client gone, consumer closed the stream, or done: the scheduler drops the rows at its next step.
-            request.cancelled.set()
+        # The scheduler drops a cancelled request's rows at its next step.
+        return request.cancelled.set
 
-    async def _compile(self, model: ModelRef, params: SamplingParams) -> xgrammar.CompiledGrammar:
+    async def _compile(
+        self, model: ModelRef, scheduler: _Scheduler, params: SamplingParams
+    ) -> xgrammar.CompiledGrammar:
         """`params.grammar` compiled for the model's tokenizer, off the event loop and the compute thread (reading a
         large vocabulary, or compiling a large schema, takes a while)."""
         compiler = self._grammar_compilers.get(model.version_id)
         if compiler is None:
-            tokenizer = await self.tokenizer(model)
-            vocab_size = self._configs[model.version_id].vocab_size  # read by the context length check
-            stop_ids = sorted(end_of_sequence_ids(tokenizer))
-            compiler = await asyncio.to_thread(GrammarCompiler, tokenizer, vocab_size, stop_ids)
+            vocab_size = scheduler.model.config.vocab_size
+            stop_ids = sorted(scheduler.end_ids)
+            compiler = await asyncio.to_thread(GrammarCompiler, scheduler.tokenizer, vocab_size, stop_ids)
             self._grammar_compilers[model.version_id] = compiler
         try:
             return await asyncio.to_thread(compiler.compile, params.grammar)

@@ -19,32 +19,36 @@ import itertools
 import logging
 import os
 import secrets
-from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 from vllm import SamplingParams as VLLMSamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.logprobs import Logprob
 from vllm.lora.request import LoRARequest
+from vllm.outputs import RequestOutput
 from vllm.platforms import current_platform
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from server.engines.base import (
-    ChoiceDelta,
+    DeltaQueue,
     Engine,
     EngineError,
     EngineOverloaded,
+    LoadedModels,
     ModelLoadError,
     ModelRef,
     SamplingParams,
     TokenLogprob,
+    end_of_sequence_ids,
 )
 from server.engines.cpu_placement import CpuPlacement
-from server.engines.detokenizer import StopStringDetokenizer
-from server.engines.model_files import end_of_sequence_ids, load_model_config, load_model_tokenizer
+from server.engines.output import ChoiceOutput
+from server.engines.sampling import choice_seed
 from server.settings import VLLMEngineSettings
+from zaya_model import ZayaConfig
 from zaya_model.vllm_plugin.adapters import AdapterError, check_adapter, merged_checkpoint, trains_experts
 
 logger = logging.getLogger(__name__)
@@ -66,17 +70,20 @@ class VLLMEngine(Engine):
     name = "vllm"
 
     def __init__(self, settings: VLLMEngineSettings | None = None) -> None:
+        super().__init__()
         self.settings = settings or VLLMEngineSettings()
-        self._served: OrderedDict[str, _Served] = OrderedDict()  # by full model version id, least recent first
+        self._served: LoadedModels[_Served] = LoadedModels()  # by full model version id
         # Adapter version id -> whether it trains experts (then served as its merged checkpoint, under its own id).
         self._trains_experts: dict[str, bool] = {}
         self._load_lock = asyncio.Lock()
         self._lora_ids = itertools.count(1)
-        self._tokenizers: dict[str, PreTrainedTokenizerBase] = {}
-        self._context: dict[str, int] = {}
         self._choice_tasks: set[asyncio.Task] = set()
         reserved = self.settings.cpu_reserved_cores
         self._placement = CpuPlacement.reserving(reserved) if current_platform.is_cpu() else None
+
+    @property
+    def max_choices(self) -> int:
+        return self.settings.max_num_seqs
 
     # --- loading --------------------------------------------------------------------------------------------
     async def load_model(self, model: ModelRef) -> None:
@@ -99,17 +106,9 @@ class VLLMEngine(Engine):
             if request is not None:
                 await served.llm.remove_lora(request.lora_int_id)
 
-    async def tokenizer(self, model: ModelRef) -> PreTrainedTokenizerBase:
-        if model.version_id not in self._tokenizers:
-            self._tokenizers[model.version_id] = await asyncio.to_thread(load_model_tokenizer, model)
-        return self._tokenizers[model.version_id]
-
-    async def context_length(self, model: ModelRef) -> int:
-        if model.version_id not in self._context:
-            config = await asyncio.to_thread(load_model_config, model)
-            limit = self.settings.max_model_len or config.max_position_embeddings
-            self._context[model.version_id] = min(limit, config.max_position_embeddings)
-        return self._context[model.version_id]
+    def _context_limit(self, config: ZayaConfig) -> int:
+        limit = self.settings.max_model_len or config.max_position_embeddings
+        return min(limit, config.max_position_embeddings)
 
     async def _ensure_served(self, model: ModelRef) -> _Served:
         if model.version_id not in self._served:
@@ -118,11 +117,12 @@ class VLLMEngine(Engine):
                 if model.version_id not in self._served:
                     tokenizer = await self.tokenizer(model)
                     context = await self.context_length(model)
-                    await self._make_room()
+                    await self._served.make_room(
+                        self.settings.max_loaded_models, lambda served: served.in_flight > 0, self.unload_model
+                    )
                     llm = await asyncio.to_thread(self._start, model, context)
                     self._served[model.version_id] = _Served(llm, tokenizer, end_of_sequence_ids(tokenizer), context)
-        self._served.move_to_end(model.version_id)
-        return self._served[model.version_id]
+        return self._served.use(model.version_id)
 
     def _start(self, model: ModelRef, context: int) -> AsyncLLM:
         settings = self.settings
@@ -150,13 +150,6 @@ class VLLMEngine(Engine):
                 return AsyncLLM.from_engine_args(args)
         except Exception as error:
             raise ModelLoadError(f"Model version {model.version_id} could not be started on vLLM: {error}") from error
-
-    async def _make_room(self) -> None:
-        while len(self._served) >= self.settings.max_loaded_models:
-            idle = next((key for key, served in self._served.items() if not served.in_flight), None)
-            if idle is None:
-                raise EngineOverloaded("Every loaded model is busy; retry shortly.")
-            await self.unload_model(idle)
 
     async def _route(self, base: ModelRef, adapter: ModelRef | None) -> tuple[_Served, LoRARequest | None]:
         """The engine and LoRA request that serve `adapter` on `base` (loading either if needed)."""
@@ -195,23 +188,18 @@ class VLLMEngine(Engine):
         return request
 
     # --- generation -----------------------------------------------------------------------------------------
-    async def generate(
+    async def _submit(
         self,
         model: ModelRef,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        *,
-        adapter: ModelRef | None = None,
-    ) -> AsyncIterator[ChoiceDelta]:
-        if params.n > self.settings.max_num_seqs:
-            raise EngineError(f"n must be at most {self.settings.max_num_seqs} on this engine.", param="n")
-        if len(prompt_token_ids) + params.max_tokens > await self.context_length(model):
-            raise EngineError("The prompt plus max_tokens exceed the model's context length.", param="max_tokens")
+        adapter: ModelRef | None,
+        deltas: DeltaQueue,
+    ) -> Callable[[], None]:
         served, lora = await self._route(model, adapter)
         if served.in_flight + params.n > self.settings.max_num_seqs + self.settings.max_queued_requests:
             raise EngineOverloaded("The engine's request queue is full; retry shortly.")
         served.in_flight += params.n
-        deltas: asyncio.Queue[ChoiceDelta | BaseException] = asyncio.Queue()
         choices = [
             asyncio.create_task(self._run_choice(served, prompt_token_ids, params, index, lora, deltas))
             for index in range(params.n)
@@ -219,20 +207,14 @@ class VLLMEngine(Engine):
         for task in choices:  # the event loop keeps only weak references to tasks
             self._choice_tasks.add(task)
             task.add_done_callback(self._choice_tasks.discard)
-        try:
-            remaining = params.n
-            while remaining:
-                delta = await deltas.get()
-                if isinstance(delta, BaseException):
-                    raise delta
-                remaining -= delta.finish_reason is not None
-                yield delta
-        finally:
-            # Done, or the consumer left: cancelling a choice aborts its vLLM request. No await here: when the
-            # consumer is cancelled (a client gone), its cancel scope would cancel that await and skip the rest.
+
+        def stop() -> None:
+            # Cancelling a choice aborts its vLLM request.
             served.in_flight -= params.n
             for task in choices:
                 task.cancel()
+
+        return stop
 
     async def _run_choice(
         self,
@@ -241,49 +223,49 @@ class VLLMEngine(Engine):
         params: SamplingParams,
         index: int,
         lora: LoRARequest | None,
-        deltas: asyncio.Queue,
+        deltas: DeltaQueue,
     ) -> None:
-        detokenizer = StopStringDetokenizer(served.tokenizer, params.stop)
-        generated = cached = 0
-        pending: list[TokenLogprob] = []  # logprobs of tokens whose text is still held back
+        choice = ChoiceOutput(index, served.tokenizer, params, served.end_ids)
         request_id = f"zaya-{secrets.token_hex(8)}-{index}"
+        vllm_params = self._vllm_params(params, index, served)
         try:
             async for output in served.llm.generate(
-                {"prompt_token_ids": list(prompt)},
-                self._vllm_params(params, index, served),
-                request_id,
-                lora_request=lora,
+                {"prompt_token_ids": list(prompt)}, vllm_params, request_id, lora_request=lora
             ):
+                self._read(output, choice, served.tokenizer)
                 # One delta per output: when this loop falls behind, vLLM hands over several tokens at once.
-                completion = output.outputs[0]
-                text, finish = "", None
-                for position, token in enumerate(completion.token_ids):
-                    generated += 1
-                    if token in served.end_ids and not params.ignore_eos:
-                        text, finish = text + detokenizer.flush(), "stop"
-                        break
-                    if params.logprobs:
-                        entry = completion.logprobs[position]
-                        pending.append(_logprob(served.tokenizer, entry, token, params.top_logprobs))
-                    text += detokenizer.add(token)
-                    if detokenizer.stopped:
-                        finish = "stop"
-                        break
-                    if generated >= params.max_tokens:
-                        text, finish = text + detokenizer.flush(), "length"
-                        break
-                cached = output.num_cached_tokens or 0
-                if text or finish:
-                    deltas.put_nowait(ChoiceDelta(index, text, pending, finish, generated, cached))
-                    pending = []
-                if finish:
+                delta = choice.take(output.num_cached_tokens or 0)
+                if delta is not None:
+                    deltas.put_nowait(delta)
+                if choice.finished:
                     return  # leaving the stream aborts the vLLM request (a stop string: it would go on)
         except Exception as error:  # not a cancellation (BaseException): that propagates and aborts the request
             logger.exception("vLLM generation failed")
             deltas.put_nowait(EngineError(f"Generation failed: {error}"))
             return
         # vLLM ended the choice without a token we finish on (it should not): close it anyway.
-        deltas.put_nowait(ChoiceDelta(index, detokenizer.flush(), [], "stop", generated, cached))
+        choice.end("stop")
+        deltas.put_nowait(choice.take())
+
+    def _read(self, output: RequestOutput, choice: ChoiceOutput, tokenizer: PreTrainedTokenizerBase) -> None:
+        """Feed one vLLM output (its new tokens; the prompt's logprobs with the first) to `choice`."""
+        params = choice.params
+        if output.prompt_logprobs is not None and params.prompt_logprobs is not None:
+            prompt = output.prompt_token_ids or []
+            choice.prompt_logprobs = [TokenLogprob(tokenizer.decode([prompt[0]]), None)] + [
+                _logprob(tokenizer, position, token, params.prompt_logprobs)
+                for position, token in zip(output.prompt_logprobs[1:], prompt[1:], strict=True)
+            ]
+        if params.max_tokens == 0:  # vLLM generated one token (its least): the prompt was all that was wanted
+            choice.end("length")
+            return
+        completion = output.outputs[0]
+        for position, token in enumerate(completion.token_ids):
+            entry = None
+            if params.logprobs and completion.logprobs is not None:
+                entry = _logprob(tokenizer, completion.logprobs[position], token, params.top_logprobs)
+            if choice.add(token, entry):
+                break
 
     def _vllm_params(self, params: SamplingParams, index: int, served: _Served) -> VLLMSamplingParams:
         greedy = params.greedy
@@ -291,12 +273,19 @@ class VLLMEngine(Engine):
             n=1,
             temperature=0.0 if greedy else params.temperature,
             top_p=1.0 if greedy else params.top_p,
+            top_k=params.top_k,
             # The same per-choice seeds as the local engine: n choices differ, one seed reproduces them all.
-            seed=None if params.seed is None else (params.seed * 1_000_003 + index) % 2**63,
-            max_tokens=params.max_tokens,
+            seed=None if params.seed is None else choice_seed(params.seed, index),
+            max_tokens=max(params.max_tokens, 1),
+            min_tokens=params.min_tokens,
             stop_token_ids=[] if params.ignore_eos else sorted(served.end_ids),
             ignore_eos=params.ignore_eos,
             logprobs=params.top_logprobs if params.logprobs else None,
+            prompt_logprobs=params.prompt_logprobs,
+            logit_bias=dict(params.logit_bias) or None,
+            frequency_penalty=params.frequency_penalty,
+            presence_penalty=params.presence_penalty,
+            repetition_penalty=params.repetition_penalty,
             detokenize=False,  # text comes from our detokenizer
             output_kind=RequestOutputKind.DELTA,
         )
@@ -340,7 +329,7 @@ def engine_core_executor() -> dict:
     return {"distributed_executor_backend": "uni"}
 
 
-def _logprob(tokenizer: PreTrainedTokenizerBase, position: dict, token: int, top: int) -> TokenLogprob:
+def _logprob(tokenizer: PreTrainedTokenizerBase, position: dict[int, Logprob], token: int, top: int) -> TokenLogprob:
     """Our entry from vLLM's {token id: Logprob} of one position: the sampled token plus the `top` best (by rank)."""
     best = sorted((entry.rank, token_id, entry.logprob) for token_id, entry in position.items() if entry.rank <= top)
     alternatives = tuple((tokenizer.decode([token_id]), logprob) for _, token_id, logprob in best)

@@ -1,11 +1,12 @@
-"""Chat and text completions: resolve the model, build the prompt, run the engine, record the request.
+"""Chat and text completions: resolve the model, build the prompts, run the engine, record the request.
 
-`InferenceService.start` turns a caller's request (a `ChatPrompt` or a `TextPrompt`, and `GenerationOptions`) into a
-running `Generation`, or raises a `server.errors` error before anything is generated (unknown model, prompt too
-long, rate limit, full queue). A `Generation` is read once, as a stream of deltas or whole; either way every request
-that reached this service leaves one `inference_records` row (key, requested model, answering version, tokens,
-latency, status), and a generation abandoned early (its reader cancelled: the client left) stops the engine's work
-and is recorded as 499. Nothing here knows HTTP: the routes turn `Generation`s into OpenAI's responses and chunks.
+`InferenceService.start_generation` turns a caller's `GenerationRequest` (its prompts, each a `ChatPrompt` or a
+`TextPrompt`, and its conversion to sampling parameters) into a running `Generation`, or raises a `server.errors`
+error before anything is generated (unknown model, prompt too long, rate limit, full queue). A `Generation` is read
+once, as a stream of deltas or whole; either way every request that reached this service leaves one
+`inference_records` row (key, requested model, answering version, tokens, latency, status), and a generation
+abandoned early (its reader cancelled: the client left) stops the engine's work and is recorded as 499. Nothing here
+knows HTTP: the routes turn `Generation`s into OpenAI's responses and chunks.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ from server.engines.base import (
     SamplingParams,
     TokenLogprob,
 )
+from server.engines.heap import freeze_startup_heap
 from server.errors import APIError, GenerationFailed, InvalidRequest, ServiceUnavailable, TooManyRequests
-from server.heap import freeze_startup_heap
 from server.services.model_resolution import ServableModel, resolve
 from server.settings import Settings
 
@@ -69,12 +70,14 @@ class ChatPrompt:
     endpoint: ClassVar[str] = "chat.completions"
     param: ClassVar[str] = "messages"
 
-    def token_ids(self, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    def text(self, tokenizer: PreTrainedTokenizerBase) -> str:
         if not tokenizer.chat_template:
             raise InvalidRequest("This model has no chat template; use /v1/completions.", param="model")
-        text = tokenizer.apply_chat_template(self.messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(self.messages, tokenize=False, add_generation_prompt=True)
+
+    def token_ids(self, tokenizer: PreTrainedTokenizerBase) -> list[int]:
         # The template writes the special tokens itself (BOS, turn markers).
-        return tokenizer.encode(text, add_special_tokens=False)
+        return tokenizer.encode(self.text(tokenizer), add_special_tokens=False)
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,9 @@ class TextPrompt:
     prompt: str | list[int]
     endpoint: ClassVar[str] = "completions"
     param: ClassVar[str] = "prompt"
+
+    def text(self, tokenizer: PreTrainedTokenizerBase) -> str:
+        return self.prompt if isinstance(self.prompt, str) else tokenizer.decode(self.prompt)
 
     def token_ids(self, tokenizer: PreTrainedTokenizerBase) -> list[int]:
         if isinstance(self.prompt, str):
@@ -96,23 +102,24 @@ class TextPrompt:
 Prompt = ChatPrompt | TextPrompt
 
 
-@dataclass(frozen=True)
-class GenerationOptions:
-    """The sampling fields of a request, validated by the route's schema (ranges) and here (context length).
+class GenerationRequest(Protocol):
+    """A request as this service runs it (`server.api.inference.protocol` defines the API's)."""
 
-    `max_tokens_param` names the request field that set `max_tokens`, for errors about it.
-    """
+    model: str
 
-    max_tokens: int | None
-    max_tokens_param: str
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    logprobs: bool = False
-    top_logprobs: int = 0
-    ignore_eos: bool = False
+    @property
+    def max_tokens_param(self) -> str:
+        """The request field that sets the completion's length, named in errors about it."""
+
+    @property
+    def echo_prompt(self) -> bool:
+        """Each choice's text (and logprobs, if asked for) starts with its prompt's."""
+
+    def prompts(self) -> list[Prompt]:
+        """The prompts, each completed by `n` choices (indexed prompt by prompt)."""
+
+    def to_sampling_params(self, room: int) -> SamplingParams:
+        """The sampling parameters of a prompt that leaves `room` tokens of the context for its completion."""
 
 
 @dataclass
@@ -123,6 +130,15 @@ class FinishedChoice:
     text: str
     logprobs: list[TokenLogprob]
     finish_reason: str | None
+
+
+@dataclass
+class _Run:
+    """One prompt's generation in the engine: its first delta (already read) and the rest of its stream."""
+
+    first: ChoiceDelta
+    deltas: AsyncIterator[ChoiceDelta]
+    echo: str | None  # the prompt's text, put before its choices' (echo)
 
 
 @dataclass
@@ -152,20 +168,21 @@ class _Record:
 
 
 class Generation:
-    """A started generation of `n` choices, read once: `deltas()` (a stream) or `collect()` (the whole answer).
+    """A started generation of `n` choices per prompt, read once: `deltas()` (a stream) or `collect()` (the whole
+    answer). Choice `i` of prompt `p` is choice `p * n + i` of the answer, as OpenAI indexes them.
 
     `aclose()` (or leaving it as an async context manager) stops the engine's work if it is not done and writes the
     request's record, once. Reading it to the end records 200; an engine failure on the way raises
     `GenerationFailed` (recorded 500); a reader that stops early (cancelled, or closing the stream) leaves 499.
     """
 
-    def __init__(
-        self, record: _Record, first: ChoiceDelta, deltas: AsyncIterator[ChoiceDelta], n: int, rows: RowWriter
-    ) -> None:
-        self._record, self._first, self._deltas, self._rows = record, first, deltas, rows
-        self.n = n
-        self._tokens = [0] * n
+    def __init__(self, record: _Record, runs: list[_Run], n: int, rows: RowWriter) -> None:
+        self._record, self._runs, self._rows = record, runs, rows
+        self.choices_per_prompt = n
+        self.n = n * len(runs)
+        self._tokens = [0] * self.n
         self._cached_tokens = 0
+        self._pumps: list[asyncio.Task[None]] = []  # reading the runs' streams, when there are several
         self._closed = False
 
     @property
@@ -185,18 +202,51 @@ class Generation:
         """The choices' deltas, interleaved, as the engine releases them."""
         record, tokens = self._record, self._tokens
         record.status_code = CLIENT_CLOSED_REQUEST  # until the last delta is read
+        started: set[int] = set()
         try:
-            delta: ChoiceDelta | None = self._first
-            while delta is not None:
+            async for prompt, delta in self._interleaved():
+                delta.index += prompt * self.choices_per_prompt
+                if delta.index not in started:
+                    started.add(delta.index)
+                    _echo(delta, self._runs[prompt].echo)
                 tokens[delta.index] = delta.completion_tokens
                 record.completion_tokens = sum(tokens)
                 self._cached_tokens = max(self._cached_tokens, delta.cached_prompt_tokens)
                 yield delta
-                delta = await anext(self._deltas, None)
         except EngineError as error:
             record.status_code = 500
             raise GenerationFailed(error.message) from error
         record.status_code = 200
+
+    async def _interleaved(self) -> AsyncIterator[tuple[int, ChoiceDelta]]:
+        """(prompt, delta) of every run, as they come."""
+        if len(self._runs) == 1:
+            run = self._runs[0]
+            yield 0, run.first
+            async for delta in run.deltas:
+                yield 0, delta
+            return
+        queue: asyncio.Queue[tuple[int, ChoiceDelta | BaseException | None]] = asyncio.Queue()
+
+        async def pump(prompt: int, run: _Run) -> None:
+            try:
+                queue.put_nowait((prompt, run.first))
+                async for delta in run.deltas:
+                    queue.put_nowait((prompt, delta))
+                queue.put_nowait((prompt, None))
+            except Exception as error:  # an engine failure: the reader raises it
+                queue.put_nowait((prompt, error))
+
+        self._pumps = [asyncio.create_task(pump(prompt, run)) for prompt, run in enumerate(self._runs)]
+        running = len(self._runs)
+        while running:
+            prompt, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield prompt, item
 
     async def collect(self) -> list[FinishedChoice]:
         """Every choice, once all are finished."""
@@ -224,8 +274,25 @@ class Generation:
             return
         self._closed = True
         with anyio.CancelScope(shield=True):
-            await self._deltas.aclose()
+            await _close_runs(self._runs, self._pumps)
             await self._rows.execute(INSERT_RECORD, self._record.row())
+
+
+def _echo(delta: ChoiceDelta, prompt_text: str | None) -> None:
+    """Start a choice's first delta with its prompt: the text (echo) and the prompt's logprobs, when scored."""
+    if prompt_text is not None:
+        delta.text = prompt_text + delta.text
+    if delta.prompt_logprobs is not None:
+        delta.logprobs = delta.prompt_logprobs + delta.logprobs
+
+
+async def _close_runs(runs: list[_Run], pumps: list[asyncio.Task[None]]) -> None:
+    """Stop the runs' engine work: the tasks reading their streams first, then the streams themselves."""
+    for pump in pumps:
+        pump.cancel()
+    await asyncio.gather(*pumps, return_exceptions=True)
+    for run in runs:
+        await run.deltas.aclose()
 
 
 def _import_model_libraries() -> None:
@@ -329,28 +396,28 @@ class InferenceService:
         return report
 
     # --- the request flow -------------------------------------------------------------------------------------
-    async def start_generation(self, key_id: str, model: str, prompt: Prompt, options: GenerationOptions) -> Generation:
-        """Resolve `model`, check and charge the request, and start generating; refusals are recorded and raised."""
-        record = _Record(key_id, prompt.endpoint, model)
+    async def start_generation(self, key_id: str, request: GenerationRequest) -> Generation:
+        """Resolve the model, check and charge the request, and start generating; refusals are recorded and raised."""
+        prompts = request.prompts()
+        record = _Record(key_id, prompts[0].endpoint, request.model)
         try:
-            servable = await self.reads.run(resolve, model)
+            servable = await self.reads.run(resolve, request.model)
             record.model_version_id = servable.version_id
-            prompt_ids, params = await self._prepare(servable, prompt, options)
-            record.prompt_tokens = len(prompt_ids)
-            self.budget.charge_tokens(
-                key_id, len(prompt_ids) + params.max_tokens * params.n, param=options.max_tokens_param
-            )
-            deltas = self.engine.generate(servable.base, prompt_ids, params, adapter=servable.adapter)
-            first = await _first_delta(deltas)
+            prepared = [await self._prepare(servable, prompt, request) for prompt in prompts]
+            record.prompt_tokens = sum(len(prompt_ids) for prompt_ids, _, _ in prepared)
+            tokens = sum(len(prompt_ids) + params.max_tokens * params.n for prompt_ids, params, _ in prepared)
+            self.budget.charge_tokens(key_id, tokens, param=request.max_tokens_param)
+            runs = await self._start_runs(servable, prepared)
         except APIError as error:
             record.status_code = error.status_code
             await self.rows.execute(INSERT_RECORD, record.row())
             raise
-        return Generation(record, first, deltas, options.n, self.rows)
+        return Generation(record, runs, prepared[0][1].n, self.rows)
 
     async def _prepare(
-        self, servable: ServableModel, prompt: Prompt, options: GenerationOptions
-    ) -> tuple[list[int], SamplingParams]:
+        self, servable: ServableModel, prompt: Prompt, request: GenerationRequest
+    ) -> tuple[list[int], SamplingParams, str | None]:
+        """The prompt's token ids, its sampling parameters, and its text if it is echoed."""
         try:
             tokenizer = await self.engine.tokenizer(servable.base)
             context = await self.engine.context_length(servable.base)
@@ -366,27 +433,35 @@ class InferenceService:
                 param=prompt.param,
                 code="context_length_exceeded",
             )
-        max_tokens = options.max_tokens if options.max_tokens is not None else context - len(prompt_ids)
-        if len(prompt_ids) + max_tokens > context:
+        params = request.to_sampling_params(context - len(prompt_ids))
+        if len(prompt_ids) + params.max_tokens > context:
             raise InvalidRequest(
                 f"This model's maximum context length is {context} tokens; you requested "
-                f"{len(prompt_ids) + max_tokens} ({len(prompt_ids)} in the {prompt.param}, {max_tokens} for the "
-                f"completion). Lower {options.max_tokens_param} or shorten the {prompt.param}.",
-                param=options.max_tokens_param,
+                f"{len(prompt_ids) + params.max_tokens} ({len(prompt_ids)} in the {prompt.param}, "
+                f"{params.max_tokens} for the completion). Lower {request.max_tokens_param} or shorten the "
+                f"{prompt.param}.",
+                param=request.max_tokens_param,
                 code="context_length_exceeded",
             )
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            n=options.n,
-            temperature=options.temperature,
-            top_p=options.top_p,
-            seed=options.seed,
-            stop=options.stop,
-            logprobs=options.logprobs,
-            top_logprobs=options.top_logprobs,
-            ignore_eos=options.ignore_eos,
-        )
-        return prompt_ids, params
+        return prompt_ids, params, prompt.text(tokenizer) if request.echo_prompt else None
+
+    async def _start_runs(
+        self, servable: ServableModel, prepared: list[tuple[list[int], SamplingParams, str | None]]
+    ) -> list[_Run]:
+        """Start every prompt's generation at once (so the engine batches them) and wait for their first deltas."""
+        streams = [
+            self.engine.generate(servable.base, prompt_ids, params, adapter=servable.adapter)
+            for prompt_ids, params, _ in prepared
+        ]
+        firsts = await asyncio.gather(*(_first_delta(stream) for stream in streams), return_exceptions=True)
+        failures = [first for first in firsts if isinstance(first, BaseException)]
+        if failures:
+            for stream in streams:
+                await stream.aclose()
+            raise failures[0]
+        return [
+            _Run(first, stream, echo) for first, stream, (_, _, echo) in zip(firsts, streams, prepared, strict=True)
+        ]
 
 
 async def _first_delta(deltas: AsyncIterator[ChoiceDelta]) -> ChoiceDelta:

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from server.errors import InsufficientStorage, PayloadTooLarge
-from zaya_model.atomic_io import fsync_path
+from zaya_model.training.atomic_io import fsync_path
 
 INCOMING_DIR = ".incoming"
 # A temp file nobody wrote to for this long belongs to an upload that died with its server (kill -9, power loss).

@@ -15,7 +15,7 @@ from typing import TypeVar
 import pytest
 
 from benchmarks.load_test.stack import Stack
-from server.attempt import AttemptFiles
+from server.jobs.attempt import AttemptFiles
 
 T = TypeVar("T")
 
@@ -61,18 +61,18 @@ def descendants(pid: int) -> list[int]:
 @dataclass(frozen=True)
 class TrainingProcess:
     pid: int
-    reports: Path  # the events file it appends to (`server.attempt`)
+    reports: Path  # the events file it appends to (`server.jobs.attempt`)
 
 
 def training_process(worker_pid: int) -> TrainingProcess | None:
-    """The worker's running training process (`python -m server.attempt <dir>/attempt.json`), if any."""
+    """The worker's running training process (`python -m server.jobs.attempt <dir>/attempt.json`), if any."""
     for pid in descendants(worker_pid):
         try:
             arguments = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
         except (FileNotFoundError, ProcessLookupError):
             continue
-        if "server.attempt" in arguments:
-            spec = Path(arguments[arguments.index("server.attempt") + 1])
+        if "server.jobs.attempt" in arguments:
+            spec = Path(arguments[arguments.index("server.jobs.attempt") + 1])
             return TrainingProcess(pid, AttemptFiles(spec.parent).events)
     return None
 

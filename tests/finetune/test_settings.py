@@ -8,6 +8,7 @@ import argparse
 import pytest
 from pydantic import ValidationError
 
+from command_line.flags import FlagError
 from finetune.settings import (
     FineTuneSettings,
     add_settings_flags,
@@ -15,7 +16,6 @@ from finetune.settings import (
     settings_from_flags,
 )
 from server.api.routes.fine_tuning import JobCreate
-from zaya_cli.flags import FlagError
 
 
 def parse(argv: list[str]) -> FineTuneSettings:

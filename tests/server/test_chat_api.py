@@ -14,9 +14,9 @@ from sqlalchemy import event, select
 from transformers import AutoTokenizer
 
 from finetune.bootstrap import build_tiny_model
-from server.api.completion_schemas import ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk
+from server.api.inference.responses import ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk
 from server.db.models import AuditLog, File, FineTuningJob, InferenceRecord, JobStatus, ModelAlias, ModelVersion
-from server.engines.model_files import end_of_sequence_ids
+from server.engines.base import end_of_sequence_ids
 from zaya_model import ZayaForCausalLM
 
 MESSAGES = [{"role": "user", "content": "Summarise case CASE-7 for the investigations queue."}]
@@ -360,7 +360,7 @@ def test_bad_parameters_are_400_naming_the_parameter(live_server, keys, version_
 
 def test_bad_completion_prompts_are_400(live_server, keys, version_id):
     headers = {"Authorization": f"Bearer {keys['analyst']}"}
-    for prompt in (["one", "two"], [10**7], "", []):
+    for prompt in (["one", ""], [[3], []], [[3], [10**7]], ["case"] * 65, [10**7], "", []):
         response = httpx.post(
             f"{live_server}/v1/completions", json={"model": "zaya-tiny", "prompt": prompt}, headers=headers
         )

@@ -15,10 +15,9 @@ import pytest
 import xgrammar
 from transformers import AutoTokenizer
 
-from server.engines.base import EngineError, ModelRef, SamplingParams
+from server.engines.base import EngineError, ModelRef, SamplingParams, end_of_sequence_ids
 from server.engines.grammar import GrammarCompiler, GrammarError, OutputGrammar
 from server.engines.local import LocalEngine
-from server.engines.model_files import end_of_sequence_ids
 from server.settings import LocalEngineSettings
 
 EAGER = LocalEngineSettings(compile=False)

@@ -12,9 +12,9 @@ from fastapi.testclient import TestClient
 
 from server.app import create_app
 from server.db.models import AuditLog, ModelVersion
+from server.jobs.worker import Worker, WorkerConfig
 from server.services import registry
 from server.services.model_resolution import find_version
-from server.worker import Worker, WorkerConfig
 
 
 @pytest.fixture

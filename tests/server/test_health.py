@@ -37,7 +37,7 @@ def test_ready_when_the_database_is_migrated_and_the_engine_started(client):
     assert status == 200
     assert (body["status"], body["database"]) == ("ok", "ok")
     assert body["engine"]["status"] == "ready" and body["engine"]["kind"] == "local"
-    # Once the engine started, the startup heap is out of the garbage collector's way (`server.heap`).
+    # Once the engine started, the startup heap is out of the garbage collector's way (`server.engines.heap`).
     assert gc.get_freeze_count() > 100_000
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from server.jobs.worker import Worker, WorkerConfig
 from server.services import registry
-from server.worker import Worker, WorkerConfig
 
 
 @pytest.fixture

@@ -8,8 +8,8 @@ import openai
 import pytest
 
 from server.db.models import Checkpoint, File, FineTuningJob, JobEvent
+from server.jobs.worker import Worker, WorkerConfig
 from server.services import registry
-from server.worker import Worker, WorkerConfig
 
 
 @pytest.fixture

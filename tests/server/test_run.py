@@ -14,8 +14,8 @@ import httpx
 import openai
 from sqlalchemy import select
 
+from server.commands.run import BOOTSTRAP_MODEL_NAME, ensure_local_model
 from server.db.models import ModelAlias, ModelVersion
-from server.run import BOOTSTRAP_MODEL_NAME, ensure_local_model, has_command
 
 
 def test_a_model_is_bootstrapped_registered_and_reused(settings, sessions):
@@ -78,6 +78,5 @@ def test_zaya_run_serves_chat_and_stops_cleanly_on_ctrl_c(settings, sessions, ma
         output, _ = process.communicate(timeout=60)
     assert process.returncode == 0, output
     assert "keys create --role admin" in output and "using the registered model 'bank-model'" in output
-    if has_command("worker"):
-        worker_pid = re.search(r"worker: started \(pid (\d+)\)", output).group(1)
-        assert not os.path.exists(f"/proc/{worker_pid}")  # stopped and reaped
+    worker_pid = re.search(r"worker: started \(pid (\d+)\)", output).group(1)
+    assert not os.path.exists(f"/proc/{worker_pid}")  # stopped and reaped

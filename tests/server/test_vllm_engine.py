@@ -27,7 +27,7 @@ from server.app import create_app
 from server.db.migrations import upgrade
 from server.db.models import InferenceRecord
 from server.db.session import make_engine, make_sessionmaker, session_scope
-from server.engines.model_files import end_of_sequence_ids
+from server.engines.base import end_of_sequence_ids
 from server.services import registry
 from server.services.keys import create_key
 from server.settings import Settings

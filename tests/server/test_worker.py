@@ -19,9 +19,9 @@ from finetune.datasets.formats import parse_record
 from finetune.datasets.rendering import tokenize_example
 from server.db.base import utcnow
 from server.db.models import Checkpoint, FineTuningJob, JobEvent, JobStatus, ModelVersion
+from server.jobs.worker import Pace, Worker, WorkerConfig
 from server.services import registry
 from server.services.model_resolution import find_version
-from server.worker import Pace, Worker, WorkerConfig
 
 FAST = WorkerConfig(lease_seconds=20, heartbeat_seconds=0.2, max_attempts=3, poll_seconds=0.1)
 

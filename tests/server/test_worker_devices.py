@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
-from server.attempt import AttemptFiles, EventReader
 from server.db.models import Checkpoint, JobEvent
+from server.jobs.attempt import AttemptFiles, EventReader
+from server.jobs.worker import Worker, WorkerConfig
 from server.services import registry
-from server.worker import Worker, WorkerConfig
 
 FAST = WorkerConfig(lease_seconds=60, heartbeat_seconds=0.5, max_attempts=3, poll_seconds=0.1)
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -145,7 +145,7 @@ def test_two_processes_train_as_one_and_their_checkpoint_resumes_on_one(
     }
     files.spec.write_text(json.dumps(spec))
     process = subprocess.run(
-        [sys.executable, "-m", "server.attempt", str(files.spec)], cwd=REPO_ROOT, capture_output=True, text=True
+        [sys.executable, "-m", "server.jobs.attempt", str(files.spec)], cwd=REPO_ROOT, capture_output=True, text=True
     )
     assert process.returncode == 0, process.stderr[-3000:]
     assert json.loads(files.result.read_text())["status"] == "succeeded"

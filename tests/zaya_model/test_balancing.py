@@ -4,7 +4,7 @@ import torch
 from tiny_models import TINY_ZAYA, randomize_zaya
 
 from zaya_model import ZayaConfig, ZayaForCausalLM
-from zaya_model.training import BalancingBiasUpdater
+from zaya_model.training.balancing import BalancingBiasUpdater
 
 
 def test_bias_update_evens_out_a_skewed_router():

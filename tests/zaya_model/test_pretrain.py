@@ -295,7 +295,7 @@ def test_each_checkpoint_holds_its_own_step_though_the_cpu_copy_is_refilled(tiny
 
 
 def test_cpu_copy_refills_an_earlier_copy_where_shapes_match():
-    from zaya_model.training.checkpointing import cpu_copy
+    from zaya_model.training.staging import cpu_copy
 
     state = {"a": torch.ones(3), "nested": [torch.zeros(2, 2), 7], "step": 1}
     first = cpu_copy(state)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from zaya_cli.flags import FlagError, flag_error, flag_values, model_flags
+from command_line.flags import FlagError, flag_error, flag_values, model_flags
 from zaya_cli.main import build_parser
 from zaya_model.pretrain.presets import MICRO_MODEL, get_preset
 from zaya_model.pretrain.settings import PretrainSettings

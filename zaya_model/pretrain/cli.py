@@ -6,7 +6,7 @@ import argparse
 
 from pydantic import ValidationError
 
-from zaya_cli.flags import FlagError, add_flags, flag_error, flag_values, model_flags
+from command_line.flags import FlagError, add_flags, flag_error, flag_values, model_flags
 
 from .settings import PretrainSettings
 
@@ -36,7 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from zaya_cli import CommandError
+    from command_line import CommandError
 
     from ..training.checkpointing import CheckpointWriteError
     from ..training.runtime import prepare_training_process

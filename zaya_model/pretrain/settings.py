@@ -1,7 +1,7 @@
 """`PretrainSettings`: everything a pretraining run needs besides its corpus and output directory.
 
 One pydantic model: the presets (`presets.py`) are instances of it, `zaya pretrain`'s flags are generated from it
-(`zaya_cli.flags`), every checkpoint saves it, and a bad value is reported under its field's name. Importing it
+(`command_line.flags`), every checkpoint saves it, and a bad value is reported under its field's name. Importing it
 costs no torch or transformers, so `zaya --help` can list the flags.
 """
 
@@ -15,14 +15,14 @@ from pydantic_core import PydanticCustomError
 if TYPE_CHECKING:
     from ..configuration_zaya import ZayaConfig
 
-from zaya_cli.flags import Cli
+from command_line.flags import Cli
 
 Positive = Annotated[int, Field(ge=1)]
 
 
 class PretrainSettings(BaseModel):
     """Everything a run needs besides the corpus and the output directory; saved with every checkpoint. `zaya
-    pretrain`'s flags are generated from it (`zaya_cli.flags`); a preset gives the values a flag does not."""
+    pretrain`'s flags are generated from it (`command_line.flags`); a preset gives the values a flag does not."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 

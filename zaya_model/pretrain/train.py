@@ -68,9 +68,9 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import PreTrainedTokenizerFast
 
-from ..atomic_io import fsync_tree
 from ..cpu.compiled_layers import enable_compiled_layers, require_cpp_compiler
 from ..modeling_zaya import ZayaForCausalLM, ZayaRouter
+from ..training.atomic_io import fsync_tree
 from ..training.balancing import BalancingBiasUpdater
 from ..training.callbacks import COMPILING_MESSAGE, STOP_REASONS, TrainingHooks
 from ..training.checkpointing import Checkpointer, latest_checkpoint

@@ -1,6 +1,5 @@
-"""Training pieces shared by pretraining and fine-tuning."""
+"""Training infrastructure shared by pretraining, fine-tuning, the server's worker and engines, and the benchmarks.
 
-from .balancing import BalancingBiasUpdater
-from .checkpointing import Checkpointer
-
-__all__ = ["BalancingBiasUpdater", "Checkpointer"]
+Each module is imported by its own name; this package imports nothing, so the server can use its standard-library
+modules (`atomic_io`) without loading torch.
+"""

@@ -31,7 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, get_state_dict, set_state_dict
 
-from .checkpointing import Staged
+from .staging import Staged
 
 SHARDS_DIR = "distributed"
 # One process saves and loads with `no_dist=True` on purpose; DCP warns about it all the same.

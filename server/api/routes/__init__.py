@@ -2,8 +2,9 @@
 
 from fastapi import APIRouter
 
-from server.api.routes import admin_models, audit, chat, completions, files, fine_tuning, health, keys, models
+from server.api.inference import routes as inference
+from server.api.routes import admin_models, audit, files, fine_tuning, health, keys, models
 
 api_router = APIRouter()
-for module in (health, models, chat, completions, files, fine_tuning, keys, audit, admin_models):
+for module in (health, models, inference, files, fine_tuning, keys, audit, admin_models):
     api_router.include_router(module.router)

@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request, Response
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, computed_field
+from pydantic import Field, StrictBool, computed_field
 
 from server.api.deps import AdminDep, SessionDep, SettingsDep, set_audit_target
-from server.api.schemas import ListResponse, RowObject, UnixTime
+from server.api.schemas import ListResponse, RequestBody, RowObject, UnixTime
 from server.db.models import AliasApproval, AliasHistory, ApprovalStatus
 from server.services import approvals, registry
 from server.services.model_resolution import find_version
@@ -97,31 +97,27 @@ class ApprovalObject(RowObject):
         return response
 
 
-class Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class RegisterBody(Body):
+class RegisterBody(RequestBody):
     name: str = Field(min_length=1, max_length=200)
     path: str = Field(min_length=1, description="a checkpoint dir (config.json) or LoRA adapter dir on the server")
     base_model: str | None = Field(default=None, description="for adapters: the model (version) it was trained on")
     description: str | None = None
 
 
-class PromoteBody(Body):
+class PromoteBody(RequestBody):
     alias: str = "production"
     reason: str = Field(min_length=1)
     # Promote a version without a recorded held-out loss over a holder that has one (the evaluation gate).
     force: StrictBool = False
 
 
-class RollbackBody(Body):
+class RollbackBody(RequestBody):
     model_name: str
     alias: str = "production"
     reason: str = Field(min_length=1)
 
 
-class DecisionBody(Body):
+class DecisionBody(RequestBody):
     reason: str | None = None
 
 

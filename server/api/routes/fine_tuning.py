@@ -13,12 +13,12 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+from pydantic import BaseModel, Field, StrictInt, field_validator
 from starlette.concurrency import run_in_threadpool
 
 from finetune.settings import FineTuneSettings, Hyperparameters, SupervisedSettings
 from server.api.deps import DataDep, SessionDep, SettingsDep, set_audit_target
-from server.api.schemas import ListResponse, RowObject, UnixTime
+from server.api.schemas import ListResponse, RequestBody, RowObject, UnixTime
 from server.db.models import Checkpoint, FineTuningJob, ModelVersion
 from server.errors import InvalidRequest
 from server.services import jobs as job_service
@@ -33,11 +33,7 @@ MAX_DEVICES = 64
 # --- requests -----------------------------------------------------------------------------------------------------
 
 
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class JobCreate(Strict):
+class JobCreate(RequestBody):
     model: str = Field(min_length=1, max_length=256)
     training_file: str = Field(min_length=1)
     validation_file: str | None = None

@@ -11,17 +11,13 @@ from contextlib import aclosing
 import pytest
 from sqlalchemy import select
 
+from server.api.inference.protocol import ChatCompletionRequest, CompletionRequest
 from server.api.ratelimit import RateLimits
 from server.db.models import InferenceRecord, ModelVersion
 from server.db.row_writer import RowWriter
 from server.db.session import RequestReads, make_engine
 from server.errors import NotFound, RateLimited
-from server.services.inference import (
-    ChatPrompt,
-    GenerationOptions,
-    InferenceService,
-    TextPrompt,
-)
+from server.services.inference import InferenceService
 
 MESSAGES = [{"role": "user", "content": "Summarise case CASE-7."}]
 
@@ -61,15 +57,19 @@ def records(sessions) -> list[InferenceRecord]:
         return list(session.scalars(select(InferenceRecord).order_by(InferenceRecord.id)))
 
 
-def greedy(max_tokens: int, n: int = 1) -> GenerationOptions:
-    return GenerationOptions(max_tokens=max_tokens, max_tokens_param="max_tokens", n=n, temperature=0.0)
+def chat(max_tokens: int, n: int = 1, model: str = "tiny") -> ChatCompletionRequest:
+    return ChatCompletionRequest(model=model, messages=MESSAGES, max_tokens=max_tokens, n=n, temperature=0.0)
+
+
+def completion(max_tokens: int, model: str = "tiny") -> CompletionRequest:
+    return CompletionRequest(model=model, prompt="Case", max_tokens=max_tokens, temperature=0.0)
 
 
 def test_a_whole_answer_has_every_choice_and_leaves_its_record(run_with_service, make_key, sessions, version_id):
     key_id, _ = make_key("analyst")
 
     async def scenario(service: InferenceService):
-        generation = await service.start_generation(key_id, "tiny", ChatPrompt(MESSAGES), greedy(6, n=2))
+        generation = await service.start_generation(key_id, chat(6, n=2))
         async with generation:
             choices = await generation.collect()
         return generation, choices
@@ -90,7 +90,7 @@ def test_a_reader_that_stops_early_stops_the_generation_and_is_recorded_499(
     key_id, _ = make_key("analyst")
 
     async def scenario(service: InferenceService):
-        generation = await service.start_generation(key_id, "tiny", TextPrompt("Case"), greedy(200))
+        generation = await service.start_generation(key_id, completion(200))
         async with generation, aclosing(generation.deltas()) as deltas:
             for _ in range(2):
                 await anext(deltas)
@@ -112,9 +112,9 @@ def test_refusals_come_before_any_output_and_are_recorded(run_with_service, make
 
     async def scenario(service: InferenceService):
         with pytest.raises(NotFound):
-            await service.start_generation(key_id, "no-such-model", TextPrompt("Case"), greedy(4))
+            await service.start_generation(key_id, completion(4, model="no-such-model"))
         with pytest.raises(RateLimited) as refused:
-            await service.start_generation(key_id, "tiny", TextPrompt("Case"), greedy(60))
+            await service.start_generation(key_id, completion(60))
         return refused.value
 
     refused = run_with_service(scenario, small_budget)

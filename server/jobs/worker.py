@@ -6,8 +6,8 @@ worker dies, its lease runs out and any worker re-queues the job (`requeue_expir
 last checkpoint; after `max_attempts` lost leases the job fails with a clear error. Every write a worker makes is
 checked against its lease token (see `server.services.jobs`), so a worker presumed dead can no longer touch the job.
 
-Each attempt trains in a child process (`server.attempt`), so an out-of-memory kill or a crash in training ends that
-process, not the worker, and the memory goes back with it. The worker keeps every database write: it records the
+Each attempt trains in a child process (`server.jobs.attempt`), so an out-of-memory kill or a crash in training ends
+that process, not the worker, and the memory goes back with it. The worker keeps every database write: it records the
 events and checkpoints the child reports, passes cancel and pause on to it, and registers its result. A child that
 dies without a result (its exit code or signal named in the job's events) costs the job one attempt: it is re-queued
 to resume from its last checkpoint, or fails after `max_attempts` lost attempts, as a lost lease does.
@@ -39,13 +39,13 @@ from pathlib import Path
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from server.attempt import AttemptFiles, EventReader, exit_description, write_control
 from server.db.base import utcnow
 from server.db.models import FineTuningJob, JobStatus
 from server.errors import APIError
+from server.jobs.attempt import AttemptFiles, EventReader, exit_description, write_control
 from server.services import jobs, training
 from server.settings import Settings
-from zaya_model.atomic_io import write_json_atomic
+from zaya_model.training.atomic_io import write_json_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ def make_hooks(run: JobRun):
 
 
 def report(hooks, record: dict) -> None:
-    """One line of the attempt's events file (`server.attempt`) to the matching hook."""
+    """One line of the attempt's events file (`server.jobs.attempt`) to the matching hook."""
     kind = record["kind"]
     if kind == "event":
         hooks.on_event(record["level"], record["message"], record.get("data"))
@@ -305,8 +305,8 @@ class Worker:
         run.write(jobs.finish_stopped, JobStatus.failed, f"Job failed: {message}", error=error)
 
     def run_attempt(self, run: JobRun, fine_tune_run, resume_from: str | None, devices: int = 1) -> dict:
-        """Train in a child process (`server.attempt`; with several devices, `torchrun` starting one per device) while
-        recording what it reports and passing on stop requests; returns its result file. AttemptDied when it ends
+        """Train in a child process (`server.jobs.attempt`; with several devices, `torchrun` starting one per device)
+        while recording what it reports and passing on stop requests; returns its result file. AttemptDied when it ends
         without one."""
         files = AttemptFiles(Path(tempfile.mkdtemp(prefix=f"zaya-{run.lease.job_id}-attempt-{run.lease.attempt}-")))
         try:
@@ -328,10 +328,10 @@ class Worker:
             "worker_pid": os.getpid(),
         }
         write_json_atomic(files.spec, spec)
-        command = [sys.executable, "-m", "server.attempt", str(files.spec)]
+        command = [sys.executable, "-m", "server.jobs.attempt", str(files.spec)]
         if devices > 1:  # data-parallel: one process per device, rendezvous on a free local port
             launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={devices}"]
-            command = [*launcher, "-m", "server.attempt", str(files.spec)]
+            command = [*launcher, "-m", "server.jobs.attempt", str(files.spec)]
         # Its own session: a Ctrl-C at the worker's terminal reaches the worker, which pauses the child in order.
         process = subprocess.Popen(command, start_new_session=True)
         try:

@@ -18,7 +18,8 @@ from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from server.api.completion_schemas import (
+from server.api.inference.protocol import SamplingRequest
+from server.api.inference.responses import (
     DONE,
     ChatCompletion,
     ChatCompletionChunk,
@@ -83,43 +84,51 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
 async def answer(
     request: Request,
     generation: Generation,
+    body: SamplingRequest,
     *,
     kind: type[ChatCompletion] | type[Completion],
     response_id: str,
-    model: str,
-    stream: bool,
-    include_usage: bool,
-    logprobs: bool,
 ) -> ChatCompletion | Completion | Response:
-    """The generation as `kind` (a chat or a text completion), whole or streamed as its chunks."""
+    """The generation of `body` as `kind` (a chat or a text completion), whole or streamed as its chunks."""
     created = int(time.time())
-    if stream:
+    logprobs = body.logprob_alternatives() is not None
+    if body.stream:
         chunk = ChatCompletionChunk if kind is ChatCompletion else CompletionChunk
-        writer = ChunkWriter(chunk, response_id, created, model, include_usage=include_usage)
-        events = _events(generation, writer, include_usage=include_usage, logprobs=logprobs)
+        writer = ChunkWriter(
+            chunk,
+            response_id,
+            created,
+            body.model,
+            include_usage=body.include_usage,
+            continuous_usage=body.continuous_usage,
+        )
+        events = _events(generation, writer, body, logprobs=logprobs)
         return DisconnectAwareStreamingResponse(events, on_close=generation.aclose, media_type="text/event-stream")
     async with generation:
         choices = await unless_disconnected(request, generation.collect())
     if choices is None:  # nobody reads this answer
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    usage = Usage.of(generation.prompt_tokens, generation.completion_tokens, generation.cached_tokens)
-    return kind.of(response_id, created, model, choices, usage, logprobs=logprobs)
+    return kind.of(response_id, created, body.model, choices, _usage(generation), logprobs=logprobs)
+
+
+def _usage(generation: Generation) -> Usage:
+    return Usage.of(generation.prompt_tokens, generation.completion_tokens, generation.cached_tokens)
 
 
 async def _events(
-    generation: Generation, writer: ChunkWriter, *, include_usage: bool, logprobs: bool
+    generation: Generation, writer: ChunkWriter, body: SamplingRequest, *, logprobs: bool
 ) -> AsyncIterator[str]:
+    continuous = body.continuous_usage
     async with generation:
-        for event in writer.opening(generation.n):
+        for event in writer.opening(generation.n, _usage(generation) if continuous else None):
             yield event
         try:
             async with contextlib.aclosing(generation.deltas()) as deltas:
                 async for delta in deltas:
-                    yield writer.delta(delta, logprobs=logprobs)
+                    yield writer.delta(delta, logprobs=logprobs, usage=_usage(generation) if continuous else None)
         except GenerationFailed as error:
             yield error_event(error.message)
             return
-        if include_usage:
-            usage = Usage.of(generation.prompt_tokens, generation.completion_tokens, generation.cached_tokens)
-            yield writer.usage(usage)
+        if body.include_usage:
+            yield writer.usage(_usage(generation))
         yield DONE

@@ -134,9 +134,12 @@ class ChatCompletionChunk(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
+    """Per token: its text, its logprob and the most likely alternatives with it (null for an echoed prompt's first
+    token, which nothing predicts), and where its text starts in the choice's text."""
+
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
     @classmethod
@@ -222,40 +225,60 @@ DONE = "data: [DONE]\n\n"
 class ChunkWriter:
     """The SSE events of one stream, as its chunk model declares them (keys in the model's order)."""
 
-    def __init__(self, chunk: type[BaseModel], id: str, created: int, model: str, *, include_usage: bool) -> None:
+    def __init__(
+        self,
+        chunk: type[BaseModel],
+        id: str,
+        created: int,
+        model: str,
+        *,
+        include_usage: bool,
+        continuous_usage: bool = False,
+    ) -> None:
+        """`include_usage`: chunks have a `usage` field, null until the last; `continuous_usage`: every chunk's
+        `usage` is the usage so far (vLLM's `continuous_usage_stats`)."""
         self.chat = chunk is ChatCompletionChunk
         head = _encode({"id": id, "object": chunk.model_fields["object"].default, "created": created, "model": model})
         self._prefix = f'data: {head[:-1]},"choices":['
         self._suffix = '],"system_fingerprint":null' + (',"usage":null}\n\n' if include_usage else "}\n\n")
+        self._usage_suffix = '],"system_fingerprint":null,"usage":' if continuous_usage else None
         self._usage_prefix = f'data: {head[:-1]},"choices":[],"system_fingerprint":null,"usage":'
+        self._offsets: dict[int, int] = {}  # text completions: characters of each choice's text sent so far
 
-    def opening(self, n: int) -> list[str]:
+    def opening(self, n: int, usage: Usage | None = None) -> list[str]:
         """Chat streams open each choice with its role, as OpenAI's do."""
         if not self.chat:
             return []
         return [
             f'{self._prefix}{{"index":{index},"delta":{{"role":"assistant","content":""}},'
-            f'"logprobs":null,"finish_reason":null}}{self._suffix}'
+            f'"logprobs":null,"finish_reason":null}}{self._end(usage)}'
             for index in range(n)
         ]
 
-    def delta(self, delta: ChoiceDelta, *, logprobs: bool) -> str:
+    def delta(self, delta: ChoiceDelta, *, logprobs: bool, usage: Usage | None = None) -> str:
+        """A choice's delta; `usage` (the usage so far) with `continuous_usage`."""
         finish = "null" if delta.finish_reason is None else f'"{delta.finish_reason}"'
-        entries = _encode(self._logprobs(delta.logprobs)) if logprobs else "null"
+        entries = _encode(self._logprobs(delta)) if logprobs else "null"
         if self.chat:
             output = f'"delta":{{"content":{_encode(delta.text)}}}' if delta.text else '"delta":{}'
         else:
             output = f'"text":{_encode(delta.text)}'
+            self._offsets[delta.index] = self._offsets.get(delta.index, 0) + len(delta.text)
         choice = f'{{"index":{delta.index},{output},"logprobs":{entries},"finish_reason":{finish}}}'
-        return f"{self._prefix}{choice}{self._suffix}"
+        return f"{self._prefix}{choice}{self._end(usage)}"
 
     def usage(self, usage: Usage) -> str:
         return f"{self._usage_prefix}{usage.model_dump_json()}}}\n\n"
 
-    def _logprobs(self, entries: list[TokenLogprob]) -> dict:
+    def _end(self, usage: Usage | None) -> str:
+        if self._usage_suffix is None or usage is None:
+            return self._suffix
+        return f"{self._usage_suffix}{usage.model_dump_json()}}}\n\n"
+
+    def _logprobs(self, delta: ChoiceDelta) -> dict:
         if self.chat:
-            return {"content": [_chat_token_logprob(entry) for entry in entries], "refusal": None}
-        return _completion_logprobs(entries, 0)
+            return {"content": [_chat_token_logprob(entry) for entry in delta.logprobs], "refusal": None}
+        return _completion_logprobs(delta.logprobs, self._offsets.get(delta.index, 0))
 
 
 def error_event(message: str) -> str:
@@ -275,6 +298,8 @@ def _chat_token_logprob(entry: TokenLogprob) -> dict:
 
 
 def _completion_logprobs(entries: list[TokenLogprob], offset: int) -> dict:
+    """OpenAI's legacy logprobs from `offset` in the text: each position's alternatives include its own token (so
+    the best of them equals its logprob exactly when the token was the most likely one)."""
     offsets, position = [], offset
     for entry in entries:
         offsets.append(position)
@@ -282,6 +307,8 @@ def _completion_logprobs(entries: list[TokenLogprob], offset: int) -> dict:
     return {
         "tokens": [entry.token for entry in entries],
         "token_logprobs": [entry.logprob for entry in entries],
-        "top_logprobs": [dict(entry.top) for entry in entries],
+        "top_logprobs": [
+            None if entry.logprob is None else {**dict(entry.top), entry.token: entry.logprob} for entry in entries
+        ],
         "text_offset": offsets,
     }

@@ -4,7 +4,7 @@
 2. a servable model: if no full model version is registered, a tiny ZAYA model and tokenizer are pretrained on
    synthetic bank chats in seconds (`finetune/bootstrap.py`), saved atomically under `<data dir>/models/`, registered
    and aliased `production`;
-3. the API on 127.0.0.1:8000 plus, when `zaya worker` exists, a worker process. Ctrl-C stops both.
+3. the API on 127.0.0.1:8000 plus a worker process (`zaya worker`). Ctrl-C stops both.
 """
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ import signal
 import subprocess
 import sys
 
+from command_line import CommandError
 from finetune.bootstrap import build_tiny_model
 from server.engines.threads import run_on_own_thread
 from server.settings import Settings
-from zaya_cli import CommandError
-from zaya_cli.main import build_parser
 
 BOOTSTRAP_MODEL_NAME = "zaya-tiny"
 WORKER_STOP_TIMEOUT_S = 30
@@ -66,11 +65,6 @@ def ensure_local_model(settings: Settings, *, train_steps: int | None = None) ->
         engine.dispose()
 
 
-def has_command(name: str) -> bool:
-    subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return name in subparsers.choices
-
-
 def _print_welcome(settings: Settings, host: str, port: int, model: str) -> None:
     cli = f"{sys.executable} -m zaya_cli"
     print(
@@ -115,18 +109,13 @@ def _run(args: argparse.Namespace) -> int:
     model = ensure_local_model(settings, train_steps=args.bootstrap_train_steps)
     host, port = args.host or settings.host, args.port or settings.port
 
-    worker = None
-    if has_command("worker"):
-        worker = subprocess.Popen([sys.executable, "-m", "zaya_cli", "worker"])
-        print(f"worker: started (pid {worker.pid})")
-    else:
-        print("worker: `zaya worker` is not available in this build; fine-tuning jobs will wait in the queue")
+    worker = subprocess.Popen([sys.executable, "-m", "zaya_cli", "worker"])
+    print(f"worker: started (pid {worker.pid})")
     _print_welcome(settings, host, port, model)
     try:
         uvicorn.run(create_app(settings), host=host, port=port)
     finally:
-        if worker is not None:
-            _stop(worker)
+        _stop(worker)
     return 0
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from zaya_model.atomic_io import write_json_atomic
+from zaya_model.training.atomic_io import write_json_atomic
 from zaya_model.training.callbacks import HooksCallback, TrainingHooks, rename_metrics
 
 from .artifacts import (

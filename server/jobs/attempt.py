@@ -1,7 +1,8 @@
-"""One attempt of a fine-tuning job, in a process of its own: `python -m server.attempt <channel dir>/attempt.json`.
+"""One attempt of a fine-tuning job, in a process of its own:
+`python -m server.jobs.attempt <channel dir>/attempt.json`.
 
-The job worker (`server.worker`) starts it and keeps everything that touches the database (lease, heartbeat, events,
-checkpoint rows, the result's registration); this process only trains, so an out-of-memory kill or a crash in
+The job worker (`server.jobs.worker`) starts it and keeps everything that touches the database (lease, heartbeat,
+events, checkpoint rows, the result's registration); this process only trains, so an out-of-memory kill or a crash in
 training ends this process, not the worker, and its memory goes back to the system when it exits.
 
 The two talk through files in a private directory the worker makes for the attempt in the host's temporary
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from zaya_model.atomic_io import write_json_atomic
+from zaya_model.training.atomic_io import write_json_atomic
 
 SPEC_FILE = "attempt.json"
 EVENTS_FILE = "events.jsonl"
@@ -228,7 +229,7 @@ def run_attempt(spec_path: Path) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m server.attempt <channel dir>/attempt.json", file=sys.stderr)
+        print("usage: python -m server.jobs.attempt <channel dir>/attempt.json", file=sys.stderr)
         return 2
     return run_attempt(Path(args[0]))
 

@@ -1,4 +1,4 @@
-"""Zyphra's legacy ZAYA1-base checkpoint layout <-> the upstream `zaya` layout (`zaya_model.checkpoints`)."""
+"""Zyphra's legacy ZAYA1-base checkpoint layout <-> the upstream `zaya` layout (`zaya_model.legacy_layout`)."""
 
 import json
 
@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from zaya_model import ZayaConfig, ZayaForCausalLM
-from zaya_model.checkpoints import (
+from zaya_model.legacy_layout import (
     is_legacy_config,
     legacy_config_to_upstream,
     legacy_state_dict_to_upstream,

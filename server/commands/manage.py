@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from command_line import CommandError
 from server.db.models import Role
 from server.settings import Settings
-from zaya_cli import CommandError
 
 
 def _db_upgrade(args: argparse.Namespace) -> int:
@@ -64,7 +64,7 @@ def _worker(args: argparse.Namespace) -> int:
     import logging
 
     from server.db.session import make_engine, make_sessionmaker
-    from server.worker import Worker, WorkerConfig, install_signal_handlers
+    from server.jobs.worker import Worker, WorkerConfig, install_signal_handlers
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("alembic").setLevel(logging.WARNING)
