@@ -107,11 +107,20 @@ def renders_tools(tokenizer: PreTrainedTokenizerBase) -> bool:
     """Whether the tokenizer's chat template lists tools, renders calls as
     `<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>` (the format the server decodes and parses) and
     renders tool results: a template that drops any of them would silently lose part of a conversation."""
-    try:
-        text = tokenizer.apply_chat_template(_PROBE_MESSAGES, tools=[_PROBE_TOOL], tokenize=False)
-    except Exception:  # a template that refuses the roles or fields
-        return False
-    return '"probe_tool"' in text and _PROBE_CALL in text and "probe_result" in text
+    template = tokenizer.chat_template
+    if template not in _RENDERS_TOOLS:
+        try:
+            text = tokenizer.apply_chat_template(_PROBE_MESSAGES, tools=[_PROBE_TOOL], tokenize=False)
+            renders = '"probe_tool"' in text and _PROBE_CALL in text and "probe_result" in text
+        except Exception:  # a template that refuses the roles or fields
+            renders = False
+        if len(_RENDERS_TOOLS) >= 64:  # a server sees a few templates; never grow without bound
+            _RENDERS_TOOLS.clear()
+        _RENDERS_TOOLS[template] = renders
+    return _RENDERS_TOOLS[template]
+
+
+_RENDERS_TOOLS: dict[str | None, bool] = {}  # by chat template: the probe's answer depends on nothing else
 
 
 def _runs_of_ones(mask: list[int]) -> list[tuple[int, int]]:

@@ -90,6 +90,17 @@ class TokenLogprob:
 
 
 @dataclass
+class ToolCallDelta:
+    """New output of one tool call of a choice: its id and name when it starts, then pieces of its arguments (JSON
+    text). Parsed out of the text by the inference service (`server.services.tool_calls`), never by an engine."""
+
+    index: int  # of the call among the choice's calls
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass
 class ChoiceDelta:
     """New output of one choice: text released since the last delta (never a partial stop string)."""
 
@@ -104,6 +115,8 @@ class ChoiceDelta:
     cached_prompt_tokens: int = 0
     # On a choice's first delta when `prompt_logprobs` was asked for: one entry per prompt token.
     prompt_logprobs: list[TokenLogprob] | None = None
+    # Tool calls parsed out of the text, which then holds the rest (the service's, when a request has tools).
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
 
 class EngineError(Exception):

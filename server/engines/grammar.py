@@ -65,6 +65,11 @@ _SCHEMA_VALUES = frozenset(
     }
 )
 
+# A character a JSON string holds unescaped (no quote, backslash or control character), as a regex class of code
+# point ranges: xgrammar turns such ranges into well-formed UTF-8 only, where a negated class or `.` would also let
+# through overlong and surrogate byte sequences (each decodes to replacement characters, breaking length bounds).
+_UNESCAPED_CHARACTER = r"[ !#-\[\]-\x7F\u0080-\uD7FF\uE000-\U0010FFFF]"
+
 # xgrammar's C++ errors start with "[time] file.cc:line: ": the client gets the message after it.
 _LOCATION = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 
@@ -171,8 +176,9 @@ def _length_bounds_as_patterns(schema: Any) -> Any:
     """`schema` with each string length bound written as a `pattern` of the same length.
 
     xgrammar 0.2.8 compiles `minLength`/`maxLength` into a production that admits raw control characters, which is
-    invalid JSON (xgrammar issue #800); its `pattern` production admits only characters that need no escape. A
-    bounded string with a pattern or format of its own is refused earlier (`_unenforced_keyword`)."""
+    invalid JSON (xgrammar issue #800); the pattern admits one character of `_UNESCAPED_CHARACTER` per character of
+    the value (so a bounded string holds no quote, backslash or control character). A bounded string with a pattern
+    or format of its own is refused earlier (`_unenforced_keyword`)."""
     if not isinstance(schema, dict):
         return schema
     rewritten = {}
@@ -188,7 +194,8 @@ def _length_bounds_as_patterns(schema: Any) -> Any:
     if bounds and "pattern" not in schema and all(type(bound) is int and bound >= 0 for bound in bounds.values()):
         for key in bounds:
             del rewritten[key]
-        rewritten["pattern"] = f"^.{{{bounds.get('minLength', 0)},{bounds.get('maxLength', '')}}}$"
+        low, high = bounds.get("minLength", 0), bounds.get("maxLength", "")
+        rewritten["pattern"] = f"^{_UNESCAPED_CHARACTER}{{{low},{high}}}$"
     return rewritten
 
 

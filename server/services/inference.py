@@ -17,11 +17,12 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 import anyio
 from sqlalchemy import insert
 
+from finetune.datasets.rendering import renders_tools, uses_tools
 from server.db.base import utcnow
 from server.db.models import InferenceRecord
 from server.db.row_writer import RowWriter
@@ -36,9 +37,11 @@ from server.engines.base import (
     SamplingParams,
     TokenLogprob,
 )
+from server.engines.grammar import GrammarError, OutputGrammar
 from server.engines.heap import freeze_startup_heap
 from server.errors import APIError, GenerationFailed, InvalidRequest, ServiceUnavailable, TooManyRequests
 from server.services.model_resolution import ServableModel, resolve
+from server.services.tool_calls import ToolCall, ToolCallParser, parse_delta
 from server.settings import Settings
 
 if TYPE_CHECKING:
@@ -64,16 +67,27 @@ class TokenBudget(Protocol):
 
 @dataclass(frozen=True)
 class ChatPrompt:
-    """Chat messages (`{"role", "content"}`), rendered with the model's chat template."""
+    """Chat messages (`{"role", "content"}`, tool calls and results as transformers' templates take them) and the
+    tools (OpenAI's function definitions), rendered with the model's chat template."""
 
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
     endpoint: ClassVar[str] = "chat.completions"
     param: ClassVar[str] = "messages"
 
     def text(self, tokenizer: PreTrainedTokenizerBase) -> str:
         if not tokenizer.chat_template:
             raise InvalidRequest("This model has no chat template; use /v1/completions.", param="model")
-        return tokenizer.apply_chat_template(self.messages, tokenize=False, add_generation_prompt=True)
+        if uses_tools(self.messages, self.tools) and not renders_tools(tokenizer):
+            param = "tools" if self.tools else "messages"
+            raise InvalidRequest(
+                f"{param}: this model's chat template does not render tools, tool calls and tool results in the "
+                "<tool_call> format; register a model whose tokenizer writes it.",
+                param=param,
+            )
+        return tokenizer.apply_chat_template(
+            self.messages, tools=self.tools, tokenize=False, add_generation_prompt=True
+        )
 
     def token_ids(self, tokenizer: PreTrainedTokenizerBase) -> list[int]:
         # The template writes the special tokens itself (BOS, turn markers).
@@ -118,6 +132,14 @@ class GenerationRequest(Protocol):
     def prompts(self) -> list[Prompt]:
         """The prompts, each completed by `n` choices (indexed prompt by prompt)."""
 
+    @property
+    def grammar(self) -> OutputGrammar | None:
+        """The grammar every choice is decoded under, if any; raises `GrammarError` for one that cannot be built."""
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        """The choices' tool calls are parsed out of their text."""
+
     def to_sampling_params(self, room: int) -> SamplingParams:
         """The sampling parameters of a prompt that leaves `room` tokens of the context for its completion."""
 
@@ -130,6 +152,7 @@ class FinishedChoice:
     text: str
     logprobs: list[TokenLogprob]
     finish_reason: str | None
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 @dataclass
@@ -176,8 +199,12 @@ class Generation:
     `GenerationFailed` (recorded 500); a reader that stops early (cancelled, or closing the stream) leaves 499.
     """
 
-    def __init__(self, record: _Record, runs: list[_Run], n: int, rows: RowWriter) -> None:
+    def __init__(
+        self, record: _Record, runs: list[_Run], n: int, rows: RowWriter, *, parses_tool_calls: bool = False
+    ) -> None:
+        """`parses_tool_calls`: each choice's tool calls are parsed out of its text (`ChoiceDelta.tool_calls`)."""
         self._record, self._runs, self._rows = record, runs, rows
+        self._tool_parsers: dict[int, ToolCallParser] | None = {} if parses_tool_calls else None
         self.choices_per_prompt = n
         self.n = n * len(runs)
         self._tokens = [0] * self.n
@@ -209,6 +236,8 @@ class Generation:
                 if delta.index not in started:
                     started.add(delta.index)
                     _echo(delta, self._runs[prompt].echo)
+                if self._tool_parsers is not None:
+                    parse_delta(delta, self._tool_parsers.setdefault(delta.index, ToolCallParser()))
                 tokens[delta.index] = delta.completion_tokens
                 record.completion_tokens = sum(tokens)
                 self._cached_tokens = max(self._cached_tokens, delta.cached_prompt_tokens)
@@ -257,6 +286,10 @@ class Generation:
             texts[delta.index].append(delta.text)
             choice.logprobs.extend(delta.logprobs)
             choice.finish_reason = delta.finish_reason or choice.finish_reason
+            for call in delta.tool_calls:
+                if call.id is not None:  # a call's first piece
+                    choice.tool_calls.append(ToolCall(call.id, call.name or "", ""))
+                choice.tool_calls[call.index].arguments += call.arguments
         for choice, text in zip(choices, texts, strict=True):
             choice.text = "".join(text)
         return choices
@@ -401,6 +434,7 @@ class InferenceService:
         prompts = request.prompts()
         record = _Record(key_id, prompts[0].endpoint, request.model)
         try:
+            await _build_grammar(request)
             servable = await self.reads.run(resolve, request.model)
             record.model_version_id = servable.version_id
             prepared = [await self._prepare(servable, prompt, request) for prompt in prompts]
@@ -412,7 +446,7 @@ class InferenceService:
             record.status_code = error.status_code
             await self.rows.execute(INSERT_RECORD, record.row())
             raise
-        return Generation(record, runs, prepared[0][1].n, self.rows)
+        return Generation(record, runs, prepared[0][1].n, self.rows, parses_tool_calls=request.parses_tool_calls)
 
     async def _prepare(
         self, servable: ServableModel, prompt: Prompt, request: GenerationRequest
@@ -462,6 +496,14 @@ class InferenceService:
         return [
             _Run(first, stream, echo) for first, stream, (_, _, echo) in zip(firsts, streams, prepared, strict=True)
         ]
+
+
+async def _build_grammar(request: GenerationRequest) -> None:
+    """Build (and keep) the request's grammar off the event loop: checking a large schema takes a while."""
+    try:
+        await asyncio.to_thread(lambda: request.grammar)
+    except GrammarError as error:
+        raise InvalidRequest(error.message, param=error.param) from error
 
 
 async def _first_delta(deltas: AsyncIterator[ChoiceDelta]) -> ChoiceDelta:

@@ -16,6 +16,7 @@ import secrets
 from dataclasses import dataclass, field
 
 from finetune.datasets.rendering import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from server.engines.base import ChoiceDelta, ToolCallDelta
 
 # The start of a call, up to its arguments: the name is known once this matches.
 _CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
@@ -23,16 +24,6 @@ _CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"argume
 
 def new_call_id() -> str:
     return f"call_{secrets.token_hex(12)}"
-
-
-@dataclass
-class ToolCallDelta:
-    """New output of one call: its id and name when it starts, then pieces of its arguments (JSON text)."""
-
-    index: int
-    id: str | None = None
-    name: str | None = None
-    arguments: str = ""
 
 
 @dataclass
@@ -171,6 +162,17 @@ class ToolCallParser:
         self.completed += 1
         self._after_call = True
         return True
+
+
+def parse_delta(delta: ChoiceDelta, parser: ToolCallParser) -> None:
+    """Split `delta`'s text (the next of its choice, which `parser` reads) into text and tool calls, in place; a
+    choice that made calls and then stopped finishes with "tool_calls"."""
+    parsed = parser.feed(delta.text)
+    if delta.finish_reason is not None:
+        parsed.add(parser.finish())
+        if delta.finish_reason == "stop" and parser.calls:
+            delta.finish_reason = "tool_calls"
+    delta.text, delta.tool_calls = parsed.content, parsed.tool_calls
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[ToolCall], bool]:

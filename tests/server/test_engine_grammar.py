@@ -236,3 +236,23 @@ def test_a_schema_nested_too_deep_is_refused_before_it_is_walked():
     with pytest.raises(GrammarError) as refused:
         OutputGrammar.json_schema(schema)
     assert refused.value.param == "response_format" and "more than 64 deep" in refused.value.message
+
+
+@pytest.mark.parametrize(
+    ("text", "accepted"),
+    [
+        (b'"abc"', True),
+        ('"caf\u00e9 \u20ac"'.encode(), True),
+        (b'"abcdefg"', False),  # longer than maxLength
+        (b'"a\x01b"', False),  # a raw control character: not JSON (xgrammar's own maxLength production takes it)
+        # Malformed UTF-8, which decodes to replacement characters: a UTF-16 surrogate's bytes, an overlong form.
+        (b'"a\xed\xa0\x80b"', False),
+        (b'"a\xe0\x80\x9cb"', False),
+    ],
+)
+def test_length_bounded_strings_hold_well_formed_characters_that_need_no_escape(text, accepted):
+    vocabulary = [bytes([byte]) for byte in range(256)] + [b"<end>"]
+    info = xgrammar.TokenizerInfo(vocabulary, vocab_type=xgrammar.VocabType.RAW, stop_token_ids=[256])
+    grammar = OutputGrammar.json_schema({"type": "string", "maxLength": 6})
+    matcher = xgrammar.GrammarMatcher(xgrammar.GrammarCompiler(info).compile_structural_tag(grammar.structural_tag))
+    assert (all(matcher.accept_token(byte) for byte in text) and matcher.accept_token(256)) == accepted
