@@ -3,8 +3,10 @@ turn, trained on the assistant's calls, and learned."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +17,11 @@ from finetune.datasets.formats import parse_record
 from finetune.datasets.rendering import TemplateError
 from finetune.evaluate import task_examples
 from finetune.train import run_finetune
+from server.engines.base import ModelRef, SamplingParams
+from server.engines.grammar import OutputGrammar
+from server.engines.local import LocalEngine
+from server.services.tool_calls import parse_tool_calls
+from server.settings import LocalEngineSettings
 from zaya_model import ZayaForCausalLM
 from zaya_model.pretrain import END_OF_TURN_TOKEN
 
@@ -161,3 +168,28 @@ def test_a_model_fine_tuned_on_tool_calls_learns_to_call(tokenizer, write_jsonl,
     prompt = torch.tensor([task.prompt_ids])
     output = model.generate(prompt, max_new_tokens=100, do_sample=False)[0, prompt.shape[1] :]
     assert tokenizer.decode(output, skip_special_tokens=True).strip() == task.reference.strip()
+
+    # Served with the tools under tool_choice "auto", the model chooses to call, and the call is parsed back.
+    async def served() -> str:
+        engine = LocalEngine(LocalEngineSettings(compile=False))
+        grammar = OutputGrammar.tool_calls([lookup], "auto", parallel=True)
+        params = SamplingParams(max_tokens=100, temperature=0.0, grammar=grammar)
+        try:
+            return "".join(
+                [
+                    delta.text
+                    async for delta in engine.generate(
+                        ModelRef("tuned", Path(result.output_dir)), task.prompt_ids, params
+                    )
+                ]
+            )
+        finally:
+            await engine.close()
+
+    content, [call], complete = parse_tool_calls(asyncio.run(served()))
+    assert (content, call.name, json.loads(call.arguments), complete) == (
+        "",
+        "lookup_case",
+        {"case_id": "CASE-7"},
+        True,
+    )

@@ -14,6 +14,7 @@ from structured_helpers import (
     MESSAGES,
     TOOLS,
     build_tool_checkpoint,
+    check_call,
     check_forced_calls,
     check_json_object_and_a_cut,
     check_refusals,
@@ -148,3 +149,15 @@ def test_tool_call_answers_and_events_are_exactly_the_declared_schemas(client, l
         assert ChatCompletionChunk.model_validate_json(line).model_dump(mode="json", exclude_unset=True) == payload
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
     assert any(event["choices"][0]["delta"].get("tool_calls") for event in events)
+
+
+def test_tool_choice_auto_answers_in_text_or_calls_whose_arguments_match(client):
+    answers = client.chat.completions.create(
+        model="zaya-random", messages=MESSAGES, tools=TOOLS, n=4, seed=9, max_tokens=MAX_TOKENS
+    )
+    for choice in answers.choices:
+        calls = choice.message.tool_calls or []
+        # A finished answer that called is "tool_calls"; one cut by max_tokens is "length" whatever it holds.
+        assert choice.finish_reason in (("tool_calls", "length") if calls else ("stop", "length"))
+        for call in calls if choice.finish_reason == "tool_calls" else []:
+            check_call(call)
