@@ -5,9 +5,11 @@ parameters. The models are tiny random ones, which write noise unless the constr
 from __future__ import annotations
 
 import json
+from typing import Annotated, Literal
 
 import jsonschema
 import openai
+import pydantic
 import torch
 import xgrammar
 from tiny_models import TINY_ZAYA, randomize_zaya
@@ -109,6 +111,21 @@ def check_schema_answers(client: openai.OpenAI, model: str, *, max_tokens: int) 
             finishes[choice.index] = choice.finish_reason or finishes.get(choice.index)
     assert finishes == {0: "stop"}
     assert texts[0] == answer.choices[0].message.content  # the same seed: the first choice again
+
+
+class Disposition(pydantic.BaseModel):
+    disposition: Literal["escalate", "close", "monitor"]
+    reasons: list[Annotated[str, pydantic.Field(max_length=12)]] = pydantic.Field(min_length=1, max_length=3)
+
+
+def check_parse_helper(client: openai.OpenAI, model: str, *, max_tokens: int) -> None:
+    """`client.chat.completions.parse` sends a strict schema made from a pydantic model and parses the answer into
+    it: what analysts' tooling writes."""
+    answer = client.chat.completions.parse(
+        model=model, messages=MESSAGES, response_format=Disposition, seed=10, max_tokens=max_tokens
+    )
+    assert answer.choices[0].finish_reason == "stop"
+    assert isinstance(answer.choices[0].message.parsed, Disposition)
 
 
 def check_json_object_and_a_cut(client: openai.OpenAI, model: str, *, max_tokens: int) -> None:

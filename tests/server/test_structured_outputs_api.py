@@ -17,6 +17,7 @@ from structured_helpers import (
     check_call,
     check_forced_calls,
     check_json_object_and_a_cut,
+    check_parse_helper,
     check_refusals,
     check_round_trip,
     check_schema_answers,
@@ -161,3 +162,7 @@ def test_tool_choice_auto_answers_in_text_or_calls_whose_arguments_match(client)
         assert choice.finish_reason in (("tool_calls", "length") if calls else ("stop", "length"))
         for call in calls if choice.finish_reason == "tool_calls" else []:
             check_call(call)
+
+
+def test_the_openai_clients_parse_helper_gets_its_pydantic_model_back(client):
+    check_parse_helper(client, "zaya-random", max_tokens=MAX_TOKENS)

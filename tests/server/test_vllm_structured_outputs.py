@@ -16,6 +16,7 @@ from structured_helpers import (
     build_tool_checkpoint,
     check_forced_calls,
     check_json_object_and_a_cut,
+    check_parse_helper,
     check_refusals,
     check_round_trip,
     check_schema_answers,
@@ -79,6 +80,10 @@ def client(tmp_path_factory):
 
 def test_json_schema_answers_parse_and_match_whole_and_streamed(client):
     check_schema_answers(client, "zaya-random", max_tokens=MAX_TOKENS)
+
+
+def test_the_openai_clients_parse_helper_gets_its_pydantic_model_back(client):
+    check_parse_helper(client, "zaya-random", max_tokens=MAX_TOKENS)
 
 
 def test_json_object_answers_are_objects_and_a_token_limit_cuts_with_length(client):
