@@ -83,8 +83,17 @@ suites:
 	ZAYA_TEST_DATABASE_URL="$$ZAYA_TEST_POSTGRES_URL" $(BIN)/pytest -n $(PYTEST_WORKERS) -m database
 	$(MAKE) --no-print-directory test-vllm
 
-run: install
-	$(BIN)/python -m zaya_cli run
+# `ZAYA_ENGINE=vllm make run` serves with vLLM from its own environment (installed first when missing).
+ifeq ($(ZAYA_ENGINE),vllm)
+RUN_STAMP := $(VLLM_STAMP)
+RUN_BIN := $(VLLM_VENV)/bin
+else
+RUN_STAMP := $(STAMP)
+RUN_BIN := $(BIN)
+endif
+
+run: $(RUN_STAMP)
+	$(RUN_BIN)/python -m zaya_cli run
 
 bench: install
 	$(BIN)/python benchmarks/model_bench.py

@@ -10,9 +10,14 @@ Run: `python benchmarks/quality_bench.py [--smoke] [--out benchmarks/results/qua
    size and learning rate, `finetune.auto`), each scored on the held-out chats by `finetune.evaluate`: teacher-forced
    loss, greedy answers' exact match and their `Disposition` accuracy.
 
-Prints a table and writes JSON (scores, the hyperparameters the runs resolved, seconds per phase). `--smoke` runs
-every step at toy sizes in seconds (the CI test). Time it on an idle machine: the wall clock of each phase is part of
-the result (target: the whole recipe within 15 minutes on 2 cores).
+`--variant` words, orders and formats the corpus and the chats differently (`zaya data sample --variant`: ledger,
+memo or an integer seed), so the recipe is checked on a wording it was not tuned on.
+
+Prints a table and writes JSON (scores, the hyperparameters the runs resolved, and per phase the wall clock and the
+process's CPU seconds). `--smoke` runs every step at toy sizes in seconds (the CI test). Target: pretraining, one
+fine-tune and its evaluation within 30 minutes on 2 idle cores. On a machine shared with other jobs the wall clock
+says little; the CPU seconds divided by the threads estimate the idle wall clock (`seconds_idle_estimate`: the
+threads stay busy through a step, and time spent waiting for a core is not counted).
 """
 
 from __future__ import annotations
@@ -21,9 +26,12 @@ import argparse
 import datetime
 import json
 import os
+import resource
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
@@ -33,6 +41,21 @@ if str(REPO_ROOT) not in sys.path:
 
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "quality_bench.json"
 METHODS = ("lora", "full")
+
+
+def cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+@contextmanager
+def timed(report: dict, phase: str) -> Iterator[None]:
+    """Record the phase's wall clock, CPU seconds and idle estimate (CPU seconds / threads) in the report."""
+    wall, cpu = time.monotonic(), cpu_seconds()
+    yield
+    report["seconds"][phase] = round(time.monotonic() - wall, 1)
+    report["cpu_seconds"][phase] = round(cpu_seconds() - cpu, 1)
+    report["seconds_idle_estimate"][phase] = round(report["cpu_seconds"][phase] / report["threads"], 1)
 
 
 def run(args: argparse.Namespace, workdir: Path) -> dict:
@@ -56,10 +79,14 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
         "bare_corpus": args.bare_corpus,
         "n_train": args.train,
         "n_valid": args.valid,
+        "variant": args.variant,
+        "validation_variant": args.validation_variant,
         "seconds": {},
+        "cpu_seconds": {},
+        "seconds_idle_estimate": {},
         "models": {},
     }
-    started = time.monotonic()
+    started, started_cpu = time.monotonic(), cpu_seconds()
     settings = get_preset(args.preset)
     if args.pretrain_steps is not None:
         settings = settings.replace(max_steps=args.pretrain_steps)
@@ -69,18 +96,26 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
         base_dir = str(args.base)
         report["base"] = base_dir
     else:
-        corpus = write_corpus(workdir / "corpus.jsonl", args.corpus, closed=not args.bare_corpus)
-        phase = time.monotonic()
-        pretrained = Pretrainer(str(corpus), str(workdir / "base"), settings, progress=False).train()
-        report["seconds"]["pretrain"] = round(time.monotonic() - phase, 1)
+        corpus = write_corpus(workdir / "corpus.jsonl", args.corpus, closed=not args.bare_corpus, variant=args.variant)
+        with timed(report, "pretrain"):
+            pretrainer = Pretrainer(str(corpus), str(workdir / "base"), settings, progress=False)
+            pretrained = pretrainer.train()
         report["pretrain_val_loss"] = pretrained.val_loss
+        report["pretrain_tokens"] = pretrained.step * settings.batch_size * settings.grad_accum * settings.seq_len
+        report["parameters"] = sum(parameter.numel() for parameter in pretrainer.model.parameters())
         base_dir = str(workdir / "base")
 
-    files = write_sample(workdir / "data", args.train, n_validation=args.valid)
+    files = write_sample(
+        workdir / "data",
+        args.train,
+        n_validation=args.valid,
+        variant=args.variant,
+        validation_variant=args.validation_variant,
+    )
     train_file, valid_file = files["train.jsonl"]["path"], files["validation.jsonl"]["path"]
-    phase = time.monotonic()
-    report["models"]["base"] = _scores(evaluate_model(base_dir, valid_file))
-    report["seconds"]["evaluate_base"] = round(time.monotonic() - phase, 1)
+    if not args.skip_base:
+        with timed(report, "evaluate_base"):
+            report["models"]["base"] = _scores(evaluate_model(base_dir, valid_file))
 
     class Resolved(TrainingHooks):
         def __init__(self) -> None:
@@ -95,16 +130,14 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
         if args.max_steps is not None:
             options["max_steps"] = args.max_steps
         hooks = Resolved()
-        phase = time.monotonic()
         run_config = FineTuneRun(
             base_dir, train_file, str(workdir / method), settings=FineTuneSettings.from_options(**options)
         )
-        result = run_finetune(run_config, hooks)
-        report["seconds"][f"finetune_{method}"] = round(time.monotonic() - phase, 1)
-        phase = time.monotonic()
+        with timed(report, f"finetune_{method}"):
+            result = run_finetune(run_config, hooks)
         adapter = result.output_dir if method == "lora" else None
-        scores = evaluate_model(base_dir if adapter else result.output_dir, valid_file, adapter_dir=adapter)
-        report["seconds"][f"evaluate_{method}"] = round(time.monotonic() - phase, 1)
+        with timed(report, f"evaluate_{method}"):
+            scores = evaluate_model(base_dir if adapter else result.output_dir, valid_file, adapter_dir=adapter)
         report["models"][method] = {
             **_scores(scores),
             "hyperparameters": hooks.hyperparameters,
@@ -112,6 +145,8 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
             "train_loss": result.metrics.get("train_loss"),
         }
     report["seconds"]["total"] = round(time.monotonic() - started, 1)
+    report["cpu_seconds"]["total"] = round(cpu_seconds() - started_cpu, 1)
+    report["seconds_idle_estimate"]["total"] = round(report["cpu_seconds"]["total"] / report["threads"], 1)
     return report
 
 
@@ -147,9 +182,11 @@ def print_table(report: dict) -> None:
         if index == 0:
             print("  ".join("-" * width for width in widths))
     seconds = ", ".join(f"{name} {value} s" for name, value in report["seconds"].items())
+    idle = ", ".join(f"{name} {value} s" for name, value in report["seconds_idle_estimate"].items())
     print(
         f"preset {report['preset']} ({report['pretrain_steps']} steps on {report['corpus_cases']} case files), "
-        f"{report['n_train']} training chats, {report['n_valid']} held-out; {seconds}"
+        f"variant {report['variant']}, {report['n_train']} training chats, {report['n_valid']} held-out; "
+        f"wall clock: {seconds}; idle estimate (CPU s / {report['threads']} threads): {idle}"
     )
 
 
@@ -167,9 +204,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-steps", type=int, metavar="N", help="cap each fine-tune's optimizer steps")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--base", type=Path, help="skip pretraining: fine-tune this base (an earlier run's)")
+    parser.add_argument(
+        "--variant", default="standard", help="zaya data sample's wording: standard, ledger, memo or an integer seed"
+    )
+    parser.add_argument(
+        "--validation-variant", help="held-out case files in this wording (answers worded as the training ones)"
+    )
+    parser.add_argument("--skip-base", action="store_true", help="do not score the base model")
     parser.add_argument("--workdir", type=Path, help="keep the corpus, models and data here (default: a temp dir)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON report (default {DEFAULT_OUT})")
     args = parser.parse_args(argv)
+    from finetune.datasets.styles import get_style
+
+    for flag, variant in (("--variant", args.variant), ("--validation-variant", args.validation_variant)):
+        if variant is not None:
+            try:
+                get_style(variant)
+            except ValueError as error:
+                parser.error(f"{flag}: {error}")
     if args.smoke:
         args.preset, args.corpus, args.pretrain_steps = "cpu", 40, 2
         args.train, args.valid, args.max_steps = 6, 3, 2

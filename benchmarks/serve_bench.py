@@ -6,6 +6,7 @@ Run (the vLLM rows need `make install-vllm`; without vLLM they say "not run (no 
     .venv-vllm/bin/python benchmarks/serve_bench.py [--smoke] [--out benchmarks/results/serve_bench.json]
         [--postgres-url postgresql+psycopg://postgres@127.0.0.1:5432/test]
     .venv/bin/python benchmarks/serve_bench.py --systems local
+    .venv/bin/python benchmarks/serve_bench.py --systems local --client guidellm   # guidellm sends the API loads
 
 Fair by construction: every request sends `ignore_eos` (engines directly: `SamplingParams(ignore_eos=True)`) and every
 `generate()` runs with no end-of-sequence token, and each answer must be exactly `max_tokens` long or the run fails.
@@ -52,6 +53,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime
+import functools
 import json
 import os
 import platform
@@ -236,6 +238,8 @@ class Driver:
     max_tokens: int
     one_batch: Callable[[int], Awaitable[list[int]]] | None = None
     threads: int = 0  # torch threads of a `generate()` system
+    # A client that runs a whole load itself (`--client guidellm`): `run_load(c, requests) -> ClientRun`.
+    run_load: Callable[[int, int], Awaitable[ClientRun]] | None = None
 
     @property
     def engine_cores(self) -> list:
@@ -250,9 +254,31 @@ class Driver:
         return cores
 
 
+@dataclass
+class ClientRun:
+    """A load run by an external client: each request's tokens and time to first token, the load's seconds by the
+    client's clock, and the CPU seconds the client's process used."""
+
+    counts: list[int]
+    ttft_s: list[float]
+    seconds: float
+    cpu_s: float
+
+
 async def drive(system: str, path: str, concurrency: int, per_client: int, driver: Driver) -> Load:
     """`concurrency` clients each sending `per_client` requests back to back (a `generate()` system: `per_client`
-    static batches of `concurrency` sequences), timed by this process's clock, as every load is."""
+    static batches of `concurrency` sequences), timed by this process's clock, as every load is (a client that runs
+    the load itself, guidellm, times it by its own)."""
+    if driver.run_load is not None:
+        cpu_before = cpu_seconds(driver.roles)
+        run = await driver.run_load(concurrency, concurrency * per_client)
+        cpu = {role: used - cpu_before[role] for role, used in cpu_seconds(driver.roles).items()} | {
+            "client": run.cpu_s
+        }
+        check_token_counts(
+            f"{system} {path}, {concurrency} clients", run.counts, driver.max_tokens, concurrency * per_client
+        )
+        return Load(system, path, concurrency, 0, sum(run.counts), run.seconds, run.ttft_s, cpu, len(run.counts))
     results: list[tuple[int, float]] = []
     counts: list[int] = []
 
@@ -477,20 +503,23 @@ async def api_server(
     *,
     path: str = "api",
     database_server: str | None = None,
+    client: str = "aiohttp",
 ):
-    """Our API in a `uvicorn` process with `ZAYA_ENGINE=kind`, for streaming clients in this process; its database
-    is SQLite, or a scratch schema in the PostgreSQL at `database_server`."""
+    """Our API in a `uvicorn` process with `ZAYA_ENGINE=kind`, for streaming clients in this process (or guidellm's);
+    its database is SQLite, or a scratch schema in the PostgreSQL at `database_server`."""
     from server.db.scratch import scratch_database
 
     data_dir = workdir / f"{path}-{system}"
     data_dir.mkdir(parents=True)
     with scratch_database(data_dir, database_server) as database_url:
-        async with _served_api(kind, checkpoint, prompt, sizes, data_dir, database_url) as driver:
+        async with _served_api(kind, checkpoint, prompt, sizes, data_dir, database_url, client) as driver:
             yield driver
 
 
 @contextlib.asynccontextmanager
-async def _served_api(kind: str, checkpoint: Path, prompt: list[int], sizes: Sizes, data_dir: Path, database_url: str):
+async def _served_api(
+    kind: str, checkpoint: Path, prompt: list[int], sizes: Sizes, data_dir: Path, database_url: str, client: str
+):
     """`zaya serve` with `ZAYA_ENGINE=kind` on a load-test `Stack` (migrated, the model registered, a key per role)."""
     env = {
         "ZAYA_ENGINE": kind,
@@ -501,15 +530,24 @@ async def _served_api(kind: str, checkpoint: Path, prompt: list[int], sizes: Siz
     with Stack(data_dir, database_url=database_url, env=env, torch_threads=None) as stack:
         stack.prepare(checkpoint)
         server = stack.start_server(wait=False)
+        guidellm = Guidellm(checkpoint, data_dir, stack.keys["analyst"]) if client == "guidellm" else None
         streamed = _streamed_server(
-            server, "zaya serve", stack.server_log, stack.port, MODEL_NAME, prompt, sizes, stack.headers("analyst")
+            server,
+            "zaya serve",
+            stack.server_log,
+            stack.port,
+            MODEL_NAME,
+            prompt,
+            sizes,
+            stack.headers("analyst"),
+            guidellm=guidellm,
         )
         async with streamed as driver:
             yield driver
 
 
 @contextlib.asynccontextmanager
-async def vllm_openai_server(checkpoint: Path, prompt: list[int], sizes: Sizes, workdir: Path):
+async def vllm_openai_server(checkpoint: Path, prompt: list[int], sizes: Sizes, workdir: Path, client: str = "aiohttp"):
     """vLLM's own OpenAI server (`vllm serve`) on `checkpoint`, with the settings and cores of `qwen_engine`, for
     the same streaming clients: the API overhead vLLM's own server has on this machine, the reference for ours."""
     placement = vllm_cpu_placement()
@@ -525,7 +563,9 @@ async def vllm_openai_server(checkpoint: Path, prompt: list[int], sizes: Sizes, 
     with open(log_path, "w") as log:
         server = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        async with _streamed_server(server, "vllm serve", log_path, port, "bench", prompt, sizes, {}) as driver:
+        guidellm = Guidellm(checkpoint, workdir, None) if client == "guidellm" else None
+        streamed = _streamed_server(server, "vllm serve", log_path, port, "bench", prompt, sizes, {}, guidellm=guidellm)
+        async with streamed as driver:
             if placement:
                 from server.engines.cpu_placement import pin_process
 
@@ -553,9 +593,12 @@ async def _streamed_server(
     prompt: list[int],
     sizes: Sizes,
     headers: dict,
+    *,
+    guidellm: Guidellm | None = None,
 ):
     """Streaming clients in this process sending `/v1/completions` of `prompt` to `model` on the OpenAI-compatible
-    server `server` (started by the caller, which stops it) on `port`, once its `/health` answers 200."""
+    server `server` (started by the caller, which stops it) on `port`, once its `/health` answers 200; with
+    `guidellm`, the loads are guidellm's (this process's clients only warm the server up)."""
     import aiohttp
     import psutil
 
@@ -596,10 +639,60 @@ async def _streamed_server(
         tokens, _ = await one_request()  # loads the model in the server
         check_token_counts(f"{name} warm-up", [tokens], sizes.max_tokens, 1)
         served = psutil.Process(server.pid)
-        roles = {"server": [served], "client": [psutil.Process()], "core": served.children(True)}
-        yield Driver(one_request, roles, sizes.max_tokens)
+        if guidellm is not None:
+            roles = {"server": [served], "core": served.children(True)}  # guidellm's CPU: counted by `Guidellm.run`
+            run_load = functools.partial(guidellm.run, port, model, sizes)
+            yield Driver(None, roles, sizes.max_tokens, run_load=run_load)
+        else:
+            roles = {"server": [served], "client": [psutil.Process()], "core": served.children(True)}
+            yield Driver(one_request, roles, sizes.max_tokens)
     finally:
         await client.close()
+
+
+@dataclass(frozen=True)
+class Guidellm:
+    """`--client guidellm`: each API load is one `guidellm run` (its synchronous profile at one client, concurrent at
+    more) of synthetic prompts as long as ours to `/v1/completions`, streamed, every answer exactly `max_tokens` long
+    (guidellm sends `ignore_eos`). Its report gives each request's tokens and time to first token and the load's
+    measured seconds; its process's CPU (start-up included: it is a separate program) is the `client` role's."""
+
+    tokenizer: Path  # guidellm counts prompt tokens itself: the checkpoint's tokenizer
+    workdir: Path
+    key: str | None
+
+    async def run(self, port: int, model: str, sizes: Sizes, concurrency: int, requests: int) -> ClientRun:
+        import resource
+
+        report = self.workdir / f"guidellm-{port}-{concurrency}-{secrets.token_hex(4)}.json"
+        backend = f"kind=openai_http,target=http://127.0.0.1:{port},model={model},request_format=/v1/completions"
+        # No check of /health first: the server was checked and warmed up here, and the local engine's /health says
+        # 503 `warming` while it compiles in the background, which would stop guidellm before it starts.
+        backend += ",validate_backend=false" + (f",api_key={self.key}" if self.key else "")
+        profile = "kind=synchronous" if concurrency == 1 else f"kind=concurrent,streams={concurrency}"
+        data = f"kind=synthetic_text,prompt_tokens={sizes.prompt_tokens},output_tokens={sizes.max_tokens}"
+        command = [sys.executable, "-m", "guidellm", "run", "--backend", backend, "--profile", profile]
+        command += ["--constraint", f"kind=max_requests,count={requests}", "--data", data]
+        command += ["--tokenizer", f"kind=huggingface_auto,model={self.tokenizer}"]
+        command += ["--output", f"kind=json,path={report}", "--disable-console"]
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        process = await asyncio.create_subprocess_exec(
+            *command, cwd=self.workdir, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        _, stderr = await process.communicate()
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        if process.returncode:
+            raise RuntimeError(f"guidellm failed ({process.returncode}): {stderr.decode(errors='replace')[-3000:]}")
+        [benchmark] = json.loads(report.read_text())["benchmarks"]
+        answered = benchmark["requests"]["successful"]
+        timings = [request["info"]["timings"] for request in answered]
+        measured = benchmark["scheduler_metrics"]
+        return ClientRun(
+            counts=[request["output_metrics"]["text_tokens"] for request in answered],
+            ttft_s=[timing["first_token_iteration"] - timing["request_start"] for timing in timings],
+            seconds=measured["measure_end_time"] - measured["measure_start_time"],
+            cpu_s=after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime,
+        )
 
 
 # What the clients look for in the stream: the first chunk with a choice, and (kept at the end) the usage chunk.
@@ -880,11 +973,13 @@ def table(loads: list[Load]) -> str:
     return "\n".join(lines)
 
 
-def qwen_systems(checkpoint: Path, prompt: list[int], sizes: Sizes, workdir: Path, skip: list[str]) -> dict:
+def qwen_systems(
+    checkpoint: Path, prompt: list[int], sizes: Sizes, workdir: Path, skip: list[str], client: str
+) -> dict:
     """vLLM's Qwen3-MoE driven directly and, unless the API is skipped, through vLLM's own OpenAI server."""
     systems = {("qwen3-moe", "engine"): qwen_engine(checkpoint, prompt, sizes)}
     if "api" not in skip:
-        systems["qwen3-moe", "api"] = vllm_openai_server(checkpoint, prompt, sizes, workdir)
+        systems["qwen3-moe", "api"] = vllm_openai_server(checkpoint, prompt, sizes, workdir, client)
     return systems
 
 
@@ -911,6 +1006,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--systems", nargs="*", default=list(SYSTEMS), choices=list(SYSTEMS), help="our engines to measure (all)"
+    )
+    parser.add_argument(
+        "--client",
+        choices=["aiohttp", "guidellm"],
+        default="aiohttp",
+        help="who sends the API loads: this process's streaming clients, or guidellm (one `guidellm run` a load; "
+        "the request-cost load keeps its own clients)",
     )
     return parser.parse_args(argv)
 
@@ -950,9 +1052,9 @@ def main(argv: list[str] | None = None) -> int:
             if "engine" not in args.skip:
                 systems[system, "engine"] = our_engine(kind, zaya_dir, prompt, sizes)
             if "api" not in args.skip:
-                systems[system, "api"] = api_server(system, kind, zaya_dir, prompt, sizes, workdir)
+                systems[system, "api"] = api_server(system, kind, zaya_dir, prompt, sizes, workdir, client=args.client)
             if system == "vllm" and qwen:
-                systems |= qwen_systems(qwen_dir, prompt, sizes, workdir, args.skip)
+                systems |= qwen_systems(qwen_dir, prompt, sizes, workdir, args.skip, args.client)
                 qwen = False
             if system == "local" and generate:
                 systems |= generate_systems(zaya_dir, prompt, sizes)
@@ -967,7 +1069,8 @@ def main(argv: list[str] | None = None) -> int:
             stages["requests"] = time.perf_counter() - started
         if qwen:  # not measured beside our vLLM engine
             started = time.perf_counter()
-            loads += asyncio.run(alternating_loads(qwen_systems(qwen_dir, prompt, sizes, workdir, args.skip), sizes))
+            qwen_loads = qwen_systems(qwen_dir, prompt, sizes, workdir, args.skip, args.client)
+            loads += asyncio.run(alternating_loads(qwen_loads, sizes))
             stages["qwen3-moe"] = time.perf_counter() - started
         if generate:  # not measured beside the local engine
             started = time.perf_counter()
@@ -976,6 +1079,7 @@ def main(argv: list[str] | None = None) -> int:
 
     report = {
         "mode": "smoke" if args.smoke else "full",
+        "client": args.client,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": {
             "platform": platform.platform(),

@@ -64,8 +64,10 @@ class Flag:
 
     def parse(self, value: Any) -> Any:
         """The flag's text (or list of texts) as the field's type; FlagError when it is not one."""
-        annotation = self.field.annotation
-        adapter = TypeAdapter(typing.Annotated[annotation, *self.field.metadata] if self.field.metadata else annotation)
+        annotation: Any = self.field.annotation
+        if self.field.metadata:
+            annotation = typing.Annotated[annotation, *self.field.metadata]
+        adapter: TypeAdapter[Any] = TypeAdapter(annotation)
         try:
             return adapter.validate_strings(value) if isinstance(value, str) else adapter.validate_python(value)
         except ValidationError as error:
@@ -88,7 +90,9 @@ def model_flags(model: type[BaseModel], *, path: tuple[str, ...] = (), prefix: s
     return flags
 
 
-def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, flags: list[Flag], **defaults_shown) -> None:
+def add_flags(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, flags: list[Flag], **defaults_shown: str
+) -> None:
     """Add `flags` to `parser`; `defaults_shown` overrides the default a help text names (e.g. "the preset's")."""
     for flag in flags:
         default = defaults_shown.get(flag.dest, _default_text(flag.field))

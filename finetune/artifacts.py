@@ -14,11 +14,15 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from zaya_model.training.atomic_io import fsync_path, fsync_tree
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedModel
 
 BASE_MODEL_FILE = "base_model.json"  # in an adapter dir: which base model the adapter was trained on
 METRICS_FILE = "metrics.json"  # in a checkpoint dir: step, train/valid loss, valid token accuracy
@@ -55,20 +59,25 @@ def publish_directory(staging: Path, destination: Path) -> None:
         shutil.rmtree(previous, ignore_errors=True)
 
 
-def base_model_fingerprint(model: torch.nn.Module) -> str:
+def base_model_fingerprint(model: PreTrainedModel) -> str:
     """A short hash of the base model's config and a sample of its embedding rows: equal only for the same weights."""
     config = {key: value for key, value in model.config.to_dict().items() if key not in _CONFIG_KEYS_IGNORED}
     digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
-    embeddings = model.get_input_embeddings().weight.detach()
+    embeddings = model.get_input_embeddings().get_parameter("weight").detach()
     stride = max(1, embeddings.shape[0] // _FINGERPRINT_ROWS)
     digest.update(embeddings[::stride].to("cpu", torch.float32).contiguous().numpy().tobytes())
     return digest.hexdigest()[:32]
 
 
-def save_generation_files(directory: str | os.PathLike[str], model: torch.nn.Module, tokenizer: Any) -> None:
+def save_generation_files(
+    directory: str | os.PathLike[str], model: PreTrainedModel | PeftModel, tokenizer: Any
+) -> None:
     """Tokenizer and generation config (its `eos_token_id` lists the end-of-turn token) beside the weights."""
+    generation_config = model.generation_config
+    if generation_config is None:
+        raise ValueError("the model has no generation config")
     tokenizer.save_pretrained(directory)
-    model.generation_config.save_pretrained(directory)
+    generation_config.save_pretrained(directory)
 
 
 def read_json(path: Path) -> Any:

@@ -11,7 +11,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from .settings import BASE_LEARNING_RATE, FineTuneSettings, LoraSettings
+from .settings import BASE_LEARNING_RATE, DpoHyperparameters, FineTuneSettings, LoraSettings
 
 if TYPE_CHECKING:
     from zaya_model import ZayaConfig
@@ -55,7 +55,9 @@ def auto_learning_rate(settings: FineTuneSettings, config: ZayaConfig | None = N
     return rate
 
 
-def resolve_hyperparameters(settings: FineTuneSettings, n_examples: int, config: ZayaConfig | None = None):
+def resolve_hyperparameters(
+    settings: FineTuneSettings, n_examples: int, config: ZayaConfig | None = None
+) -> ResolvedHyperparameters:
     """Turn "auto" into numbers from the dataset and the model:
 
     - batch size: ~0.2% of the examples, a power of two from 1 to 32;
@@ -78,7 +80,7 @@ def resolve_hyperparameters(settings: FineTuneSettings, n_examples: int, config:
             n_epochs = max(1, MAX_TARGET_EXAMPLES // n_examples)
     multiplier = 1.0 if hyper.learning_rate_multiplier == "auto" else float(hyper.learning_rate_multiplier)
     beta = None
-    if settings.type == "dpo":
+    if isinstance(hyper, DpoHyperparameters):
         beta = DEFAULT_BETA if hyper.beta == "auto" else float(hyper.beta)
     return ResolvedHyperparameters(
         n_epochs=int(n_epochs),

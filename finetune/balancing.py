@@ -11,6 +11,7 @@ The updater's AdamW state lives in each checkpoint (`balancing_optimizer.pt`) so
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
@@ -25,9 +26,9 @@ class BalancingBiasCallback(TrainerCallback):
 
     def __init__(self, model: torch.nn.Module, lr: float):
         self.updater = BalancingBiasUpdater(model, lr=lr)
-        self.last_stats: dict | None = None
+        self.last_stats: dict[str, list[list[float]] | list[float] | float] | None = None
 
-    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self.last_stats = self.updater.step()
 
     def save(self, directory: Path) -> None:

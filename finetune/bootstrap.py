@@ -31,14 +31,17 @@ def build_tiny_model(output_dir: Path, *, train_steps: int | None = None, seed: 
     # Trained here rather than by the pretrainer: the corpus is the chats rendered with this tokenizer's template,
     # so that the template's turn tokens are trained like any other.
     tokenizer = train_tokenizer(plain_text, vocab_size=settings.tokenizer_vocab_size)
-    with tempfile.TemporaryDirectory(prefix="zaya-bootstrap-") as workdir:
-        workdir = Path(workdir)
+    with tempfile.TemporaryDirectory(prefix="zaya-bootstrap-") as temporary:
+        workdir = Path(temporary)
         tokenizer.save_pretrained(workdir / "tokenizer")
         corpus = workdir / "chats.jsonl"
         with corpus.open("w") as handle:
             for conversation in conversations:
                 # The packer puts BOS before each document itself.
-                text = tokenizer.apply_chat_template(conversation, tokenize=False).removeprefix(tokenizer.bos_token)
+                text = tokenizer.apply_chat_template(conversation, tokenize=False)
+                if not isinstance(text, str):
+                    raise TypeError(f"apply_chat_template(tokenize=False) gave a {type(text).__name__}")
+                text = text.removeprefix(tokenizer.bos_token)
                 handle.write(json.dumps({"text": text}) + "\n")
         run = workdir / "run"
         Pretrainer(corpus, run, settings, tokenizer_path=workdir / "tokenizer").train()

@@ -9,13 +9,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from typing import Any
 
 from command_line import CommandError
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     data = subparsers.add_parser(
         "data",
         help="check fine-tuning datasets (JSONL)",
@@ -73,19 +72,33 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "OUTPUT/corpus.jsonl for `zaya pretrain --data`: N closed case files, each ending with its closing note "
         "(disposition and reason; --bare-corpus: without it).",
     )
-    sample.add_argument("--cases", required=True, type=_positive_int, metavar="N", help="training chats")
+    sample.add_argument("--cases", type=_positive_int, default=600, metavar="N", help="training chats (default 600)")
     sample.add_argument("--output", required=True, metavar="DIR", help="directory to write the files into")
     sample.add_argument("--validation-cases", type=_positive_int, metavar="N", help="held-out chats (default 10%%)")
     sample.add_argument("--corpus", type=_positive_int, metavar="N", help="also write N case files for pretraining")
     sample.add_argument("--bare-corpus", action="store_true", help="corpus case files without their closing notes")
     sample.add_argument("--seed", type=int, default=0, help="same seed, same files")
+    sample.add_argument(
+        "--variant",
+        default="standard",
+        type=_variant,
+        metavar="NAME|SEED",
+        help="wording, field order and number formats of the case files and answers: standard, ledger, memo, or an "
+        "integer seed that draws each at random (default standard)",
+    )
+    sample.add_argument(
+        "--validation-variant",
+        type=_variant,
+        metavar="NAME|SEED",
+        help="write the held-out case files in this variant instead, their answers worded as the training ones",
+    )
     sample.set_defaults(func=run_sample)
 
     _register_finetune(subparsers)
     _register_evaluate(subparsers)
 
 
-def _register_finetune(subparsers: argparse._SubParsersAction) -> None:
+def _register_finetune(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from finetune.settings import add_settings_flags
 
     finetune = subparsers.add_parser(
@@ -114,7 +127,7 @@ def _register_finetune(subparsers: argparse._SubParsersAction) -> None:
     finetune.set_defaults(func=run_finetune_command)
 
 
-def _register_evaluate(subparsers: argparse._SubParsersAction) -> None:
+def _register_evaluate(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     evaluate = subparsers.add_parser(
         "evaluate",
         help="score a model on a held-out JSONL file",
@@ -135,7 +148,7 @@ def run_finetune_command(args: argparse.Namespace) -> int:
     from command_line.flags import FlagError
     from finetune.settings import settings_from_flags
     from finetune.train import CheckpointWriteError, FinetuneError, FineTuneRun, run_finetune
-    from zaya_model.training.callbacks import NonFiniteLossError
+    from zaya_model.training.callbacks import NonFiniteLossError, ProgressBarHooks
     from zaya_model.training.runtime import prepare_training_process
 
     try:
@@ -159,7 +172,7 @@ def run_finetune_command(args: argparse.Namespace) -> int:
     )
     if args.dry_run:
         return _dry_run(run, measure=args.measure)
-    hooks = _ProgressBarHooks()
+    hooks = ProgressBarHooks()
     try:
         result = run_finetune(run, hooks, resume_from=args.resume)
     except FinetuneError as error:
@@ -229,54 +242,12 @@ def run_evaluate_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _table_rows(scores: dict) -> list[tuple[str, Any]]:
+def _table_rows(scores: dict[str, Any]) -> list[tuple[str, Any]]:
     task = scores["task_evaluation"]
     rows = [(name, value) for name, value in scores.items() if name != "task_evaluation"]
     rows += [("task_examples", task["n_examples"]), ("exact_match", task["exact_match"])]
     rows += [(f"{name} accuracy", field["accuracy"]) for name, field in task["fields"].items()]
     return rows
-
-
-class _ProgressBarHooks:
-    """TrainingHooks for a terminal: a tqdm bar over optimizer steps, events and evaluations as lines above it."""
-
-    def __init__(self) -> None:
-        self.bar: Any = None
-
-    def on_event(self, level: str, message: str, data: dict | None = None) -> None:
-        from tqdm import tqdm
-
-        if data and "max_steps" in data and self.bar is None:
-            self.bar = tqdm(total=data["max_steps"], initial=data["step"], unit="step", dynamic_ncols=True)
-        self._write(f"{level}: {message}")
-
-    def on_metrics(self, step: int, metrics: dict) -> None:
-        if self.bar is None:
-            return
-        if "train_loss" in metrics:
-            self.bar.update(step - self.bar.n)
-            self.bar.set_postfix(loss=f"{metrics['train_loss']:.4f}")
-        if "valid_loss" in metrics:
-            accuracy = metrics.get("valid_mean_token_accuracy", float("nan"))
-            self._write(f"step {step}: valid loss {metrics['valid_loss']:.4f}, token accuracy {accuracy:.4f}")
-
-    def on_checkpoint(self, step: int, path: str, metrics: dict) -> None:
-        self._write(f"step {step}: checkpoint {path}")
-
-    def on_checkpoint_deleted(self, step: int, path: str) -> None:
-        self._write(f"step {step}: removed older checkpoint {path}")
-
-    def should_stop(self) -> str | None:
-        return None
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-    def _write(self, line: str) -> None:
-        from tqdm import tqdm
-
-        tqdm.write(line, file=sys.stderr)
 
 
 def run_validate(args: argparse.Namespace) -> int:
@@ -306,11 +277,19 @@ def run_sample(args: argparse.Namespace) -> int:
 
     if os.path.isfile(args.output):
         raise CommandError(f"--output: {args.output} is a file")
-    written = write_sample(args.output, args.cases, n_validation=args.validation_cases, seed=args.seed)
+    written = write_sample(
+        args.output,
+        args.cases,
+        n_validation=args.validation_cases,
+        seed=args.seed,
+        variant=args.variant,
+        validation_variant=args.validation_variant,
+    )
     for info in written.values():
         print(f"wrote {info['n_examples']} chats to {info['path']}")
     if args.corpus:
-        path = write_corpus(os.path.join(args.output, CORPUS_FILE), args.corpus, closed=not args.bare_corpus)
+        corpus_path = os.path.join(args.output, CORPUS_FILE)
+        path = write_corpus(corpus_path, args.corpus, closed=not args.bare_corpus, variant=args.variant)
         print(f"wrote {args.corpus} case files to {path}")
     return 0
 
@@ -383,6 +362,16 @@ def _existing(path: str) -> str:
     if not os.path.isfile(path):
         raise CommandError(f"file not found: {path}")
     return path
+
+
+def _variant(text: str) -> str:
+    from finetune.datasets.styles import get_style
+
+    try:
+        get_style(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
 
 
 def _positive_int(text: str) -> int:

@@ -43,7 +43,7 @@ def labelled_features(example: Example, tokenizer: PreTrainedTokenizerBase) -> d
     return {"input_ids": tokenized.input_ids, "labels": labels}
 
 
-class TokenizedDataset(torch.utils.data.Dataset):
+class TokenizedDataset(torch.utils.data.Dataset[dict[str, list[int]]]):
     """Examples tokenized once, up front (fine-tuning sets are small; this keeps epochs and resumes cheap)."""
 
     def __init__(self, examples: list[Example], tokenizer: PreTrainedTokenizerBase):
@@ -68,9 +68,9 @@ class PackingCollator:
         self.pad_token_id = pad_token_id
         self.flatten = DataCollatorWithFlattening(return_tensors="pt")
 
-    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+    def __call__(self, features: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
         limit = max(len(feature["input_ids"]) for feature in features)
-        rows: list[list[dict]] = []
+        rows: list[list[dict[str, list[int]]]] = []
         lengths: list[int] = []
         for feature in sorted(features, key=lambda feature: -len(feature["input_ids"])):
             size = len(feature["input_ids"])
@@ -96,7 +96,9 @@ def _pad_row(row: torch.Tensor, length: int, pad: int | None) -> torch.Tensor:
     return torch.cat([row, filler.to(row.dtype)], dim=1)
 
 
-def make_collator(tokenizer: PreTrainedTokenizerBase, packing: bool) -> Callable[[list[dict]], dict[str, Any]]:
+def make_collator(
+    tokenizer: PreTrainedTokenizerBase, packing: bool
+) -> Callable[[list[dict[str, list[int]]]], dict[str, Any]]:
     if packing:
         return PackingCollator(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
     return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX, return_tensors="pt")

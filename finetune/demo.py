@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from finetune.datasets.sample import write_corpus, write_sample
 from finetune.evaluate import evaluate_model
@@ -25,21 +26,21 @@ from finetune.train import FineTuneRun, TrainingHooks, run_finetune
 
 class _Progress(TrainingHooks):
     def __init__(self) -> None:
-        self.resolved: dict = {}
+        self.resolved: dict[str, Any] = {}
 
-    def on_event(self, level: str, message: str, data: dict | None = None) -> None:
+    def on_event(self, level: str, message: str, data: dict[str, Any] | None = None) -> None:
         if data and "n_epochs" in data:
             self.resolved = {key: data[key] for key in ("n_epochs", "batch_size", "learning_rate")}
             print(f"  {message}; chosen: {self.resolved}", flush=True)
 
-    def on_metrics(self, step: int, metrics: dict) -> None:
+    def on_metrics(self, step: int, metrics: dict[str, Any]) -> None:
         if "train_loss" in metrics and step % 50 == 0:
             print(f"  step {step}: train loss {metrics['train_loss']:.3f}", flush=True)
 
 
 def run_demo(
     workdir: Path, n_corpus: int, pretrain_steps: int | None, n_train: int, n_valid: int, steps: int | None, seed: int
-) -> dict:
+) -> dict[str, Any]:
     from zaya_model.pretrain.presets import get_preset
     from zaya_model.pretrain.train import Pretrainer
 
@@ -60,7 +61,7 @@ def run_demo(
     print(f"scoring the base model on {n_valid} held-out cases ...", flush=True)
     before = evaluate_model(str(base_dir), valid_file)
     print(f"LoRA fine-tuning on {n_train} disposition chats, default settings ...", flush=True)
-    options = {"method": "lora", "keep_checkpoints": 1}
+    options: dict[str, Any] = {"method": "lora", "keep_checkpoints": 1}
     if steps is not None:
         options["max_steps"] = steps
     run = FineTuneRun(
@@ -86,11 +87,11 @@ def run_demo(
     }
 
 
-def disposition_accuracy(scores: dict) -> float:
-    return scores["task_evaluation"]["fields"]["Disposition"]["accuracy"]
+def disposition_accuracy(scores: dict[str, Any]) -> float:
+    return float(scores["task_evaluation"]["fields"]["Disposition"]["accuracy"])
 
 
-def print_table(report: dict) -> None:
+def print_table(report: dict[str, Any]) -> None:
     rows = [("model", "loss", "token accuracy", "disposition accuracy", "exact match")]
     for name, scores in (("base", report["before"]), ("base + LoRA", report["after"])):
         rows.append(

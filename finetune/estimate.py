@@ -126,24 +126,23 @@ def measure_throughput(run: FineTuneRun, tokenizer: Any, batch_size: int, passes
     from zaya_model import ZayaForCausalLM
 
     from .data import IGNORE_INDEX, TokenizedDataset, make_collator, read_examples
-    from .datasets.formats import DatasetFormat
+    from .datasets.formats import DatasetFormat, Example
     from .train import make_lora_config
 
     settings = run.settings
-    examples = []
+    examples: list[Example] = []
     for example in read_examples(run.train_file)[:batch_size]:
         is_pair = example.format is DatasetFormat.PREFERENCE
         examples.extend(example.conversations() if is_pair else (example,))
     packing = getattr(settings.hyperparameters, "packing", True)
-    batch = make_collator(tokenizer, packing)(list(TokenizedDataset(examples, tokenizer)))
+    batch = make_collator(tokenizer, packing)(TokenizedDataset(examples, tokenizer).features)
     n_trained = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
 
     torch.manual_seed(run.seed)
-    model = ZayaForCausalLM.from_pretrained(run.model_dir, dtype=torch.float32)
-    if settings.adapter == "lora":
-        model = get_peft_model(model, make_lora_config(model, settings))
-    if settings.hyperparameters.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    base = ZayaForCausalLM.from_pretrained(run.model_dir, dtype=torch.float32)
+    model = get_peft_model(base, make_lora_config(base, settings, tokenizer)) if settings.adapter == "lora" else base
+    if settings.hyperparameters.gradient_checkpointing:  # PEFT's wrapper would forward the call to `base`
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
 
     def forward_backward() -> None:

@@ -228,7 +228,9 @@ def evaluate_file(model: Any, tokenizer: Any, data_file: str) -> dict[str, Any]:
     return evaluation
 
 
-def evaluate_model(model_dir: str, data_file: str, adapter_dir: str | None = None, *, batch_size: int = 8) -> dict:
+def evaluate_model(
+    model_dir: str, data_file: str, adapter_dir: str | None = None, *, batch_size: int = 8
+) -> dict[str, Any]:
     """`zaya evaluate`: the teacher-forced scores and the task evaluation of a model on a JSONL file."""
     model, tokenizer = load_model(model_dir, adapter_dir)
     report = validate_dataset(data_file, tokenizer=tokenizer, max_problems=10)
@@ -256,11 +258,10 @@ def load_model(model_dir: str, adapter_dir: str | None = None) -> tuple[torch.nn
     tokenizer_dir = adapter_dir if has_own_tokenizer else model_dir
     try:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-        model = ZayaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        base = ZayaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     except (OSError, ValueError) as error:
         raise EvaluationError(f"cannot load the model from {model_dir}: {error}") from None
-    if adapter_dir is not None:
-        model = _with_adapter(model, adapter_dir)
+    model = base if adapter_dir is None else _with_adapter(base, adapter_dir)
     return model.eval(), tokenizer
 
 
@@ -277,13 +278,13 @@ def _with_adapter(model: ZayaForCausalLM, adapter_dir: str) -> torch.nn.Module:
                 f"(fingerprint {expected} expected); pass the base model it was fine-tuned from"
             )
     try:
-        model = PeftModel.from_pretrained(model, adapter_dir)
+        adapted = PeftModel.from_pretrained(model, adapter_dir)
     except (RuntimeError, ValueError, KeyError) as error:  # shape mismatches for another architecture size
         raise EvaluationError(f"the adapter in {adapter_dir} does not fit this base model: {error}") from None
     generation_config = os.path.join(adapter_dir, "generation_config.json")
-    if os.path.isfile(generation_config):
+    if os.path.isfile(generation_config):  # the wrapper reads the base model's (PEFT forwards attributes)
         model.generation_config = GenerationConfig.from_pretrained(adapter_dir)
-    return model
+    return adapted
 
 
 @torch.no_grad()

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 from datasets import Dataset
-from trl import DPOConfig, DPOTrainer
+from trl.trainer.dpo_config import DPOConfig
+from trl.trainer.dpo_trainer import DPOTrainer
 
 from zaya_model import ZayaForCausalLM
 

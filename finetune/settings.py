@@ -16,7 +16,16 @@ from __future__ import annotations
 import argparse
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, WrapValidator, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    field_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from command_line.flags import Cli, Flag, FlagError, flag_error, flag_values, model_flags, set_path
@@ -27,22 +36,26 @@ BASE_LEARNING_RATE = {"lora": 2e-4, "full": 2e-5}
 DEFAULT_LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj_current", "v_proj_delayed", "o_proj")
 
 
-def _auto_or(kind: Any, explained: str) -> Any:
-    """`"auto"` or a number of `kind`; one error saying both (instead of one per union member)."""
+def _auto_or(explained: str) -> WrapValidator:
+    """The validator of an `"auto"`-or-number field: one error saying both (instead of one per union member)."""
 
-    def validate(value: Any, handler: Any) -> Any:
+    def validate(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
         try:
             return handler(value)
         except ValidationError:
             raise PydanticCustomError("auto_or_number", f'Input should be "auto" or {explained}') from None
 
-    return Annotated[Literal["auto"] | kind, WrapValidator(validate)]
+    return WrapValidator(validate)
 
 
-Epochs = _auto_or(Annotated[int, Field(ge=1, le=100)], "an integer from 1 to 100")
-BatchSize = _auto_or(Annotated[int, Field(ge=1, le=1024)], "an integer from 1 to 1024")
-Multiplier = _auto_or(Annotated[float, Field(gt=0, le=100, allow_inf_nan=False)], "a number in (0, 100]")
-Beta = _auto_or(Annotated[float, Field(gt=0, le=100, allow_inf_nan=False)], "a number in (0, 100]")
+Epochs = Annotated[Literal["auto"] | Annotated[int, Field(ge=1, le=100)], _auto_or("an integer from 1 to 100")]
+BatchSize = Annotated[Literal["auto"] | Annotated[int, Field(ge=1, le=1024)], _auto_or("an integer from 1 to 1024")]
+Multiplier = Annotated[
+    Literal["auto"] | Annotated[float, Field(gt=0, le=100, allow_inf_nan=False)], _auto_or("a number in (0, 100]")
+]
+Beta = Annotated[
+    Literal["auto"] | Annotated[float, Field(gt=0, le=100, allow_inf_nan=False)], _auto_or("a number in (0, 100]")
+]
 Count = Annotated[int, Field(ge=1, le=1 << 40)]
 
 
@@ -126,12 +139,18 @@ class LoraSettings(Strict):
         + ")",
     )
     target_experts: bool = Field(True, description="also adapt the fused experts (PEFT target_parameters)")
+    train_template_tokens: bool = Field(
+        True,
+        description="also train the embedding rows of the special tokens the chat template writes (<|im_start|>, "
+        "<|im_end|>), which plain-text pretraining never trains (PEFT trainable_token_indices; such an adapter is "
+        "served merged into its base)",
+    )
 
 
-class SupervisedSettings(Strict):
-    """`method.supervised`: OpenAI's `hyperparameters`, then ours."""
+class _MethodSettings(Strict):
+    """A method's block: OpenAI's `hyperparameters` (each method's own class), then ours."""
 
-    hyperparameters: Annotated[Hyperparameters, Cli(flatten=True)] = Field(default_factory=Hyperparameters)
+    hyperparameters: _Hyperparameters
     adapter: Annotated[Literal["lora", "full"], Cli(name="method")] = Field(
         "lora", description="lora: train a LoRA adapter; full: update every weight"
     )
@@ -148,7 +167,13 @@ class SupervisedSettings(Strict):
         return merge
 
 
-class DpoSettings(SupervisedSettings):
+class SupervisedSettings(_MethodSettings):
+    """`method.supervised`: OpenAI's `hyperparameters`, then ours."""
+
+    hyperparameters: Annotated[Hyperparameters, Cli(flatten=True)] = Field(default_factory=Hyperparameters)
+
+
+class DpoSettings(_MethodSettings):
     """`method.dpo`: trains on preference pairs against the frozen starting model."""
 
     hyperparameters: Annotated[DpoHyperparameters, Cli(flatten=True)] = Field(default_factory=DpoHyperparameters)
@@ -164,7 +189,7 @@ class FineTuneSettings(Strict):
 
     @field_validator("supervised", "dpo", mode="after")
     @classmethod
-    def _block_of_the_type(cls, block: SupervisedSettings | None, info: ValidationInfo) -> SupervisedSettings | None:
+    def _block_of_the_type(cls, block: _MethodSettings | None, info: ValidationInfo) -> _MethodSettings | None:
         chosen = info.data.get("type")
         if chosen is None:  # the type itself was invalid; that error is reported
             return block
@@ -175,9 +200,12 @@ class FineTuneSettings(Strict):
         return block if block is not None else (DpoSettings() if chosen == "dpo" else SupervisedSettings())
 
     @property
-    def method(self) -> SupervisedSettings:
-        """The chosen type's block."""
-        return getattr(self, self.type)
+    def method(self) -> SupervisedSettings | DpoSettings:
+        """The chosen type's block (validation fills it)."""
+        block = self.dpo if self.type == "dpo" else self.supervised
+        if block is None:
+            raise ValueError(f"method.{self.type} is missing")
+        return block
 
     @property
     def hyperparameters(self) -> Hyperparameters | DpoHyperparameters:

@@ -40,6 +40,7 @@ from transformers import (
 
 from zaya_model import ZayaConfig, ZayaForCausalLM
 from zaya_model.cpu.compiled_layers import enable_compiled_layers
+from zaya_model.pretrain.tokenizer import chat_template_token_ids
 from zaya_model.training.atomic_io import write_json_atomic
 from zaya_model.training.callbacks import (
     COMPILING_MESSAGE,
@@ -173,7 +174,7 @@ def run_finetune(
             raise FinetuneError(settings.setting("hyperparameters", "compile"), str(error)) from None
     fingerprint = base_model_fingerprint(base)
     is_lora = settings.adapter == "lora"
-    lora_config = make_lora_config(base, settings) if is_lora else None
+    lora_config = make_lora_config(base, settings, tokenizer) if is_lora else None
 
     stop = HooksCallback(hooks)
     callbacks: list[TrainerCallback] = [stop, NonFiniteLossCallback(), FinalCheckpointCallback(stop)]
@@ -359,7 +360,9 @@ def _training_arguments(run: FineTuneRun, resolved: ResolvedHyperparameters, has
     )
 
 
-def make_lora_config(model: ZayaForCausalLM, settings: FineTuneSettings) -> LoraConfig:
+def make_lora_config(model: ZayaForCausalLM, settings: FineTuneSettings, tokenizer: Any) -> LoraConfig:
+    """PEFT's config for the run's LoRA: the target modules (checked against the model), the fused experts and the
+    chat template's token rows (tied to the LM head) as the settings ask."""
     lora = settings.lora
     targets = list(lora.target_modules or DEFAULT_LORA_TARGET_MODULES)
     # PEFT ignores an unmatched name when target_parameters match, so check every name here.
@@ -374,8 +377,14 @@ def make_lora_config(model: ZayaForCausalLM, settings: FineTuneSettings) -> Lora
         lora_dropout=lora.dropout,
         target_modules=targets,
         target_parameters=LORA_EXPERT_PARAMETERS if lora.target_experts else None,
+        trainable_token_indices=_template_token_rows(tokenizer) if lora.train_template_tokens else None,
         task_type="CAUSAL_LM",
     )
+
+
+def _template_token_rows(tokenizer: Any) -> dict[str, list[int]] | None:
+    token_ids = chat_template_token_ids(tokenizer)
+    return {"embed_tokens": token_ids} if token_ids else None
 
 
 def _logits_to_token_statistics(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

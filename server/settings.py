@@ -41,6 +41,10 @@ class VLLMEngineSettings(BaseModel):
     # Full models (bases and merged adapters) kept up at once; they share the memory budget below.
     max_loaded_models: int = Field(default=1, ge=1)
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    # GiB of KV cache (and CCA state) each loaded model keeps. None: `CPU_KV_CACHE_GIB` on a CPU host, where vLLM
+    # would otherwise claim `gpu_memory_utilization` of the machine's memory (which the API, the worker and training
+    # share) and refuse to start when less is free; on a GPU, the model's share of `gpu_memory_utilization`.
+    kv_cache_gib: float | None = Field(default=None, gt=0)
     enforce_eager: bool = False
     # Requests sharing a prompt prefix (a system prompt, a case template) skip its prefill: KV blocks and the CCA
     # state at each block boundary are cached (vLLM's "align" mode for hybrid models).

@@ -64,8 +64,17 @@ def build_checkpoint(path, moe_intermediate_size: int = 32) -> ZayaForCausalLM:
     return model
 
 
-def build_adapter(checkpoint, path, seed: int, *, experts: bool = False, targets: list[str] = ATTENTION_MODULES):
-    """A random PEFT LoRA on the attention projections `targets` (and the fused experts if `experts`), saved to
+def build_adapter(
+    checkpoint,
+    path,
+    seed: int,
+    *,
+    experts: bool = False,
+    targets: list[str] = ATTENTION_MODULES,
+    token_rows: list[int] | None = None,
+):
+    """A random PEFT LoRA on the attention projections `targets` (and the fused experts if `experts`, and the
+    embedding rows `token_rows`, tied to the LM head, as fine-tuning trains the chat template's tokens), saved to
     `path`; returns the HF+PEFT model (not stopping at end of sequence)."""
     import peft
 
@@ -75,6 +84,7 @@ def build_adapter(checkpoint, path, seed: int, *, experts: bool = False, targets
         lora_alpha=8,
         target_modules=targets,
         target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if experts else None,
+        trainable_token_indices={"embed_tokens": token_rows} if token_rows else None,
         init_lora_weights=False,
     )
     model = peft.get_peft_model(ZayaForCausalLM.from_pretrained(checkpoint).eval(), config).eval()
@@ -82,6 +92,8 @@ def build_adapter(checkpoint, path, seed: int, *, experts: bool = False, targets
         for name, parameter in model.named_parameters():
             if "lora_" in name:
                 parameter.normal_(std=0.3)
+            elif "trainable_tokens_delta" in name:
+                parameter.normal_(std=0.5)
     model.save_pretrained(path)
     model.generation_config.eos_token_id = None
     return model

@@ -14,6 +14,7 @@ import sys
 from pydantic import ValidationError
 
 from command_line import CommandError
+from command_line.environment import apply_environment
 
 # Modules exposing `register(subparsers)`, which adds their subcommands and sets `func` on each.
 COMMAND_MODULES: list[str] = [
@@ -29,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module_name in COMMAND_MODULES:
         importlib.import_module(module_name).register(subparsers)
+    apply_environment(parser)
     return parser
 
 

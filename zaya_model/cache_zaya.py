@@ -32,18 +32,22 @@ class ZayaCacheLayer(CacheLayerMixin):
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
-    def _ensure_capacity(self, key_states: torch.Tensor, value_states: torch.Tensor, needed: int) -> None:
+    def _buffers(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, needed: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value buffers, first grown (at least doubled) when they hold fewer than `needed` slots."""
         capacity = self.capacity()
-        if needed <= capacity:
-            return
+        if self.keys is not None and self.values is not None and needed <= capacity:
+            return self.keys, self.values
         new_capacity = max(needed, 2 * capacity, 64)
         batch, heads, _, head_dim = key_states.shape
         keys = key_states.new_empty(batch, heads, new_capacity, head_dim)
         values = value_states.new_empty(batch, heads, new_capacity, value_states.shape[-1])
-        if self.length:
+        if self.keys is not None and self.values is not None and self.length:
             keys[:, :, : self.length] = self.keys[:, :, : self.length]
             values[:, :, : self.length] = self.values[:, :, : self.length]
         self.keys, self.values = keys, values
+        return keys, values
 
     def capacity(self) -> int:
         """Key/value slots allocated (filled or not)."""
@@ -53,11 +57,11 @@ class ZayaCacheLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         new_length = self.length + key_states.shape[-2]
-        self._ensure_capacity(key_states, value_states, new_length)
-        self.keys[:, :, self.length : new_length] = key_states
-        self.values[:, :, self.length : new_length] = value_states
+        keys, values = self._buffers(key_states, value_states, new_length)
+        keys[:, :, self.length : new_length] = key_states
+        values[:, :, self.length : new_length] = value_states
         self.length = new_length
-        return self.keys[:, :, :new_length], self.values[:, :, :new_length]
+        return keys[:, :, :new_length], values[:, :, :new_length]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0
@@ -74,10 +78,10 @@ class ZayaCacheLayer(CacheLayerMixin):
         self.is_initialized = False
 
     def _select_batch(self, index: torch.Tensor) -> None:
-        if self.keys is not None:
+        if self.keys is not None and self.values is not None:
             self.keys = self.keys.index_select(0, index.to(self.keys.device))
             self.values = self.values.index_select(0, index.to(self.values.device))
-        if self.conv_state is not None:
+        if self.conv_state is not None and self.shift_state is not None:
             self.conv_state = self.conv_state.index_select(0, index.to(self.conv_state.device))
             self.shift_state = self.shift_state.index_select(0, index.to(self.shift_state.device))
 
@@ -90,13 +94,17 @@ class ZayaCacheLayer(CacheLayerMixin):
         self._select_batch(indices)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        batch = next(t for t in (self.keys, self.conv_state) if t is not None).shape[0]
-        device = self.keys.device if self.keys is not None else self.conv_state.device
-        self._select_batch(torch.arange(batch, device=device).repeat_interleave(repeats))
+        filled = self.keys if self.keys is not None else self.conv_state
+        if filled is None:
+            return
+        self._select_batch(torch.arange(filled.shape[0], device=filled.device).repeat_interleave(repeats))
 
 
 class ZayaCache(Cache):
     """One `ZayaCacheLayer` per ZAYA block, created by the model on the first forward with `use_cache=True`."""
+
+    # transformers types `Cache.layers` as its own layer classes; a ZayaCache holds only `ZayaCacheLayer`s.
+    layers: list[ZayaCacheLayer]  # type: ignore[assignment]
 
     def __init__(self, config=None, num_layers: int | None = None):
         num_layers = config.num_hidden_layers if num_layers is None else num_layers
@@ -106,11 +114,12 @@ class ZayaCache(Cache):
         layer = self.layers[0 if layer_idx is None else layer_idx]
         return layer.conv_state is not None
 
-    def get_conv_state(self, layer_idx: int) -> torch.Tensor | None:
-        return self.layers[layer_idx].conv_state
-
-    def get_shift_state(self, layer_idx: int) -> torch.Tensor | None:
-        return self.layers[layer_idx].shift_state
+    def cca_state(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The layer's conv and value-shift state, None before its first chunk."""
+        layer = self.layers[layer_idx]
+        if layer.conv_state is None or layer.shift_state is None:
+            return None
+        return layer.conv_state, layer.shift_state
 
     def update_cca_state(self, layer_idx: int, conv_state: torch.Tensor, shift_state: torch.Tensor) -> None:
         layer = self.layers[layer_idx]
@@ -120,7 +129,7 @@ class ZayaCache(Cache):
         """Bytes held for keys, values and CCA state (used sizes, not spare capacity)."""
         total = 0
         for layer in self.layers:
-            if layer.keys is not None:
+            if layer.keys is not None and layer.values is not None:
                 per_slot = layer.keys[:, :, :1].numel() * layer.keys.element_size()
                 per_slot += layer.values[:, :, :1].numel() * layer.values.element_size()
                 total += per_slot * layer.length

@@ -100,18 +100,26 @@ class ZayaConfig(PreTrainedConfig):
         if self.cca_time0 < 1 or self.cca_time1 < 1:
             kernels = f"cca_time0={self.cca_time0}, cca_time1={self.cca_time1}"
             raise ValueError(f"CCA kernel sizes must be >= 1, got {kernels}.")
-        if set(self.layer_types) != {"hybrid"}:
+        layer_types = self.layer_types or []  # `__post_init__` fills them when not given
+        if set(layer_types) != {"hybrid"}:
             raise ValueError("Only `hybrid` (full causal attention + MoE) layers are supported.")
-        if len(self.layer_types) != self.num_hidden_layers:
+        if len(layer_types) != self.num_hidden_layers:
             raise ValueError("`layer_types` must have one entry per layer.")
 
     @property
+    def hybrid_rope_parameters(self) -> dict:
+        """The rope parameters of the one layer type (`__post_init__` fills them when not given)."""
+        if self.rope_parameters is None:
+            raise ValueError("`rope_parameters` is not set")
+        return self.rope_parameters["hybrid"]
+
+    @property
     def rope_theta(self) -> float:
-        return float(self.rope_parameters["hybrid"]["rope_theta"])
+        return float(self.hybrid_rope_parameters["rope_theta"])
 
     @property
     def partial_rotary_factor(self) -> float:
-        return float(self.rope_parameters["hybrid"].get("partial_rotary_factor", 1.0))
+        return float(self.hybrid_rope_parameters.get("partial_rotary_factor", 1.0))
 
     @property
     def rotary_dim(self) -> int:

@@ -28,7 +28,7 @@ try:
     from peft.tuners.lora.layer import ParamWrapper as _PeftParamWrapper
     from peft.tuners.lora.layer import _LoraFactorsProxy as _PeftLowRankProxy
 except ImportError:  # PEFT absent or reorganised: every parametrization is read materialised
-    _PeftLowRankProxy = _PeftParamWrapper = None
+    _PeftLowRankProxy = _PeftParamWrapper = None  # type: ignore[assignment,misc]  # optional (private) PEFT names
 
 # Base weight dtypes for which PEFT keeps the factors (others it upcasts and materialises).
 FACTOR_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -48,6 +48,8 @@ class ExpertWeight:
         output = grouped_linear(inputs, self.weight, group_sizes)
         if self.lhs is None:
             return output
+        if self.rhs is None:
+            raise ValueError("an ExpertWeight with `lhs` needs `rhs`")
         low_rank = grouped_linear(grouped_linear(inputs, self.rhs, group_sizes), self.lhs, group_sizes)
         return output + self.scaling * low_rank
 
@@ -56,9 +58,13 @@ def expert_weight(module: nn.Module, name: str) -> ExpertWeight:
     """`module.<name>` as an `ExpertWeight`, low-rank when PEFT's single-adapter parametrization is on it."""
     if not parametrize.is_parametrized(module, name):
         return ExpertWeight(getattr(module, name))
-    chain = module.parametrizations[name]
-    if _PeftLowRankProxy is not None and len(chain) == 1 and isinstance(chain[0], _PeftLowRankProxy):
-        proxy = chain[0]
+    chain = module.get_submodule(f"parametrizations.{name}")
+    if (
+        _PeftLowRankProxy is not None
+        and isinstance(chain, parametrize.ParametrizationList)
+        and len(chain) == 1
+        and isinstance(proxy := chain[0], _PeftLowRankProxy)
+    ):
         # Contiguous factors: the grouped matmul writes each expert's gradient into a dense [out, r] block.
         return ExpertWeight(chain.original, proxy.lhs.contiguous(), proxy.rhs.contiguous(), float(proxy.scaling))
     return ExpertWeight(getattr(module, name))

@@ -21,6 +21,7 @@ All conversions are pure renames, stacks and unbinds: no tensor value or dtype c
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -668,7 +669,7 @@ def save_legacy_checkpoint(
         for file_name, names in _shard_files(legacy, max_shard_bytes):
             # Copies: expert slices are views of one fused tensor, and safetensors refuses tensors sharing memory.
             shard = {name: legacy[name].detach().clone().contiguous() for name in names}
-            _write_synced(staging / file_name, lambda p, shard=shard: save_file(shard, p, metadata={"format": "pt"}))
+            _write_synced(staging / file_name, functools.partial(save_file, shard, metadata={"format": "pt"}))
             weight_map.update(dict.fromkeys(names, file_name))
             total_bytes += sum(t.numel() * t.element_size() for t in shard.values())
         if len(set(weight_map.values())) > 1:

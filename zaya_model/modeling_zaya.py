@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, Self
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +25,7 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
-from transformers.integrations import use_experts_implementation
+from transformers.integrations.moe import use_experts_implementation
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
@@ -34,6 +36,9 @@ from .configuration_zaya import ZayaConfig
 from .expert_lora import ExpertWeight, expert_weight, peft_expert_weights
 from .grouped_linear import group_layout, group_row_multiple
 from .legacy_layout import is_legacy_config, load_legacy_checkpoint
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
 
 
 class ZayaRMSNorm(nn.Module):
@@ -65,6 +70,7 @@ class ZayaRotaryEmbedding(nn.Module):
         self.head_dim = config.head_dim
         self.rotary_dim = config.rotary_dim
         self.base = config.rope_theta
+        self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", self.compute_inv_freq(), persistent=False)
 
     def compute_inv_freq(self) -> torch.Tensor:
@@ -99,7 +105,17 @@ def shift_by(states: torch.Tensor, history: torch.Tensor, lag: int) -> torch.Ten
     return full[:, start : start + states.shape[1]]
 
 
-def convolve_receptive_fields(fields: torch.Tensor, depthwise: nn.Module, grouped: nn.Module) -> torch.Tensor:
+class ConvParameters(Protocol):
+    """What CCA's convolutions read of a `Conv1d`: `weight` [out, in / groups, kernel] and `bias` [out]."""
+
+    @property
+    def weight(self) -> torch.Tensor: ...
+
+    @property
+    def bias(self) -> torch.Tensor | None: ...
+
+
+def convolve_receptive_fields(fields: torch.Tensor, depthwise: ConvParameters, grouped: ConvParameters) -> torch.Tensor:
     """CCA's two causal convolutions for each token from its receptive field `fields` [..., channels, history + 1]
     (oldest frame first, the token itself last) -> [..., channels].
 
@@ -108,6 +124,8 @@ def convolve_receptive_fields(fields: torch.Tensor, depthwise: nn.Module, groupe
     kernel as one batched matmul, per group `[tokens, width * k1] @ [width * k1, width]`.
     """
     *leading, channels, _ = fields.shape
+    if depthwise.bias is None or grouped.bias is None:
+        raise ValueError("CCA's convolutions have biases")
     depthwise_kernel, grouped_kernel = depthwise.weight.shape[-1], grouped.weight.shape[-1]
     # Depthwise outputs at the grouped kernel's taps, oldest first, stacked to [..., channels, k1]. One column per
     # tap, each reading one frame of every channel: computed as a whole, inductor folded the taps into the grouped
@@ -302,7 +320,8 @@ class ZayaAttention(nn.Module):
         **kwargs,
     ) -> torch.Tensor:
         """Attention for a chunk after whatever `past_key_values` holds (if anything), which it then extends."""
-        if past_key_values is None or not past_key_values.has_previous_state(self.layer_idx):
+        previous_state = None if past_key_values is None else past_key_values.cca_state(self.layer_idx)
+        if past_key_values is None or previous_state is None:
             output, state = self.attend_chunk(
                 hidden_states, position_embeddings, attention_mask, lag_masks, padding_mask, **kwargs
             )
@@ -311,12 +330,7 @@ class ZayaAttention(nn.Module):
             return output
         if padding_mask is not None:
             hidden_states = hidden_states * padding_mask
-        query_key, value, conv_state, shift_state = self.qkv_proj.project(
-            hidden_states,
-            past_key_values.get_conv_state(self.layer_idx),
-            past_key_values.get_shift_state(self.layer_idx),
-            lag_masks,
-        )
+        query_key, value, conv_state, shift_state = self.qkv_proj.project(hidden_states, *previous_state, lag_masks)
         past_key_values.update_cca_state(self.layer_idx, conv_state.detach(), shift_state.detach())
         query, key = self.rotated_queries_and_keys(query_key, position_embeddings)
         key, value = past_key_values.update(key, value.transpose(1, 2), self.layer_idx)
@@ -374,7 +388,7 @@ class ZayaAttention(nn.Module):
         return self.o_proj(output.reshape(batch, seq, -1))
 
     def rotated_queries_and_keys(
-        self, query_key: torch.Tensor, position_embeddings
+        self, query_key: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """QK norm and RoPE on `query_key` [batch, seq, heads + kv_heads, d] -> queries [batch, heads, seq, d] and
         keys [batch, kv_heads, seq, d] (the compiled decode step, `zaya_model.cpu.decode`, calls it too)."""
@@ -426,6 +440,7 @@ class ZayaRouter(nn.Module):
             self.router_states_scale = nn.Parameter(torch.ones(config.router_hidden_size))
         self.router_mlp = ZayaRouterMLP(config.router_hidden_size, config.num_experts + 1, config.router_norm_eps)
         # Not trained by backprop: moved by the balancing-bias update (see `zaya_model.training.balancing`).
+        self.balancing_biases: torch.Tensor
         self.register_buffer("balancing_biases", torch.zeros(config.num_experts + 1, dtype=torch.float32))
         # Routed tokens per class, summed over training forwards until the balancing update consumes them.
         self.routed_token_counts: torch.Tensor | None = None
@@ -455,6 +470,8 @@ class ZayaExperts(nn.Module):
     projection as one grouped matmul (`grouped_linear`); no Python loop over tokens. LoRA from PEFT's
     `target_parameters` stays low-rank (`expert_lora`).
     """
+
+    _is_expert_parallel: bool  # set by `use_experts_implementation`
 
     def __init__(self, config: ZayaConfig):
         super().__init__()
@@ -664,14 +681,25 @@ class ZayaModel(ZayaPreTrainedModel):
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
 
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
+    def set_input_embeddings(self, value: nn.Module) -> None:
+        if not isinstance(value, nn.Embedding):
+            raise TypeError(f"ZAYA's input embeddings are an nn.Embedding, not {type(value).__name__}")
         self.embed_tokens = value
+
+    def decoder_layers(self) -> list[ZayaDecoderLayer]:
+        """`self.layers`, typed as what they hold (an `nn.ModuleList` is typed as holding any module)."""
+        layers = []
+        for layer in self.layers:
+            if not isinstance(layer, ZayaDecoderLayer):
+                raise TypeError(f"ZayaModel.layers holds a {type(layer).__name__}")
+            layers.append(layer)
+        return layers
 
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
+        position_ids: torch.Tensor | None = None,
         past_key_values: ZayaCache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool | None = None,
@@ -709,6 +737,7 @@ class ZayaModel(ZayaPreTrainedModel):
             if not bool(local_mask.all()):
                 padding_mask = local_mask.to(inputs_embeds.dtype)[..., None]
 
+        causal_mask: torch.Tensor | BlockMask | None
         if seq == 1 and past_length > 0 and self.config._attn_implementation in ("sdpa", "eager"):
             # Decode step: one query sees every cached key; only padding needs masking.
             causal_mask = None
@@ -759,14 +788,15 @@ class ZayaModel(ZayaPreTrainedModel):
         return MoeModelOutputWithPast(
             last_hidden_state=hidden_states,
             past_key_values=past_key_values if use_cache else None,
-            hidden_states=tuple(all_hidden_states) if output_hidden_states else None,
+            # transformers types output fields with the legacy `FloatTensor` class; the values are plain tensors.
+            hidden_states=tuple(all_hidden_states) if output_hidden_states else None,  # type: ignore[arg-type]
             router_logits=tuple(all_router_logits) if output_router_logits else None,
         )
 
     @torch.no_grad()
     def _record_routing(self, choices: list[torch.Tensor], attention_mask: torch.Tensor | None) -> None:
         """Accumulate per-layer routed-token counts for the balancing-bias update (real tokens only)."""
-        for layer, choice in zip(self.layers, choices, strict=True):
+        for layer, choice in zip(self.decoder_layers(), choices, strict=True):
             router = layer.mlp.gate
             if attention_mask is not None and attention_mask.dim() == 2:
                 choice = choice[attention_mask[:, -choice.shape[1] :].bool()]
@@ -786,7 +816,9 @@ class ZayaForCausalLM(ZayaPreTrainedModel, GenerationMixin):
         self.post_init()
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+    def from_pretrained(
+        cls, pretrained_model_name_or_path: str | os.PathLike[str] | None, *model_args: Any, **kwargs: Any
+    ) -> Self:
         """Load the upstream `zaya` layout, or Zyphra's legacy ZAYA1-base layout (converted in memory)."""
         config_path = Path(str(pretrained_model_name_or_path)) / "config.json"
         if config_path.is_file() and is_legacy_config(json.loads(config_path.read_text())):
@@ -804,10 +836,10 @@ class ZayaForCausalLM(ZayaPreTrainedModel, GenerationMixin):
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
+        position_ids: torch.Tensor | None = None,
         past_key_values: ZayaCache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
-        labels: torch.LongTensor | None = None,
+        labels: torch.Tensor | None = None,
         use_cache: bool | None = None,
         output_router_logits: bool | None = None,
         output_hidden_states: bool | None = None,
@@ -834,7 +866,7 @@ class ZayaForCausalLM(ZayaPreTrainedModel, GenerationMixin):
         )
         hidden_states = outputs.last_hidden_state
         logits = loss = None
-        if skip_logits:
+        if skip_logits and labels is not None:  # labels are present whenever skip_logits is (checked above)
             loss = self._loss_at_trained_positions(hidden_states, labels, loss_kwargs)
         else:
             keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep

@@ -87,10 +87,11 @@ class Example:
 
     def conversations(self) -> tuple[Example, Example]:
         """A preference example as the two chat examples it compares: the input followed by each answer."""
-        return tuple(
+        preferred, non_preferred = (
             Example(DatasetFormat.CHAT, messages=[*self.messages, {"role": "assistant", "content": answer}])
             for answer in self.outputs()
         )
+        return preferred, non_preferred
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,7 @@ def parse_record(record: Any) -> tuple[Example | None, list[FieldProblem]]:
     elif dataset_format is DatasetFormat.PROMPT_COMPLETION:
         for key in ("prompt", "completion"):
             problems += _check_string(record, key, allow_empty=key == "prompt")
-        example = Example(dataset_format, prompt=record.get("prompt"), completion=record.get("completion"))
+        example = Example(dataset_format, prompt=record.get("prompt", ""), completion=record.get("completion", ""))
     elif dataset_format is DatasetFormat.PREFERENCE:
         messages, answers, preference_problems = _check_preference(record)
         problems += preference_problems
@@ -406,8 +407,8 @@ def _check_role(message: dict[str, Any], path: str) -> list[FieldProblem]:
     if not isinstance(role, str):
         return [FieldProblem("wrong_type", f"{path}.role", f"must be a string, got {_json_type(role)}")]
     if role not in ROLES:
-        message = f"unknown role {role!r} (expected system, user, assistant or tool)"
-        return [FieldProblem("unknown_role", f"{path}.role", message)]
+        expected = f"unknown role {role!r} (expected system, user, assistant or tool)"
+        return [FieldProblem("unknown_role", f"{path}.role", expected)]
     return []
 
 

@@ -64,9 +64,11 @@ class Preview:
 
 
 def preview_example(example: Example, tokenizer: PreTrainedTokenizerBase) -> Preview:
+    from zaya_model.pretrain.tokenizer import decode_text  # imports transformers, as the tokenizer given has
+
     tokenized = tokenize_example(example, tokenizer)
     tokens = [
-        PreviewToken(token_id, tokenizer.decode([token_id]), bool(trained))
+        PreviewToken(token_id, decode_text(tokenizer, [token_id]), bool(trained))
         for token_id, trained in zip(tokenized.input_ids, tokenized.trained_mask, strict=True)
     ]
     segments: list[PreviewSegment] = []
@@ -74,7 +76,7 @@ def preview_example(example: Example, tokenizer: PreTrainedTokenizerBase) -> Pre
     for end in range(1, len(tokens) + 1):
         if end == len(tokens) or tokens[end].trained != tokens[start].trained:
             ids = tokenized.input_ids[start:end]
-            segments.append(PreviewSegment(tokenizer.decode(ids), tokens[start].trained, len(ids)))
+            segments.append(PreviewSegment(decode_text(tokenizer, ids), tokens[start].trained, len(ids)))
             start = end
     return Preview(example.format.value, tokens, segments)
 

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -56,13 +57,16 @@ def _tokenize_chat(example: Example, tokenizer: PreTrainedTokenizerBase) -> Toke
         raise TemplateError(TOOLS_NOT_RENDERED)
     # Render every assistant turn as trainable, then drop the weight-0 ones by position: this honours `weight` with
     # any template that has generation markers, not only ours.
+    tools: list[dict[Any, Any] | Callable[..., Any]] = [*example.tools]
     rendered = tokenizer.apply_chat_template(
         example.template_messages(),
-        tools=example.tools or None,
+        tools=tools or None,
         tokenize=True,
         return_dict=True,
         return_assistant_tokens_mask=True,
     )
+    if not isinstance(rendered, Mapping):  # a BatchEncoding
+        raise TypeError(f"apply_chat_template(return_dict=True) gave a {type(rendered).__name__}")
     input_ids, mask = list(rendered["input_ids"]), list(rendered["assistant_masks"])
     spans = _runs_of_ones(mask)
     weights = [message.get("weight", 1) for message in example.messages if message["role"] == "assistant"]
@@ -86,7 +90,7 @@ TOOL_CALL_CLOSE = "</tool_call>"
 
 # A conversation with every part of the tool format, and the call as a template that speaks the format renders it.
 _PROBE_TOOL = {"type": "function", "function": {"name": "probe_tool", "parameters": {"type": "object"}}}
-_PROBE_MESSAGES = [
+_PROBE_MESSAGES: list[dict[str, Any]] = [
     {"role": "user", "content": "probe"},
     {
         "role": "assistant",
@@ -136,6 +140,6 @@ def _runs_of_ones(mask: list[int]) -> list[tuple[int, int]]:
 
 def _required_id(tokenizer: PreTrainedTokenizerBase, name: str) -> int:
     token_id = getattr(tokenizer, f"{name}_token_id")
-    if token_id is None:
+    if not isinstance(token_id, int):
         raise TemplateError(f"the tokenizer has no {name} token")
     return token_id

@@ -18,6 +18,7 @@ Disposition rules, applied in order (`decide_disposition`):
 
 Three chat tasks use a case file: `summary`, `disposition` (answer starts with "Disposition: <LABEL>" then the
 reason) and `sar_narrative` (only for SAR cases). `render_case_file` is plain text a pretraining corpus can reuse.
+How a case is worded and its numbers formatted is its `Style` (`styles.py`; `STANDARD` unless given).
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ import datetime
 import random
 import re
 from dataclasses import dataclass
+from typing import Any
+
+from .styles import STANDARD, Style, with_reasons_of
 
 DISPOSITIONS = ("CLOSE", "ESCALATE", "SAR")
 TASKS = ("summary", "disposition", "sar_narrative")
@@ -52,19 +56,6 @@ _COUNTERPARTIES = (
     "Orchid Electronics",
     "Meridian Supply Co",
 )
-_ALERTS = {
-    "structuring": "multiple cash deposits just below the reporting threshold",
-    "rapid_movement": "funds received and sent onward within days",
-    "high_risk_jurisdiction": "wire activity involving a high-risk jurisdiction",
-    "sanctions_near_match": "customer name similar to a sanctions list entry",
-    None: "unusual increase in account activity",
-}
-_FLAG_REASONS = {
-    "structuring": "{n} cash deposits between 9,000 and 9,999.99 suggest structuring to avoid the reporting threshold",
-    "rapid_movement": "an incoming wire was moved onward within two days (rapid movement of funds)",
-    "high_risk_jurisdiction": "wires involve a high-risk jurisdiction ({countries})",
-    "sanctions_near_match": "the customer's name is a {score:.2f} near-match to a sanctions list entry",
-}
 
 
 @dataclass(frozen=True)
@@ -100,7 +91,7 @@ def find_red_flags(case: Case) -> list[str]:
     flags = []
     if len(_structuring_deposits(case)) >= 3:
         flags.append("structuring")
-    if _has_rapid_movement(case):
+    if _rapid_movement_wire(case) is not None:
         flags.append("rapid_movement")
     if _high_risk_countries(case):
         flags.append("high_risk_jurisdiction")
@@ -155,8 +146,11 @@ def generate_cases(n: int, seed: int = 0) -> list[Case]:
     return [generate_case(rng, DISPOSITIONS[index % len(DISPOSITIONS)], index) for index in range(n)]
 
 
-def generate_chat_examples(n: int, seed: int = 0, tasks: tuple[str, ...] = TASKS) -> list[dict]:
-    """`n` chat examples in the OpenAI fine-tuning format, tasks taken in turn (SAR narratives use SAR cases)."""
+def generate_chat_examples(
+    n: int, seed: int = 0, tasks: tuple[str, ...] = TASKS, style: Style = STANDARD, answer_style: Style | None = None
+) -> list[dict[str, Any]]:
+    """`n` chat examples in the OpenAI fine-tuning format, tasks taken in turn (SAR narratives use SAR cases), case
+    files written in `style` and answers in `answer_style` (default: the same)."""
     unknown = set(tasks) - set(TASKS)
     if unknown or not tasks:
         raise ValueError(f"tasks must be a non-empty subset of {TASKS}, got {tasks}")
@@ -165,19 +159,22 @@ def generate_chat_examples(n: int, seed: int = 0, tasks: tuple[str, ...] = TASKS
     for index in range(n):
         task = tasks[index % len(tasks)]
         disposition = "SAR" if task == "sar_narrative" else DISPOSITIONS[(index // len(tasks)) % len(DISPOSITIONS)]
-        examples.append(case_to_chat(generate_case(rng, disposition, index), task))
+        examples.append(case_to_chat(generate_case(rng, disposition, index), task, style, answer_style))
     return examples
 
 
-def case_to_chat(case: Case, task: str) -> dict:
+def case_to_chat(case: Case, task: str, style: Style = STANDARD, answer_style: Style | None = None) -> dict[str, Any]:
+    """A chat whose user message holds the case file in `style` and whose answer is worded in `answer_style`
+    (default: `style`), quoting values as the case file prints them."""
     answers = {"summary": summarise_case, "disposition": explain_disposition, "sar_narrative": draft_sar_narrative}
     if task not in answers:
         raise ValueError(f"unknown task {task!r} (expected one of {', '.join(TASKS)})")
+    answer_style = style if answer_style is None else with_reasons_of(style, answer_style)
     return {
         "messages": [
             {"role": "system", "content": SYSTEM_PROMPT},
-            {"role": "user", "content": f"{TASK_PROMPTS[task]}\n\n{render_case_file(case)}"},
-            {"role": "assistant", "content": answers[task](case)},
+            {"role": "user", "content": f"{TASK_PROMPTS[task]}\n\n{render_case_file(case, style)}"},
+            {"role": "assistant", "content": answers[task](case, answer_style)},
         ]
     }
 
@@ -188,50 +185,63 @@ def parse_disposition(answer: str) -> str | None:
     return match.group(1).upper() if match else None
 
 
-def render_case_file(case: Case) -> str:
-    lines = [
-        f"Case {case.case_id}",
-        f"Customer: {case.customer_name}, {case.occupation}, customer since {case.customer_since.isoformat()}, "
-        f"risk rating {case.risk_rating}",
-        f"Account: {case.account_number}",
-        f"Alert: {_ALERTS[case.red_flags[0] if case.red_flags else None]}",
-        "Sanctions screening: "
-        + (f"near-match, similarity {case.sanctions_score:.2f}" if case.sanctions_score else "no match"),
-        "Transactions:",
-    ]
+def render_case_file(case: Case, style: Style = STANDARD) -> str:
+    wording, numbers = style.wording, style.numbers
+    header = {
+        "customer": wording.customer.format(
+            name=case.customer_name,
+            occupation=case.occupation,
+            since=style.date(case.customer_since),
+            risk=case.risk_rating,
+        ),
+        "account": wording.account.format(account=case.account_number),
+        "alert": wording.alert.format(alert=wording.alerts[case.red_flags[0] if case.red_flags else None]),
+        "sanctions": wording.sanctions_match.format(score=numbers.score(case.sanctions_score))
+        if case.sanctions_score
+        else wording.sanctions_none,
+    }
+    lines = [wording.case.format(case_id=case.case_id), *(header[name] for name in style.header_order)]
+    lines.append(wording.transactions)
     lines += [
-        f"- {t.date.isoformat()} {t.kind} {t.amount:,.2f} USD, {t.counterparty} ({t.country})"
+        wording.transaction.format(
+            date=style.date(t.date),
+            kind=wording.kinds[t.kind],
+            amount=numbers.amount(t.amount),
+            counterparty=t.counterparty,
+            country=t.country,
+        )
         for t in case.transactions
     ]
     return "\n".join(lines)
 
 
-def summarise_case(case: Case) -> str:
+def summarise_case(case: Case, style: Style = STANDARD) -> str:
     incoming = sum(t.amount for t in case.transactions if t.kind in ("cash deposit", "wire in", "ACH credit"))
     outgoing = sum(t.amount for t in case.transactions if t.kind in ("wire out", "card purchase"))
     flags = ", ".join(flag.replace("_", " ") for flag in case.red_flags) or "none"
     return (
         f"{case.customer_name} ({case.occupation}, risk rating {case.risk_rating}) had {len(case.transactions)} "
-        f"transactions: {incoming:,.2f} USD in and {outgoing:,.2f} USD out. Red flags: {flags}."
+        f"transactions: {style.numbers.amount(incoming)} in and {style.numbers.amount(outgoing)} out. "
+        f"Red flags: {flags}."
     )
 
 
-def explain_disposition(case: Case) -> str:
-    reasons = [_flag_reason(case, flag) for flag in case.red_flags]
+def explain_disposition(case: Case, style: Style = STANDARD) -> str:
+    reasons = style.reasons
     if case.disposition == "CLOSE":
-        because = "no red flags; the activity is consistent with the customer's profile"
+        because = reasons.no_flags
     elif case.sanctions_score >= 0.90:
-        because = f"the customer's name is a {case.sanctions_score:.2f} match to a sanctions list entry"
+        because = reasons.confirmed_match.format(score=style.numbers.score(case.sanctions_score))
     else:
-        because = "; ".join(reasons)
+        because = reasons.separator.join(_flag_reason(case, flag, style) for flag in case.red_flags)
     return f"Disposition: {case.disposition}\nReason: {because}."
 
 
-def draft_sar_narrative(case: Case) -> str:
+def draft_sar_narrative(case: Case, style: Style = STANDARD) -> str:
     if case.disposition != "SAR":
         raise ValueError(f"{case.case_id} does not warrant a SAR")
-    first, last = case.transactions[0].date.isoformat(), case.transactions[-1].date.isoformat()
-    reasons = "; ".join(_flag_reason(case, flag) for flag in case.red_flags)
+    first, last = style.date(case.transactions[0].date), style.date(case.transactions[-1].date)
+    reasons = "; ".join(_flag_reason(case, flag, style) for flag in case.red_flags)
     return (
         f"Between {first} and {last}, {case.customer_name}, a {case.occupation} holding account "
         f"{case.account_number}, conducted activity that the bank considers suspicious: {reasons}. "
@@ -239,11 +249,17 @@ def draft_sar_narrative(case: Case) -> str:
     )
 
 
-def _flag_reason(case: Case, flag: str) -> str:
-    return _FLAG_REASONS[flag].format(
-        n=len(_structuring_deposits(case)),
+def _flag_reason(case: Case, flag: str, style: Style) -> str:
+    """The reason sentence of one red flag, quoting the case's values as `style` prints them."""
+    deposits = [style.numbers.amount(t.amount) for t in _structuring_deposits(case)]
+    wire = _rapid_movement_wire(case)
+    return style.reasons.flags[flag].format(
+        n=len(deposits),
+        amounts=", ".join(deposits[:-1]) + f" and {deposits[-1]}" if len(deposits) > 1 else "".join(deposits),
+        wire_amount=style.numbers.amount(wire.amount) if wire else "",
+        wire_date=style.date(wire.date) if wire else "",
         countries=", ".join(_high_risk_countries(case)),
-        score=case.sanctions_score,
+        score=style.numbers.score(case.sanctions_score),
     )
 
 
@@ -251,14 +267,15 @@ def _structuring_deposits(case: Case) -> list[Transaction]:
     return [t for t in case.transactions if t.kind == "cash deposit" and 9_000 <= t.amount < 10_000]
 
 
-def _has_rapid_movement(case: Case) -> bool:
+def _rapid_movement_wire(case: Case) -> Transaction | None:
+    """The first incoming wire of 10,000 or more that was moved onward (80% of it) within two days, if any."""
     for wire in case.transactions:
         if wire.kind == "wire in" and wire.amount >= 10_000:
             window = wire.date + datetime.timedelta(days=2)
             moved = sum(t.amount for t in case.transactions if t.kind == "wire out" and wire.date <= t.date <= window)
             if moved >= 0.8 * wire.amount:
-                return True
-    return False
+                return wire
+    return None
 
 
 def _high_risk_countries(case: Case) -> list[str]:

@@ -137,8 +137,9 @@ def validate_dataset(
             continue
         # A preference example is two sequences, the input with each answer: both are trained on.
         sequences = example.conversations() if example.format is DatasetFormat.PREFERENCE else (example,)
-        tokenized = [_tokenized(sequence, line_number, tokenizer, report) for sequence in sequences]
-        if None in tokenized:
+        results = [_tokenized(sequence, line_number, tokenizer, report) for sequence in sequences]
+        tokenized = [sequence for sequence in results if sequence is not None]
+        if len(tokenized) < len(results):  # one did not tokenize (reported)
             continue
         longest = max(len(sequence.input_ids) for sequence in tokenized)
         if max_seq_len is not None and longest > max_seq_len:

@@ -39,7 +39,8 @@ class Principal:
 
 
 async def get_settings(request: Request) -> Settings:
-    return request.app.state.settings
+    settings: Settings = request.app.state.settings
+    return settings
 
 
 def get_session(request: Request) -> Iterator[Session]:
@@ -59,11 +60,12 @@ def get_session(request: Request) -> Iterator[Session]:
 
 
 async def get_inference(request: Request) -> InferenceService:
-    return request.app.state.inference
+    inference: InferenceService = request.app.state.inference
+    return inference
 
 
 async def get_principal(request: Request) -> Principal:
-    principal = getattr(request.state, "principal", None)
+    principal: Principal | None = getattr(request.state, "principal", None)
     if principal is None:
         raise Unauthorized("Missing or invalid API key.", code="invalid_api_key")
     return principal

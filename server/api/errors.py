@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from http import HTTPStatus
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -24,7 +25,9 @@ ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_
 UNSUPPORTED_PARAMETER = "unsupported_parameter"
 
 
-def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+def error_body(
+    message: str, type_: str, param: str | None = None, code: str | None = None
+) -> dict[str, dict[str, str | None]]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
@@ -54,7 +57,7 @@ async def _http_exception(_request: Request, exc: StarletteHTTPException) -> JSO
     return error_response(exc.status_code, message, param=param, headers=getattr(exc, "headers", None))
 
 
-def _field_name(location: tuple) -> str | None:
+def _field_name(location: tuple[int | str, ...]) -> str | None:
     """("body", "messages", 0, "role") -> "messages[0].role"; a whole-body error names no field.
 
     Pydantic also puts the union member tried in the location ("str", "list[int]", "function-before[...]"); JSON
@@ -69,7 +72,7 @@ def _field_name(location: tuple) -> str | None:
     return name.lstrip(".") or None
 
 
-def _refusal(error: dict) -> JSONResponse:
+def _refusal(error: dict[str, Any]) -> JSONResponse:
     """A field the request may not carry, in OpenAI's words: undeclared ("Unrecognized request argument"), or
     declared and not honoured by this server (`server.api.inference.protocol.Unsupported`)."""
     param = _field_name(tuple(error.get("loc", ())))
@@ -140,9 +143,11 @@ async def _unhandled(request: Request, exc: Exception) -> JSONResponse:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    app.add_exception_handler(APIError, _api_error)
-    app.add_exception_handler(StarletteHTTPException, _http_exception)
-    app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(DataError, _unstorable_value)
-    app.add_exception_handler(SQLAlchemyError, _database_error)
-    app.add_exception_handler(Exception, _unhandled)
+    # FastAPI's decorator, called directly: Starlette's `add_exception_handler` types every handler as taking any
+    # exception, which a handler of one exception class is not.
+    app.exception_handler(APIError)(_api_error)
+    app.exception_handler(StarletteHTTPException)(_http_exception)
+    app.exception_handler(RequestValidationError)(_validation_error)
+    app.exception_handler(DataError)(_unstorable_value)
+    app.exception_handler(SQLAlchemyError)(_database_error)
+    app.exception_handler(Exception)(_unhandled)

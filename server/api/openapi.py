@@ -70,4 +70,4 @@ def install_openapi(app: FastAPI) -> None:
             app.openapi_schema = build_schema(app)
         return app.openapi_schema
 
-    app.openapi = openapi
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to replace the schema

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 from python_multipart.exceptions import MultipartParseError
@@ -14,6 +15,9 @@ from starlette.requests import ClientDisconnect
 from server.api.limits import BodyTooLarge
 from server.errors import InsufficientStorage, InvalidRequest, PayloadTooLarge
 from server.services.storage import StreamedFile
+
+if TYPE_CHECKING:
+    from python_multipart.multipart import MultipartCallbacks
 
 MAX_FIELD_BYTES = 64 * 1024
 # After refusing an oversized upload, read (and drop) up to this much more so the client sees the 413
@@ -32,7 +36,7 @@ class MultipartUpload:
 class _Receiver:
     """python-multipart callbacks that route each part: the file field to a StreamedFile, others to small strings."""
 
-    def __init__(self, file_field: str, open_file) -> None:
+    def __init__(self, file_field: str, open_file: Callable[[], StreamedFile]) -> None:
         self.file_field = file_field
         self.open_file = open_file
         self.upload = MultipartUpload()
@@ -41,11 +45,11 @@ class _Receiver:
         self._headers: dict[bytes, bytes] = {}
         self._name: str | None = None
         self._value = bytearray()
-        self._to_file = False
+        self._file: StreamedFile | None = None  # the part being read goes to it
         self.complete = False
 
     def on_part_begin(self) -> None:
-        self._headers, self._name, self._value, self._to_file = {}, None, bytearray(), False
+        self._headers, self._name, self._value, self._file = {}, None, bytearray(), None
 
     def on_header_field(self, data: bytes, start: int, end: int) -> None:
         self._header_field += data[start:end]
@@ -66,36 +70,34 @@ class _Receiver:
             if self.upload.file is not None:
                 raise InvalidRequest(f"Send exactly one '{self.file_field}' part.", param=self.file_field)
             self.upload.filename = options.get(b"filename", b"").decode("utf-8", "replace") or None
-            self.upload.file = self.open_file()
-            self._to_file = True
+            self.upload.file = self._file = self.open_file()
 
     def on_part_data(self, data: bytes, start: int, end: int) -> None:
-        if self._to_file:
-            self.upload.file.write(data[start:end])
+        if self._file is not None:
+            self._file.write(data[start:end])
             return
         self._value += data[start:end]
         if len(self._value) > MAX_FIELD_BYTES:
             raise InvalidRequest(f"Form field '{self._name}' is too long.", param=self._name)
 
     def on_part_end(self) -> None:
-        if not self._to_file and self._name is not None:
+        if self._file is None and self._name is not None:
             self.upload.fields[self._name] = self._value.decode("utf-8", "replace")
 
     def on_end(self) -> None:
         self.complete = True
 
-    def callbacks(self) -> dict:
-        names = (
-            "on_part_begin",
-            "on_header_field",
-            "on_header_value",
-            "on_header_end",
-            "on_headers_finished",
-            "on_part_data",
-            "on_part_end",
-            "on_end",
-        )
-        return {name: getattr(self, name) for name in names}
+    def callbacks(self) -> MultipartCallbacks:
+        return {
+            "on_part_begin": self.on_part_begin,
+            "on_header_field": self.on_header_field,
+            "on_header_value": self.on_header_value,
+            "on_header_end": self.on_header_end,
+            "on_headers_finished": self.on_headers_finished,
+            "on_part_data": self.on_part_data,
+            "on_part_end": self.on_part_end,
+            "on_end": self.on_end,
+        }
 
 
 def _discard(upload: MultipartUpload) -> None:
@@ -114,7 +116,9 @@ async def _drain(chunks: AsyncIterator[bytes]) -> None:
         return
 
 
-async def receive_multipart(request: Request, *, file_field: str, open_file) -> MultipartUpload:
+async def receive_multipart(
+    request: Request, *, file_field: str, open_file: Callable[[], StreamedFile]
+) -> MultipartUpload:
     """Parse the request body, streaming the `file_field` part into `open_file()` (a StreamedFile).
 
     On any error the StreamedFile (if opened) is discarded before the error propagates.

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from command_line import CommandError
 from server.db.models import Role
 from server.settings import Settings
+
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
 
 
 def _db_upgrade(args: argparse.Namespace) -> int:
@@ -18,7 +22,7 @@ def _db_upgrade(args: argparse.Namespace) -> int:
     return 0
 
 
-def _require_current_schema(engine) -> None:
+def _require_current_schema(engine: Engine) -> None:
     from server.db.migrations import schema_is_current
 
     if not schema_is_current(engine):
@@ -98,7 +102,8 @@ def _models_register(args: argparse.Namespace) -> int:
     from server.services import audit, registry
     from server.services.model_resolution import find_version
 
-    engine = make_engine(Settings().database_url)
+    settings = Settings()
+    engine = make_engine(settings.database_url)
     try:
         _require_current_schema(engine)
         with session_scope(make_sessionmaker(engine)) as session:
@@ -110,6 +115,7 @@ def _models_register(args: argparse.Namespace) -> int:
                     path=Path(args.dir),
                     base_version_id=base.id if base else None,
                     description=args.description,
+                    serving=settings,
                 )
             except APIError as error:
                 raise CommandError(error.message) from error
@@ -125,11 +131,12 @@ def _models_register(args: argparse.Namespace) -> int:
             )
     finally:
         engine.dispose()
-    print(f"registered {version.name} version {version.version} ({version.kind}) as {version.id}")
+    print(f"registered {version.name} version {version.version} ({version.kind}); its id, for the admin API:")
+    print(version.id)
     return 0
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     db = subparsers.add_parser("db", help="database schema").add_subparsers(dest="db_command", required=True)
     upgrade = db.add_parser("upgrade", help="apply Alembic migrations to ZAYA_DATABASE_URL")
     upgrade.add_argument("--revision", default="head", help="target revision (default: head)")

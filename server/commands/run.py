@@ -55,6 +55,7 @@ def ensure_local_model(settings: Settings, *, train_steps: int | None = None) ->
                 name=BOOTSTRAP_MODEL_NAME,
                 path=directory,
                 description="Tiny ZAYA model bootstrapped by `zaya run` (synthetic bank corpus).",
+                serving=settings,
             )
             registry.promote(
                 session, version, alias=registry.DEFAULT_ALIAS, reason="bootstrapped by zaya run", actor=None
@@ -83,7 +84,7 @@ Press Ctrl-C to stop.
     )
 
 
-def _stop(process: subprocess.Popen) -> None:
+def _stop(process: subprocess.Popen[bytes]) -> None:
     if process.poll() is None:
         process.send_signal(signal.SIGINT)
         try:
@@ -119,7 +120,7 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     run = subparsers.add_parser("run", help="run the whole stack: migrate, bootstrap a local model, API + worker")
     run.add_argument("--host", help="bind address (default: ZAYA_HOST or 127.0.0.1)")
     run.add_argument("--port", type=int, help="port (default: ZAYA_PORT or 8000)")

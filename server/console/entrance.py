@@ -9,6 +9,7 @@ from datetime import timedelta
 from urllib.parse import quote
 
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import State
 from starlette.middleware.exceptions import ExceptionMiddleware
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
@@ -50,7 +51,7 @@ def safe_next(value: str | None) -> str:
     return f"{PREFIX}/"
 
 
-def build_entrance(app_state, codec: SessionCodec) -> ExceptionMiddleware:
+def build_entrance(app_state: State, codec: SessionCodec) -> ExceptionMiddleware:
     settings = app_state.settings
     sessions = app_state.sessionmaker
     last_used_resolution = timedelta(seconds=settings.key_last_used_resolution_s)

@@ -178,11 +178,16 @@ def audit_page(
 ) -> Response:
     filters = {"actor": actor.strip(), "action": action.strip(), "since": since.strip(), "until": until.strip()}
     try:
-        bounds = {name: _moment(name, filters[name]) for name in ("since", "until")}
+        since_moment, until_moment = _moment("since", filters["since"]), _moment("until", filters["until"])
     except InvalidRequest as error:
         return render(request, "audit.html", principal, 400, filters=filters, entries=[], error=error.message)
     entries = audit_service.list_entries(
-        session, actor=filters["actor"] or None, action=filters["action"] or None, limit=200, **bounds
+        session,
+        actor=filters["actor"] or None,
+        action=filters["action"] or None,
+        since=since_moment,
+        until=until_moment,
+        limit=200,
     )
     return render(request, "audit.html", principal, filters=filters, entries=entries, error=None)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from fastapi.templating import Jinja2Templates
 
@@ -25,7 +26,7 @@ def _number(value: object, digits: int = 4) -> str:
     return f"{value:.{digits}f}" if isinstance(value, float) else ("—" if value is None else str(value))
 
 
-def _task_evaluation(evaluation: dict | None) -> str:
+def _task_evaluation(evaluation: dict[str, Any] | None) -> str:
     """A stored task evaluation in one line: "exact match 0.800 (30 examples); Disposition 0.967, Reasons 0.800"."""
     if not evaluation or evaluation.get("exact_match") is None:
         return "—"

@@ -23,6 +23,7 @@ import itertools
 import queue
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import Engine, Executable
 
@@ -33,9 +34,9 @@ MAX_BATCH_ROWS = 512
 @dataclass(frozen=True)
 class _Pending:
     statement: Executable
-    params: dict
+    params: dict[str, Any]
     loop: asyncio.AbstractEventLoop
-    committed: asyncio.Future
+    committed: asyncio.Future[None]
 
 
 _STOP = object()  # queued by `close`
@@ -48,10 +49,10 @@ class RowWriter:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
-    async def execute(self, statement: Executable, params: dict) -> None:
+    async def execute(self, statement: Executable, params: dict[str, Any]) -> None:
         """Run `statement` with `params`; returns once it is committed, raises what running it raised."""
         loop = asyncio.get_running_loop()
-        committed = loop.create_future()
+        committed: asyncio.Future[None] = loop.create_future()
         self._queue.put(_Pending(statement, params, loop, committed))
         with self._lock:
             if self._thread is None:
@@ -88,7 +89,7 @@ class RowWriter:
         except queue.Empty:
             return [], True
         batch: list[_Pending] = []
-        while item is not _STOP:
+        while isinstance(item, _Pending):  # else `_STOP`
             batch.append(item)
             if len(batch) == MAX_BATCH_ROWS:
                 return batch, False
@@ -121,7 +122,7 @@ class RowWriter:
 
 
 def _settle(batch: list[_Pending], errors: list[Exception | None]) -> None:
-    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[None], Exception | None]]] = {}
     for item, error in zip(batch, errors, strict=True):
         by_loop.setdefault(item.loop, []).append((item.committed, error))
     for loop, outcomes in by_loop.items():
@@ -129,7 +130,7 @@ def _settle(batch: list[_Pending], errors: list[Exception | None]) -> None:
             loop.call_soon_threadsafe(_resolve, outcomes)
 
 
-def _resolve(outcomes: list[tuple[asyncio.Future, Exception | None]]) -> None:
+def _resolve(outcomes: list[tuple[asyncio.Future[None], Exception | None]]) -> None:
     for committed, error in outcomes:
         if committed.done():  # the caller was cancelled (its client left)
             continue

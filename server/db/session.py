@@ -6,13 +6,17 @@ import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Concatenate, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 from anyio import to_thread
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import CursorResult, Engine, Result, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine.interfaces import DBAPIConnection
+    from sqlalchemy.pool import ConnectionPoolEntry
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -37,7 +41,7 @@ def make_engine(database_url: str, *, pre_ping: bool = True, pool_size: int | No
     engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30}, **pool)
 
     @event.listens_for(engine, "connect")
-    def _configure_sqlite(dbapi_connection, _record) -> None:
+    def _configure_sqlite(dbapi_connection: DBAPIConnection, _record: ConnectionPoolEntry) -> None:
         cursor = dbapi_connection.cursor()
         cursor.execute("PRAGMA journal_mode=WAL")
         cursor.execute("PRAGMA synchronous=NORMAL")
@@ -46,6 +50,13 @@ def make_engine(database_url: str, *, pre_ping: bool = True, pool_size: int | No
         cursor.close()
 
     return engine
+
+
+def matched_rows(result: Result[Any]) -> int:
+    """The rows an UPDATE or DELETE matched (`Session.execute` types its result as any statement's)."""
+    if not isinstance(result, CursorResult):
+        raise TypeError(f"not a DML statement's result: {type(result).__name__}")
+    return result.rowcount
 
 
 def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:

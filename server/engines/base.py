@@ -13,10 +13,10 @@ from __future__ import annotations
 import abc
 import asyncio
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from server.engines.grammar import OutputGrammar
 
@@ -120,7 +120,11 @@ class ChoiceDelta:
 
 
 class EngineError(Exception):
-    """Something an engine refuses; `param` names the request field at fault, when there is one."""
+    """A request the engine refuses (HTTP 400); `param` names the request field at fault, when there is one.
+
+    The subclasses are the engine's own conditions, never the request's fault: a full queue, a model that does not
+    load, a failure while generating.
+    """
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -134,6 +138,20 @@ class EngineOverloaded(EngineError):
 
 class ModelLoadError(EngineError):
     """A model version or adapter could not be loaded (missing files, wrong base, unsupported weights)."""
+
+
+class EngineFailure(EngineError):
+    """The engine failed at a request it had accepted (a crashed forward pass, a dead engine core): a server error
+    (HTTP 500)."""
+
+
+class EngineUnavailable(EngineFailure):
+    """The engine cannot take requests for a while (a dead engine core being restarted, a model unloaded under the
+    request): retry after `retry_after_s` seconds (HTTP 503)."""
+
+    def __init__(self, message: str, *, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class LoadedModels(OrderedDict[str, T]):
@@ -193,7 +211,7 @@ class Engine(abc.ABC):
         """Free an adapter version."""
 
     @abc.abstractmethod
-    def health(self) -> dict:
+    def health(self) -> dict[str, Any]:
         """Readiness for `/health`: at least `{"status": "ok" | "unavailable", ...}`."""
 
     @abc.abstractmethod
@@ -241,7 +259,7 @@ class Engine(abc.ABC):
         params: SamplingParams,
         *,
         adapter: ModelRef | None = None,
-    ) -> AsyncIterator[ChoiceDelta]:
+    ) -> AsyncGenerator[ChoiceDelta, None]:
         """Stream the `params.n` choices' deltas, interleaved. Closing the iterator cancels the generation.
 
         A choice ends at max_tokens, a stop string, or one of the model's end-of-sequence tokens (end of turn and end
@@ -314,3 +332,15 @@ def load_model_config(model: ModelRef) -> ZayaConfig:
         return ZayaConfig.from_pretrained(model.path)
     except Exception as error:
         raise ModelLoadError(f"Model version {model.version_id} has no loadable config: {error}") from error
+
+
+def write_merged_checkpoint(adapter_dir: Path, base_dir: Path) -> Path:
+    """Merge an adapter that trains expert weights or token rows into its base, as the full checkpoint engines serve
+    in its place (`merged_checkpoint(adapter_dir)`, written atomically); `AdapterError` when it does not fit the
+    base."""
+    from finetune.artifacts import atomic_directory
+    from zaya_model.vllm_plugin.adapters import merge_adapter_into_base, merged_checkpoint
+
+    with atomic_directory(merged_checkpoint(adapter_dir)) as staging:
+        merge_adapter_into_base(adapter_dir, base_dir, staging)
+    return merged_checkpoint(adapter_dir)

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 from tokenizers.decoders import DecodeStream
 
+from zaya_model.pretrain.tokenizer import decode_text
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -51,7 +53,7 @@ class StopStringDetokenizer:
         if self.stopped:
             return ""
         # Decoded in full, once: that includes an incomplete UTF-8 sequence at the end (as U+FFFD).
-        self.pending = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)[self.released :]
+        self.pending = decode_text(self.tokenizer, self.token_ids, skip_special_tokens=True)[self.released :]
         return self._release(len(self.pending))
 
     def _held_back(self, pending: str) -> int:

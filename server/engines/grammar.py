@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -108,7 +108,11 @@ class OutputGrammar:
 
     @classmethod
     def tool_calls(
-        cls, tools: list[dict[str, Any]], tool_choice: str | dict[str, Any], *, parallel: bool
+        cls,
+        tools: list[dict[str, Any]],
+        tool_choice: Literal["none", "auto", "required"] | dict[str, Any],
+        *,
+        parallel: bool,
     ) -> OutputGrammar:
         """Text with tool calls for `tools` (OpenAI's function tools): under `tool_choice` "auto" free text where any
         call's arguments match its function's parameters, "required" at least one call, a named function exactly

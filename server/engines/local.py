@@ -30,7 +30,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -40,7 +40,9 @@ from server.engines.base import (
     DeltaQueue,
     Engine,
     EngineError,
+    EngineFailure,
     EngineOverloaded,
+    EngineUnavailable,
     LoadedModels,
     ModelLoadError,
     ModelRef,
@@ -48,7 +50,7 @@ from server.engines.base import (
     TokenLogprob,
     end_of_sequence_ids,
 )
-from server.engines.grammar import GrammarCompiler, GrammarError, GrammarMatcher
+from server.engines.grammar import GrammarCompiler, GrammarError, GrammarMatcher, OutputGrammar
 from server.engines.output import ChoiceOutput
 from server.engines.sampling import TokenSampler, choice_generator
 from server.engines.threads import on_own_thread
@@ -56,12 +58,16 @@ from server.settings import LocalEngineSettings
 from zaya_model import ZayaForCausalLM
 from zaya_model.cache_zaya import ZayaCache
 from zaya_model.cpu.decode import CompiledDecoder, StaticDecodeCache, capacity_for
+from zaya_model.pretrain.tokenizer import decode_text
 
 if TYPE_CHECKING:
     import xgrammar
 
 logger = logging.getLogger(__name__)
 
+# A request that met its model being unloaded finds it loaded again on retry.
+MODEL_UNLOADED = "The model was unloaded; retry shortly."
+UNLOADED_RETRY_AFTER_S = 1
 PROMPT_SCORING_CHUNK = 256  # prompt positions whose logits are computed at once for prompt logprobs
 
 
@@ -211,7 +217,7 @@ class _Scheduler:
     def submit(self, request: _Request) -> None:
         with self.waiting_lock:
             if self.closing:
-                raise EngineError("The model was unloaded.")
+                raise EngineUnavailable(MODEL_UNLOADED, retry_after_s=UNLOADED_RETRY_AFTER_S)
             # Room now in the batch plus the queue bound; read racily from the event loop, which is close enough.
             capacity = max(self.settings.max_batch_size - len(self.rows), 0) + self.settings.max_queued_requests
             if self.waiting >= capacity:
@@ -245,11 +251,11 @@ class _Scheduler:
                 self._drop_finished()
         except Exception as error:  # a failed forward fails its batch, never the engine
             logger.exception("local engine step failed")
-            self._fail_all(EngineError(f"Generation failed: {error}"))
+            self._fail_all(EngineFailure(f"Generation failed: {error}"))
         return bool(self.rows or self.backlog)
 
     def retire(self) -> None:
-        self._fail_all(EngineError("The model was unloaded."))
+        self._fail_all(EngineUnavailable(MODEL_UNLOADED, retry_after_s=UNLOADED_RETRY_AFTER_S))
         self.closed.set()
 
     def _take_waiting(self) -> list[_Request]:
@@ -278,7 +284,7 @@ class _Scheduler:
             prompt = request.prompt_token_ids
             input_ids[i, width - len(prompt) :] = torch.tensor(prompt)
             mask[i, width - len(prompt) :] = 1
-        # One row per request: its n choices share the prompt, so its cache rows are copies of that row's.
+        # One row per request: its n choices share the prompt, so their cache rows are copies of that row's.
         output = self.model.model(
             input_ids=input_ids,
             attention_mask=mask,
@@ -286,21 +292,7 @@ class _Scheduler:
             use_cache=True,
         )
         hidden = output.last_hidden_state
-        rows: list[_Sequence] = []
-        for i, request in enumerate(requests):
-            params, prompt = request.params, request.prompt_token_ids
-            scored = None
-            if params.prompt_logprobs is not None:
-                scored = self._score_prompt(hidden[i, width - len(prompt) :], prompt, params.prompt_logprobs)
-            rows += [
-                _Sequence(
-                    request,
-                    ChoiceOutput(index, self.tokenizer, params, self.end_ids, scored),
-                    TokenSampler(params, prompt, self.end_ids, choice_generator(params.seed, index)),
-                    GrammarMatcher(request.grammar, self.model.config.vocab_size) if request.grammar else None,
-                )
-                for index in range(params.n)
-            ]
+        rows = [row for i, request in enumerate(requests) for row in self._choices(request, hidden[i])]
         choices = torch.tensor([i for i, request in enumerate(requests) for _ in range(request.params.n)])
         cache = output.past_key_values
         for layer in cache.layers:
@@ -312,9 +304,25 @@ class _Scheduler:
                 self._send(row)
         self._sample(rows, self.model.lm_head(hidden[choices, -1]))
 
+    def _choices(self, request: _Request, hidden: torch.Tensor) -> list[_Sequence]:
+        """The request's rows, one per choice; `hidden`: its prefilled row's last hidden states (left-padded)."""
+        params, prompt = request.params, request.prompt_token_ids
+        scored = None
+        if params.prompt_logprobs is not None:
+            scored = self._score_prompt(hidden[hidden.shape[0] - len(prompt) :], prompt, params.prompt_logprobs)
+        return [
+            _Sequence(
+                request,
+                ChoiceOutput(index, self.tokenizer, params, self.end_ids, scored),
+                TokenSampler(params, prompt, self.end_ids, choice_generator(params.seed, index)),
+                GrammarMatcher(request.grammar, self.model.config.vocab_size) if request.grammar else None,
+            )
+            for index in range(params.n)
+        ]
+
     def _score_prompt(self, hidden: torch.Tensor, prompt: list[int], top: int) -> list[TokenLogprob]:
         """Each prompt token's logprob given the tokens before it (`hidden`: the prompt's last hidden states)."""
-        entries = [TokenLogprob(self.tokenizer.decode([prompt[0]]), None)]
+        entries = [TokenLogprob(decode_text(self.tokenizer, [prompt[0]]), None)]
         for start in range(0, len(prompt) - 1, PROMPT_SCORING_CHUNK):
             logits = self.model.lm_head(hidden[start : start + PROMPT_SCORING_CHUNK])
             targets = prompt[start + 1 : start + 1 + PROMPT_SCORING_CHUNK]
@@ -387,13 +395,14 @@ class _Scheduler:
     def _logprob(self, logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
         """The model's own logprob of `token` given next-token `logits`, with the `top` best alternatives."""
         logprobs = torch.log_softmax(logits.float(), dim=-1)
-        alternatives = ()
+        alternatives: tuple[tuple[str, float], ...] = ()
         if top:
             values, ids = logprobs.topk(top)
             alternatives = tuple(
-                (self.tokenizer.decode([i]), float(v)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)
+                (decode_text(self.tokenizer, [i]), float(v)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)
             )
-        return TokenLogprob(token=self.tokenizer.decode([token]), logprob=float(logprobs[token]), top=alternatives)
+        token_text = decode_text(self.tokenizer, [token])
+        return TokenLogprob(token=token_text, logprob=float(logprobs[token]), top=alternatives)
 
     def _merge(self, rows: list[_Sequence], cache: ZayaCache, mask: torch.Tensor) -> None:
         """Append prefilled rows to the running batch, left-padding the shorter cache to a common length."""
@@ -549,16 +558,16 @@ class LocalEngine(Engine):
         deltas: DeltaQueue,
     ) -> Callable[[], None]:
         scheduler = await self._ensure_loaded(model, adapter)
-        grammar = await self._compile(model, scheduler, params) if params.grammar is not None else None
+        grammar = await self._compile(model, scheduler, params.grammar) if params.grammar is not None else None
         request = _Request(list(prompt_token_ids), params, asyncio.get_running_loop(), deltas, grammar)
         scheduler.submit(request)
         # The scheduler drops a cancelled request's rows at its next step.
         return request.cancelled.set
 
     async def _compile(
-        self, model: ModelRef, scheduler: _Scheduler, params: SamplingParams
+        self, model: ModelRef, scheduler: _Scheduler, grammar: OutputGrammar
     ) -> xgrammar.CompiledGrammar:
-        """`params.grammar` compiled for the model's tokenizer, off the event loop and the compute thread (reading a
+        """`grammar` compiled for the model's tokenizer, off the event loop and the compute thread (reading a
         large vocabulary, or compiling a large schema, takes a while)."""
         compiler = self._grammar_compilers.get(model.version_id)
         if compiler is None:
@@ -567,7 +576,7 @@ class LocalEngine(Engine):
             compiler = await asyncio.to_thread(GrammarCompiler, scheduler.tokenizer, vocab_size, stop_ids)
             self._grammar_compilers[model.version_id] = compiler
         try:
-            return await asyncio.to_thread(compiler.compile, params.grammar)
+            return await asyncio.to_thread(compiler.compile, grammar)
         except GrammarError as error:
             raise EngineError(error.message, param=error.param) from error
 
@@ -576,7 +585,7 @@ class LocalEngine(Engine):
         loaded = self._loaded.get(version_id)
         return loaded.scheduler.stats if loaded else None
 
-    def health(self) -> dict:
+    def health(self) -> dict[str, Any]:
         """`status` is "warming" while any loaded model's decode steps are being compiled (requests are served
         meanwhile, eagerly for batch sizes not yet compiled), else "ok"."""
         compiled = {
@@ -614,7 +623,8 @@ def _load_weights(base: ModelRef, adapter: ModelRef | None) -> ZayaForCausalLM:
             raise ModelLoadError(f"Model version {base.version_id} could not be loaded: {error}") from error
         if adapter is not None:
             model = _merge_adapter(model, adapter)
-    return model.eval()
+    model.eval()
+    return model
 
 
 def _merge_adapter(model: ZayaForCausalLM, adapter: ModelRef) -> ZayaForCausalLM:
@@ -629,4 +639,6 @@ def _merge_adapter(model: ZayaForCausalLM, adapter: ModelRef) -> ZayaForCausalLM
         raise ModelLoadError(
             f"Adapter version {adapter.version_id} cannot be applied to its base model: {error}"
         ) from error
+    if not isinstance(merged, ZayaForCausalLM):  # merging gives the base model back, with the adapter folded in
+        raise ModelLoadError(f"Merging adapter version {adapter.version_id} gave a {type(merged).__name__}.")
     return merged

@@ -69,7 +69,7 @@ class TokenSampler:
 
     def _penalise(self, logits: torch.Tensor) -> torch.Tensor:
         params = self.params
-        if self._counts is None:
+        if self._counts is None or self._in_prompt is None:
             self._counts = torch.zeros(logits.shape[0])
             self._in_prompt = torch.zeros(logits.shape[0], dtype=torch.bool)
             self._in_prompt[torch.tensor(self._prompt)] = True

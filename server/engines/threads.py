@@ -15,20 +15,21 @@ import asyncio
 import functools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import ParamSpec, TypeVar
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 THREAD_NAME_PREFIX = "zaya-torch-task"
 
 
-def run_on_own_thread(function: Callable[..., T], *args, **kwargs) -> T:
+def run_on_own_thread(function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
     """`function(*args, **kwargs)` on a new thread that has ended when this returns."""
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix=THREAD_NAME_PREFIX) as pool:
         return pool.submit(function, *args, **kwargs).result()
 
 
-async def on_own_thread(function: Callable[..., T], *args, **kwargs) -> T:
+async def on_own_thread(function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
     """`run_on_own_thread` for the event loop: awaits the result without blocking the loop."""
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=THREAD_NAME_PREFIX)
     try:

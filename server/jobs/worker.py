@@ -32,9 +32,12 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
@@ -46,6 +49,12 @@ from server.jobs.attempt import AttemptFiles, EventReader, exit_description, wri
 from server.services import jobs, training
 from server.settings import Settings
 from zaya_model.training.atomic_io import write_json_atomic
+
+if TYPE_CHECKING:
+    from finetune.train import FineTuneRun
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +80,9 @@ class WorkerConfig:
 class JobRun:
     """The state one claimed job shares between the training thread (hooks) and the heartbeat thread."""
 
-    def __init__(self, sessions: sessionmaker[Session], lease: jobs.Lease, config: WorkerConfig, shutdown) -> None:
+    def __init__(
+        self, sessions: sessionmaker[Session], lease: jobs.Lease, config: WorkerConfig, shutdown: threading.Event
+    ) -> None:
         self.sessions = sessions
         self.lease = lease
         self.config = config
@@ -85,7 +96,7 @@ class JobRun:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._stop_heartbeat.set()
         self._thread.join()
 
@@ -110,12 +121,12 @@ class JobRun:
             return "pause"
         return None
 
-    def write(self, action, *args, **kwargs):
+    def write(self, action: Callable[Concatenate[Session, jobs.Lease, P], T], *args: P.args, **kwargs: P.kwargs) -> T:
         with self.sessions() as session:
             return action(session, self.lease, *args, **kwargs)
 
 
-def json_safe(metrics: dict | None) -> dict | None:
+def json_safe(metrics: dict[str, Any] | None) -> dict[str, Any] | None:
     """NaN and infinities are not JSON (PostgreSQL refuses them): store them as null."""
     if metrics is None:
         return None
@@ -133,7 +144,7 @@ METRIC_LABELS = {
 }
 
 
-def metrics_message(step: int, total_steps: int | None, metrics: dict) -> str:
+def metrics_message(step: int, total_steps: int | None, metrics: dict[str, Any]) -> str:
     where = f"Step {step}/{total_steps}" if total_steps else f"Step {step}"
     values = [
         f"{label}={metrics[name]:.4f}"
@@ -147,7 +158,7 @@ class Pace:
     """When training should end, at the pace of this attempt's steps so far (from the trainer's start, so the time
     of the first step, compilation included, counts)."""
 
-    def __init__(self, first_step: int, total_steps: int, clock=time.monotonic) -> None:
+    def __init__(self, first_step: int, total_steps: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.first_step, self.total_steps, self.clock = first_step, total_steps, clock
         self.started = clock()
 
@@ -159,38 +170,38 @@ class Pace:
         return utcnow() + timedelta(seconds=max(self.total_steps - step, 0) * seconds_per_step)
 
 
-def make_hooks(run: JobRun):
+class JobHooks:
     """What the trainer's hooks report, written as events, metrics and checkpoints under the job's lease, moving the
     job's estimated finish after each training step."""
 
-    class JobHooks:
-        total_steps: int | None = None  # from the trainer's "training from step ... of ..." event
-        pace: Pace | None = None
+    def __init__(self, run: JobRun) -> None:
+        self.run = run
+        self.total_steps: int | None = None  # from the trainer's "training from step ... of ..." event
+        self.pace: Pace | None = None
 
-        def on_event(self, level, message, data=None):
-            if data and "max_steps" in data:
-                self.total_steps = data["max_steps"]
-                self.pace = Pace(data.get("step") or 0, data["max_steps"])
-            run.write(jobs.record_event, message, level=training.LEVELS.get(level, "info"), data=json_safe(data))
-            if data and all(key in data for key in jobs.OPENAI_HYPERPARAMETERS):  # the numbers the run chose
-                run.write(jobs.record_chosen_hyperparameters, data)
+    def on_event(self, level: str, message: str, data: dict[str, Any] | None = None) -> None:
+        run = self.run
+        if data and "max_steps" in data:
+            self.total_steps = data["max_steps"]
+            self.pace = Pace(data.get("step") or 0, data["max_steps"])
+        run.write(jobs.record_event, message, level=training.LEVELS.get(level, "info"), data=json_safe(data))
+        if data and all(key in data for key in jobs.OPENAI_HYPERPARAMETERS):  # the numbers the run chose
+            run.write(jobs.record_chosen_hyperparameters, data)
 
-        def on_metrics(self, step, metrics):
-            data = json_safe({"step": step, "total_steps": self.total_steps, **metrics})
-            message = metrics_message(step, self.total_steps, metrics)
-            finish = self.pace.estimated_finish(step) if self.pace and "train_loss" in metrics else None
-            run.write(jobs.record_event, message, type_="metrics", data=data, estimated_finish=finish)
+    def on_metrics(self, step: int, metrics: dict[str, Any]) -> None:
+        data = json_safe({"step": step, "total_steps": self.total_steps, **metrics})
+        message = metrics_message(step, self.total_steps, metrics)
+        finish = self.pace.estimated_finish(step) if self.pace and "train_loss" in metrics else None
+        self.run.write(jobs.record_event, message, type_="metrics", data=data, estimated_finish=finish)
 
-        def on_checkpoint(self, step, path, metrics):
-            run.write(jobs.record_checkpoint, step=step, path=str(path), metrics=json_safe(metrics))
+    def on_checkpoint(self, step: int, path: str, metrics: dict[str, Any] | None) -> None:
+        self.run.write(jobs.record_checkpoint, step=step, path=str(path), metrics=json_safe(metrics))
 
-        def on_checkpoint_deleted(self, step, path):
-            run.write(jobs.delete_checkpoint, step=step, path=str(path))
-
-    return JobHooks()
+    def on_checkpoint_deleted(self, step: int, path: str) -> None:
+        self.run.write(jobs.delete_checkpoint, step=step, path=str(path))
 
 
-def report(hooks, record: dict) -> None:
+def report(hooks: JobHooks, record: dict[str, Any]) -> None:
     """One line of the attempt's events file (`server.jobs.attempt`) to the matching hook."""
     kind = record["kind"]
     if kind == "event":
@@ -232,7 +243,7 @@ class Worker:
             job_ids = jobs.jobs_to_validate(session)
         for job_id in job_ids:
             with self.sessions() as session:
-                error = training.file_error(session, self.settings, session.get(FineTuningJob, job_id))
+                error = training.file_error(session, self.settings, session.get_one(FineTuningJob, job_id))
                 if jobs.finish_validation(session, job_id, error) and error is not None:
                     logger.warning("job %s failed file validation: %s", job_id, error["message"])
         return job_ids
@@ -270,7 +281,7 @@ class Worker:
             try:
                 with self.sessions() as session:
                     fine_tune_run, resume_from = training.job_run(session, self.settings, lease.job_id, lease.attempt)
-                    devices = session.get(FineTuningJob, lease.job_id).devices
+                    devices = session.get_one(FineTuningJob, lease.job_id).devices
                 if resume_from is not None:
                     run.write(jobs.record_event, f"Resuming from checkpoint {Path(resume_from).name}.")
                 result = self.run_attempt(run, fine_tune_run, resume_from, devices)
@@ -304,7 +315,9 @@ class Worker:
         error = {"code": code, "message": message, "param": None}
         run.write(jobs.finish_stopped, JobStatus.failed, f"Job failed: {message}", error=error)
 
-    def run_attempt(self, run: JobRun, fine_tune_run, resume_from: str | None, devices: int = 1) -> dict:
+    def run_attempt(
+        self, run: JobRun, fine_tune_run: FineTuneRun, resume_from: str | None, devices: int = 1
+    ) -> dict[str, Any]:
         """Train in a child process (`server.jobs.attempt`; with several devices, `torchrun` starting one per device)
         while recording what it reports and passing on stop requests; returns its result file. AttemptDied when it ends
         without one."""
@@ -315,8 +328,8 @@ class Worker:
             shutil.rmtree(files.directory, ignore_errors=True)
 
     def _run_child(
-        self, run: JobRun, fine_tune_run, resume_from: str | None, devices: int, files: AttemptFiles
-    ) -> dict:
+        self, run: JobRun, fine_tune_run: FineTuneRun, resume_from: str | None, devices: int, files: AttemptFiles
+    ) -> dict[str, Any]:
         spec = {
             "model_dir": fine_tune_run.model_dir,
             "train_file": fine_tune_run.train_file,
@@ -352,12 +365,13 @@ class Worker:
                     process.wait()
         if not files.result.is_file():
             raise AttemptDied(f"The training process {process.pid} {exit_description(process.returncode)}")
-        return json.loads(files.result.read_text())
+        result: dict[str, Any] = json.loads(files.result.read_text())
+        return result
 
-    def _follow(self, run: JobRun, process: subprocess.Popen, files: AttemptFiles) -> None:
-        hooks = make_hooks(run)
+    def _follow(self, run: JobRun, process: subprocess.Popen[bytes], files: AttemptFiles) -> None:
+        hooks = JobHooks(run)
         reader = EventReader(files.events)
-        pending: list[dict] = []  # read from the child, not yet recorded
+        pending: list[dict[str, Any]] = []  # read from the child, not yet recorded
         sent = None
         while True:
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -382,7 +396,7 @@ class Worker:
                 write_control(files, action)
                 sent = action
 
-    def _finish(self, run: JobRun, result) -> None:
+    def _finish(self, run: JobRun, result: dict[str, Any]) -> None:
         if run.lost.is_set():
             raise jobs.LeaseLost(f"lost job {run.lease.job_id} before it finished")
         status = result["status"]
@@ -405,14 +419,14 @@ class Worker:
             run.write(jobs.finish_stopped, JobStatus.queued, f"Worker {self.worker_id} shut down; job re-queued.")
         else:
             message = f"The trainer returned an unknown status {status!r}."
-            error = {"code": "training_error", "message": message, "param": None}
-            run.write(jobs.finish_stopped, JobStatus.failed, f"Job failed: {message}", error=error)
+            unknown = {"code": "training_error", "message": message, "param": None}
+            run.write(jobs.finish_stopped, JobStatus.failed, f"Job failed: {message}", error=unknown)
 
 
 def install_signal_handlers(worker: Worker) -> None:
     """SIGTERM / SIGINT: checkpoint the running job, put it back in the queue, exit."""
 
-    def stop(signum, _frame) -> None:
+    def stop(signum: int, _frame: FrameType | None) -> None:
         logger.info("signal %d: stopping after the current step", signum)
         worker.shutdown.set()
 

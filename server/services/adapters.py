@@ -2,9 +2,10 @@
 
 - An adapter on the attention projections only is checked against its base (LoRA, targets an engine can apply per
   request, shapes of this base) and served per request (vLLM `LoRARequest`; the local engine merges at load).
-- An adapter that trains expert weights (PEFT `target_parameters`, the fine-tuning default) cannot be applied per
-  request: it is merged into its base here, once, into `<adapter dir>/merged/` (written atomically), which engines
-  serve as a full model of its own.
+- An adapter that trains expert weights (PEFT `target_parameters`) or token embedding rows (PEFT
+  `trainable_token_indices`), as fine-tuning's default LoRA does, cannot be applied per request: it is merged into
+  its base here, once, into `<adapter dir>/merged/` (written atomically), which engines serve as a full model of its
+  own.
 Either way a bad adapter (not LoRA, another base, unknown targets) is a 400 naming `path` at registration.
 """
 
@@ -16,21 +17,14 @@ from server.errors import InvalidRequest
 
 
 def prepare_adapter(adapter_dir: Path, base_dir: Path) -> None:
-    from finetune.artifacts import atomic_directory
-    from zaya_model.vllm_plugin.adapters import (
-        AdapterError,
-        check_adapter,
-        merge_expert_adapter,
-        merged_checkpoint,
-        trains_experts,
-    )
+    from server.engines.base import write_merged_checkpoint
+    from zaya_model.vllm_plugin.adapters import AdapterError, check_adapter, served_merged
 
     try:
-        if not trains_experts(adapter_dir):
+        if not served_merged(adapter_dir):
             check_adapter(adapter_dir, base_dir)
             return
-        with atomic_directory(merged_checkpoint(adapter_dir)) as staging:
-            merge_expert_adapter(adapter_dir, base_dir, staging)
+        write_merged_checkpoint(adapter_dir, base_dir)
     except AdapterError as error:
         raise InvalidRequest(f"This adapter cannot be served: {error}", param="path") from error
     except OSError as error:

@@ -10,6 +10,7 @@ from sqlalchemy.orm import Session
 
 from server.db.base import utcnow
 from server.db.models import AliasApproval, AliasHistory, ApprovalStatus, new_id
+from server.db.session import matched_rows
 from server.errors import Conflict, Forbidden, NotFound
 from server.services import registry
 
@@ -94,7 +95,7 @@ def _decide(
             decision_reason=reason.strip() if reason and reason.strip() else None,
         )
     )
-    if decided.rowcount != 1:
+    if matched_rows(decided) != 1:
         session.rollback()
         session.refresh(approval)
         raise Conflict(f"Approval request {approval.id} is already {approval.status}.", code="approval_decided")

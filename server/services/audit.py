@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import insert, select
 from sqlalchemy.orm import Session
@@ -29,7 +30,7 @@ def entry(
     target: str | None,
     status_code: int,
     client_address: str | None,
-) -> dict:
+) -> dict[str, Any]:
     """The column values of one audit log row, timed now (the request path writes them with `INSERT_ENTRY`)."""
     return {
         "created_at": utcnow(),
@@ -44,7 +45,7 @@ def entry(
     }
 
 
-def record(session: Session, **fields) -> AuditLog:
+def record(session: Session, **fields: Any) -> AuditLog:
     """Add an audit log row (the `entry` fields) to `session`'s transaction."""
     row = AuditLog(**entry(**fields))
     session.add(row)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
@@ -32,7 +32,9 @@ from server.engines.base import (
     ChoiceDelta,
     Engine,
     EngineError,
+    EngineFailure,
     EngineOverloaded,
+    EngineUnavailable,
     ModelLoadError,
     SamplingParams,
     TokenLogprob,
@@ -85,13 +87,18 @@ class ChatPrompt:
                 "<tool_call> format; register a model whose tokenizer writes it.",
                 param=param,
             )
-        return tokenizer.apply_chat_template(
-            self.messages, tools=self.tools, tokenize=False, add_generation_prompt=True
+        tools: list[dict[Any, Any] | Callable[..., Any]] = [*(self.tools or [])]
+        text = tokenizer.apply_chat_template(
+            self.messages, tools=tools or None, tokenize=False, add_generation_prompt=True
         )
+        if not isinstance(text, str):
+            raise TypeError(f"apply_chat_template(tokenize=False) gave a {type(text).__name__}")
+        return text
 
     def token_ids(self, tokenizer: PreTrainedTokenizerBase) -> list[int]:
         # The template writes the special tokens itself (BOS, turn markers).
-        return tokenizer.encode(self.text(tokenizer), add_special_tokens=False)
+        token_ids: list[int] = tokenizer.encode(self.text(tokenizer), add_special_tokens=False)
+        return token_ids
 
 
 @dataclass(frozen=True)
@@ -103,11 +110,16 @@ class TextPrompt:
     param: ClassVar[str] = "prompt"
 
     def text(self, tokenizer: PreTrainedTokenizerBase) -> str:
-        return self.prompt if isinstance(self.prompt, str) else tokenizer.decode(self.prompt)
+        if isinstance(self.prompt, str):
+            return self.prompt
+        from zaya_model.pretrain.tokenizer import decode_text  # transformers: loaded with the tokenizer given
+
+        return decode_text(tokenizer, self.prompt)
 
     def token_ids(self, tokenizer: PreTrainedTokenizerBase) -> list[int]:
         if isinstance(self.prompt, str):
-            return tokenizer.encode(self.prompt, add_special_tokens=False)
+            token_ids: list[int] = tokenizer.encode(self.prompt, add_special_tokens=False)
+            return token_ids
         if any(token < 0 or token >= len(tokenizer) for token in self.prompt):
             raise InvalidRequest(f"prompt: token ids must be in [0, {len(tokenizer)}).", param="prompt")
         return list(self.prompt)
@@ -155,12 +167,21 @@ class FinishedChoice:
     tool_calls: list[ToolCall] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class _PreparedPrompt:
+    """One prompt of a request, checked against the model's context: ready to start."""
+
+    token_ids: list[int]
+    params: SamplingParams
+    echo: str | None  # the prompt's text, put before its choices' (echo)
+
+
 @dataclass
 class _Run:
     """One prompt's generation in the engine: its first delta (already read) and the rest of its stream."""
 
     first: ChoiceDelta
-    deltas: AsyncIterator[ChoiceDelta]
+    deltas: AsyncGenerator[ChoiceDelta, None]
     echo: str | None  # the prompt's text, put before its choices' (echo)
 
 
@@ -175,7 +196,7 @@ class _Record:
     status_code: int = 200
     started: float = field(default_factory=time.perf_counter)
 
-    def row(self) -> dict:
+    def row(self) -> dict[str, Any]:
         """The `inference_records` row, timed now."""
         return {
             "created_at": utcnow(),
@@ -225,7 +246,7 @@ class Generation:
         """Prompt tokens served from the engine's prefix cache (OpenAI's `prompt_tokens_details.cached_tokens`)."""
         return self._cached_tokens
 
-    async def deltas(self) -> AsyncIterator[ChoiceDelta]:
+    async def deltas(self) -> AsyncGenerator[ChoiceDelta, None]:
         """The choices' deltas, interleaved, as the engine releases them."""
         record, tokens = self._record, self._tokens
         record.status_code = CLIENT_CLOSED_REQUEST  # until the last delta is read
@@ -244,7 +265,7 @@ class Generation:
                 yield delta
         except EngineError as error:
             record.status_code = 500
-            raise GenerationFailed(error.message) from error
+            raise GenerationFailed(error.message, code="engine_failure") from error
         record.status_code = 200
 
     async def _interleaved(self) -> AsyncIterator[tuple[int, ChoiceDelta]]:
@@ -364,7 +385,7 @@ class InferenceService:
         self._engine_factory = engine_factory
         self._engine_state: EngineState = "ready" if engine is not None else "not_started"
         self._engine_error: str | None = None
-        self._starting: asyncio.Task | None = None
+        self._starting: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         if self._engine_state == "not_started":
@@ -413,12 +434,12 @@ class InferenceService:
         if self._engine is not None:
             await self._engine.close()
 
-    def health(self) -> dict:
+    def health(self) -> dict[str, Any]:
         """`{"status": "ready" | "not_started" | "loading" | "failed" | <the engine's own status>, "kind", ...}`.
 
         `not_started` is ready too: the engine is created on first use.
         """
-        report = {"status": self._engine_state, "kind": self.settings.engine}
+        report: dict[str, Any] = {"status": self._engine_state, "kind": self.settings.engine}
         if self._engine_error is not None:
             report["error"] = self._engine_error
         if self._engine is not None:
@@ -427,6 +448,14 @@ class InferenceService:
             if details.get("status") != "ok":
                 report["status"] = details.get("status", "unavailable")
         return report
+
+    async def tokenizer(self, model: str) -> PreTrainedTokenizerBase:
+        """The tokenizer `model` is served with (resolved as a request's `model` is); 404 or 503 as a request gets."""
+        servable = await self.reads.run(resolve, model)
+        try:
+            return await self.engine.tokenizer(servable.base)
+        except ModelLoadError as error:
+            raise ServiceUnavailable(error.message, code="model_unavailable") from error
 
     # --- the request flow -------------------------------------------------------------------------------------
     async def start_generation(self, key_id: str, request: GenerationRequest) -> Generation:
@@ -438,20 +467,17 @@ class InferenceService:
             servable = await self.reads.run(resolve, request.model)
             record.model_version_id = servable.version_id
             prepared = [await self._prepare(servable, prompt, request) for prompt in prompts]
-            record.prompt_tokens = sum(len(prompt_ids) for prompt_ids, _, _ in prepared)
-            tokens = sum(len(prompt_ids) + params.max_tokens * params.n for prompt_ids, params, _ in prepared)
+            record.prompt_tokens = sum(len(each.token_ids) for each in prepared)
+            tokens = sum(len(each.token_ids) + each.params.max_tokens * each.params.n for each in prepared)
             self.budget.charge_tokens(key_id, tokens, param=request.max_tokens_param)
             runs = await self._start_runs(servable, prepared)
         except APIError as error:
             record.status_code = error.status_code
             await self.rows.execute(INSERT_RECORD, record.row())
             raise
-        return Generation(record, runs, prepared[0][1].n, self.rows, parses_tool_calls=request.parses_tool_calls)
+        return Generation(record, runs, prepared[0].params.n, self.rows, parses_tool_calls=request.parses_tool_calls)
 
-    async def _prepare(
-        self, servable: ServableModel, prompt: Prompt, request: GenerationRequest
-    ) -> tuple[list[int], SamplingParams, str | None]:
-        """The prompt's token ids, its sampling parameters, and its text if it is echoed."""
+    async def _prepare(self, servable: ServableModel, prompt: Prompt, request: GenerationRequest) -> _PreparedPrompt:
         try:
             tokenizer = await self.engine.tokenizer(servable.base)
             context = await self.engine.context_length(servable.base)
@@ -477,15 +503,13 @@ class InferenceService:
                 param=request.max_tokens_param,
                 code="context_length_exceeded",
             )
-        return prompt_ids, params, prompt.text(tokenizer) if request.echo_prompt else None
+        return _PreparedPrompt(prompt_ids, params, prompt.text(tokenizer) if request.echo_prompt else None)
 
-    async def _start_runs(
-        self, servable: ServableModel, prepared: list[tuple[list[int], SamplingParams, str | None]]
-    ) -> list[_Run]:
+    async def _start_runs(self, servable: ServableModel, prepared: list[_PreparedPrompt]) -> list[_Run]:
         """Start every prompt's generation at once (so the engine batches them) and wait for their first deltas."""
         streams = [
-            self.engine.generate(servable.base, prompt_ids, params, adapter=servable.adapter)
-            for prompt_ids, params, _ in prepared
+            self.engine.generate(servable.base, each.token_ids, each.params, adapter=servable.adapter)
+            for each in prepared
         ]
         firsts = await asyncio.gather(*(_first_delta(stream) for stream in streams), return_exceptions=True)
         failures = [first for first in firsts if isinstance(first, BaseException)]
@@ -494,7 +518,9 @@ class InferenceService:
                 await stream.aclose()
             raise failures[0]
         return [
-            _Run(first, stream, echo) for first, stream, (_, _, echo) in zip(firsts, streams, prepared, strict=True)
+            _Run(first, stream, each.echo)
+            for first, stream, each in zip(firsts, streams, prepared, strict=True)
+            if not isinstance(first, BaseException)  # none is: any failure was raised above
         ]
 
 
@@ -510,11 +536,22 @@ async def _first_delta(deltas: AsyncIterator[ChoiceDelta]) -> ChoiceDelta:
     """Start generating and wait for the first output, so refusals still become proper errors."""
     try:
         return await anext(deltas)
-    except EngineOverloaded as error:
+    except EngineError as error:
+        raise engine_error(error) from error
+
+
+def engine_error(error: EngineError) -> APIError:
+    """The API error for an engine's: 400 for a request it refuses, 429 for a full queue, 503 (with Retry-After
+    where known) for a model or engine that cannot take requests now, 500 for a failure while generating."""
+    if isinstance(error, EngineOverloaded):
         # The queue drains in about a decode batch's time: a second is a fair hint for clients to back off.
         headers = {"Retry-After": str(OVERLOADED_RETRY_AFTER_S)}
-        raise TooManyRequests(error.message, code="engine_overloaded", headers=headers) from error
-    except ModelLoadError as error:
-        raise ServiceUnavailable(error.message, code="model_unavailable") from error
-    except EngineError as error:
-        raise InvalidRequest(error.message, param=error.param) from error
+        return TooManyRequests(error.message, code="engine_overloaded", headers=headers)
+    if isinstance(error, ModelLoadError):
+        return ServiceUnavailable(error.message, code="model_unavailable")
+    if isinstance(error, EngineUnavailable):
+        headers = {"Retry-After": str(error.retry_after_s)}
+        return ServiceUnavailable(error.message, code="engine_unavailable", headers=headers)
+    if isinstance(error, EngineFailure):
+        return GenerationFailed(error.message, code="engine_failure")
+    return InvalidRequest(error.message, param=error.param)

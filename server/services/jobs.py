@@ -20,11 +20,11 @@ from sqlalchemy.orm import Session
 
 from server.db.base import utcnow
 from server.db.models import Checkpoint, File, FineTuningJob, JobEvent, JobStatus, ModelVersion, new_id
+from server.db.session import matched_rows
 from server.errors import Conflict, InvalidRequest, NotFound
 from server.services import registry
-from server.services.model_resolution import find_version
+from server.services.model_resolution import find_version, fine_tuned_model_name
 
-ORGANIZATION = "zaya"
 # The hyperparameters OpenAI's job object shows; "auto" until a run has chosen them.
 OPENAI_HYPERPARAMETERS = ("batch_size", "learning_rate_multiplier", "n_epochs")
 FINISHED_STATUSES = (JobStatus.succeeded, JobStatus.failed, JobStatus.cancelled)
@@ -115,7 +115,7 @@ def jobs_to_validate(session: Session, *, limit: int = 10) -> list[str]:
     return list(session.scalars(query))
 
 
-def finish_validation(session: Session, job_id: str, error: dict | None) -> bool:
+def finish_validation(session: Session, job_id: str, error: dict[str, Any] | None) -> bool:
     """Queue a job whose files passed validation, or fail it with `error` (naming the file and its lines). Commits.
 
     A guarded UPDATE: False when the job left `validating_files` meanwhile (cancelled, or another worker finished
@@ -128,7 +128,7 @@ def finish_validation(session: Session, job_id: str, error: dict | None) -> bool
         .values(status=status, error=error, finished_at=utcnow() if error is not None else None)
         .execution_options(synchronize_session=False)
     )
-    if moved.rowcount != 1:
+    if matched_rows(moved) != 1:
         session.rollback()
         return False
     if error is None:
@@ -168,7 +168,8 @@ def _has_metadata(dialect: str, key: str, value: str) -> ColumnElement[bool]:
     """`metadata[key] == value`, for any key: PostgreSQL's `->>` takes the key as a parameter; SQLite's JSON paths
     cannot name a key with a double quote, so there the object's entries are searched."""
     if dialect == "postgresql":
-        return FineTuningJob.user_metadata[key].as_string() == value
+        matches: ColumnElement[bool] = FineTuningJob.user_metadata[key].as_string() == value
+        return matches
     entries = func.json_each(FineTuningJob.user_metadata).table_valued("key", "value")
     return exists().where(entries.c.key == key, entries.c.value == value)
 
@@ -246,17 +247,17 @@ def latest_checkpoint(session: Session, job_id: str) -> Checkpoint | None:
 
 
 def add_event(
-    session: Session, job_id: str, message: str, *, level: str = "info", type_: str = "message", data=None
+    session: Session,
+    job_id: str,
+    message: str,
+    *,
+    level: str = "info",
+    type_: str = "message",
+    data: dict[str, Any] | None = None,
 ) -> JobEvent:
     event = JobEvent(job_id=job_id, message=message, level=level, type=type_, data=data)
     session.add(event)
     return event
-
-
-def fine_tuned_model_name(job: FineTuningJob, base: ModelVersion) -> str:
-    """`ft:<base>:<org>:<suffix>:<job-id>`; a fine-tune of a fine-tune keeps the root model's name as <base>."""
-    base_name = base.name.split(":")[1] if base.name.startswith("ft:") else base.name
-    return f"ft:{base_name}:{ORGANIZATION}:{job.suffix or ''}:{job.id}"
 
 
 # --- the worker's side: claims and leases ---------------------------------------------------------------------------
@@ -341,7 +342,8 @@ def _guard(session: Session, lease: Lease, lease_seconds: float | None = None) -
     if row is None:
         session.rollback()
         raise LeaseLost(f"worker {lease.worker_id} no longer holds job {lease.job_id}")
-    return row.requested_action
+    action: str | None = row.requested_action
+    return action
 
 
 def heartbeat(session: Session, lease: Lease, *, lease_seconds: float) -> str | None:
@@ -358,7 +360,7 @@ def record_event(
     *,
     level: str = "info",
     type_: str = "message",
-    data=None,
+    data: dict[str, Any] | None = None,
     estimated_finish: datetime | None = None,
 ) -> None:
     """Add an event to the running job; with `estimated_finish`, also move the job's estimated finish. Commits."""
@@ -378,7 +380,7 @@ def record_chosen_hyperparameters(session: Session, lease: Lease, chosen: dict[s
     """Write the values a run chose for OpenAI's hyperparameters left on "auto" into the job's `method`, as OpenAI
     shows them once a job starts; later attempts then read the same numbers. Values the user gave stay. Commits."""
     _guard(session, lease)
-    job = session.get(FineTuningJob, lease.job_id)
+    job = session.get_one(FineTuningJob, lease.job_id)  # `_guard` found it
     method = dict(job.method or {})
     kind = method.get("type", "supervised")
     block = dict(method.get(kind) or {})
@@ -391,7 +393,9 @@ def record_chosen_hyperparameters(session: Session, lease: Lease, chosen: dict[s
     session.commit()
 
 
-def record_checkpoint(session: Session, lease: Lease, *, step: int, path: str, metrics: dict | None) -> Checkpoint:
+def record_checkpoint(
+    session: Session, lease: Lease, *, step: int, path: str, metrics: dict[str, Any] | None
+) -> Checkpoint:
     """One row per (job, step): a resumed run that saves the same step again replaces the row's path."""
     _guard(session, lease)
     checkpoint = session.scalars(
@@ -413,11 +417,13 @@ def delete_checkpoint(session: Session, lease: Lease, *, step: int, path: str) -
     a checkpoint that is gone. Only a row that names that directory goes (a row for the same step written by another
     attempt points at a directory that still exists). Commits; True when a row was deleted."""
     _guard(session, lease)
-    deleted = session.execute(
-        delete(Checkpoint)
-        .where(Checkpoint.job_id == lease.job_id, Checkpoint.step == step, Checkpoint.path == path)
-        .execution_options(synchronize_session=False)
-    ).rowcount
+    deleted = matched_rows(
+        session.execute(
+            delete(Checkpoint)
+            .where(Checkpoint.job_id == lease.job_id, Checkpoint.step == step, Checkpoint.path == path)
+            .execution_options(synchronize_session=False)
+        )
+    )
     add_event(session, lease.job_id, f"Checkpoint at step {step} deleted (rotation).", data={"step": step})
     session.commit()
     return deleted == 1
@@ -439,12 +445,12 @@ def finish_succeeded(
     lease: Lease,
     *,
     output_dir: str,
-    metrics: dict | None,
+    metrics: dict[str, Any] | None,
     trained_tokens: int | None,
 ) -> ModelVersion:
     """Mark the job succeeded and register its result as a model version, in one transaction. Commits."""
     _guard(session, lease)
-    job = session.get(FineTuningJob, lease.job_id)
+    job = session.get_one(FineTuningJob, lease.job_id)  # `_guard` found it
     base = registry.get_version(session, job.base_version_id)
     name = fine_tuned_model_name(job, base)
     version = registry.register_version(
@@ -473,10 +479,12 @@ def finish_succeeded(
     return version
 
 
-def finish_stopped(session: Session, lease: Lease, status: JobStatus, message: str, *, error: dict | None = None):
+def finish_stopped(
+    session: Session, lease: Lease, status: JobStatus, message: str, *, error: dict[str, Any] | None = None
+) -> None:
     """End a run that did not succeed: cancelled, paused, failed, or queued again (worker shutting down). Commits."""
     _guard(session, lease)
-    job = session.get(FineTuningJob, lease.job_id)
+    job = session.get_one(FineTuningJob, lease.job_id)  # `_guard` found it
     _end_lease(job, status)
     job.error = error
     add_event(session, job.id, message, level="error" if status == JobStatus.failed else "info")
@@ -488,7 +496,7 @@ def end_lost_attempt(session: Session, lease: Lease, reason: str, *, max_attempt
     resume from its last checkpoint, or fail it after `max_attempts` lost attempts, counted with the lost leases of
     `requeue_expired`. A pending cancel or pause is honoured instead. Commits; returns the job's new status."""
     action = _guard(session, lease)
-    job = session.get(FineTuningJob, lease.job_id)
+    job = session.get_one(FineTuningJob, lease.job_id)  # `_guard` found it
     lost = job.lease_expirations + 1
     job.lease_expirations = lost
     error = None
@@ -566,7 +574,7 @@ def requeue_expired(session: Session, *, max_attempts: int) -> list[str]:
             )
             .execution_options(synchronize_session=False)
         )
-        if taken.rowcount == 1:
+        if matched_rows(taken) == 1:
             add_event(session, job.id, message, level=level)
             handled.append(job.id)
     session.commit()

@@ -7,6 +7,7 @@ import hmac
 import secrets
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 from sqlalchemy import bindparam, select, update
 from sqlalchemy.orm import Session
@@ -57,7 +58,7 @@ def find_active(session: Session, secret: str) -> ApiKey | None:
     return key
 
 
-def last_use_to_record(key: ApiKey, *, resolution: timedelta) -> dict | None:
+def last_use_to_record(key: ApiKey, *, resolution: timedelta) -> dict[str, Any] | None:
     """`MARK_USED`'s parameters when `key.last_used_at` is older than `resolution` (else None: no write per use)."""
     now = utcnow()
     if key.last_used_at is None or now - key.last_used_at >= resolution:
@@ -65,7 +66,7 @@ def last_use_to_record(key: ApiKey, *, resolution: timedelta) -> dict | None:
     return None
 
 
-_keys = ApiKey.__table__
+_keys = ApiKey.metadata.tables[ApiKey.__tablename__]
 MARK_USED = update(_keys).where(_keys.c.id == bindparam("key_id")).values(last_used_at=bindparam("used_at"))
 
 

@@ -31,7 +31,7 @@ def list_model_ids(session: Session) -> list[tuple[str, datetime]]:
             FineTuningJob.status == JobStatus.succeeded, FineTuningJob.fine_tuned_model.is_not(None)
         )
     )
-    entries.update({name: finished for name, finished in fine_tuned if finished is not None})
+    entries.update({name: finished for name, finished in fine_tuned if name is not None and finished is not None})
     return sorted(entries.items())
 
 

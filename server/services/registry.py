@@ -20,8 +20,10 @@ from sqlalchemy.orm import Session
 
 from server.db.base import utcnow
 from server.db.models import AliasApproval, AliasHistory, File, FineTuningJob, ModelAlias, ModelVersion, new_id
+from server.engines import serving_problems
 from server.errors import Conflict, InvalidRequest, NotFound
 from server.services.adapters import prepare_adapter
+from server.settings import Settings
 
 DEFAULT_ALIAS = "production"
 VERSION_ID_PREFIX = "mv-"
@@ -68,6 +70,17 @@ def detect_kind(directory: Path) -> str:
     )
 
 
+def check_servable(settings: Settings, directory: Path) -> None:
+    """Refuse (400 naming `path`) a full checkpoint that the server's engine cannot run."""
+    problems = serving_problems(settings, directory)
+    if problems:
+        raise InvalidRequest(
+            f"The {settings.engine} engine cannot serve {directory}: {'; '.join(problems)}.",
+            param="path",
+            code="model_not_servable",
+        )
+
+
 # --- versions -----------------------------------------------------------------------------------------------------
 
 
@@ -79,8 +92,8 @@ def check_name(name: str) -> str:
     return name
 
 
-def get_version(session: Session, version_id: str) -> ModelVersion:
-    version = session.get(ModelVersion, version_id)
+def get_version(session: Session, version_id: str | None) -> ModelVersion:
+    version = session.get(ModelVersion, version_id) if version_id is not None else None
     if version is None:
         raise NotFound(f"No such model version: {version_id}", param="version_id", code="model_version_not_found")
     return version
@@ -102,12 +115,16 @@ def register_version(
     path: Path,
     base_version_id: str | None = None,
     job_id: str | None = None,
-    metrics: dict | None = None,
-    lineage: dict | None = None,
+    metrics: dict[str, Any] | None = None,
+    lineage: dict[str, Any] | None = None,
     description: str | None = None,
     created_by: str | None = None,
+    serving: Settings | None = None,
 ) -> ModelVersion:
     """Add version N+1 of `name` for a checkpoint or adapter dir (checked here). Flushes; the caller commits.
+
+    With `serving` (the server's settings), a full checkpoint the configured engine cannot run is refused, naming
+    what it cannot run (an adapter runs on its base, or as that base's shape once merged).
 
     Without `metrics`, the trainer's `metrics.json` in the directory (if any) is recorded, so a fine-tuned output
     registered by hand keeps its held-out loss for the evaluation gate; its task evaluation (`evaluation.json`)
@@ -124,12 +141,15 @@ def register_version(
         }
     evaluation = _read_json(path / EVALUATION_FILE) if (path / EVALUATION_FILE).is_file() else None
     base = get_version(session, base_version_id) if base_version_id else None
-    if kind == "adapter" and base is None:
-        raise InvalidRequest("An adapter needs the model version it was trained on ('base_model').", param="base_model")
-    if kind == "adapter" and base.kind != "full":
-        raise InvalidRequest(f"The base of an adapter must be a full model; {base.id} is an adapter.", param="base")
     if kind == "adapter":
+        if base is None:
+            message = "An adapter needs the model version it was trained on ('base_model')."
+            raise InvalidRequest(message, param="base_model")
+        if base.kind != "full":
+            raise InvalidRequest(f"The base of an adapter must be a full model; {base.id} is an adapter.", param="base")
         prepare_adapter(path, Path(base.path))  # a bad adapter fails here; expert adapters are merged here
+    elif serving is not None:
+        check_servable(serving, path)
     latest = session.scalar(select(func.max(ModelVersion.version)).where(ModelVersion.name == name)) or 0
     version = ModelVersion(
         id=new_id(VERSION_ID_PREFIX),
@@ -197,7 +217,7 @@ class PlannedMove:
     action: str  # "promote" or "rollback"
     from_version_id: str | None  # the holder when planned: the move is refused if the alias moved since
     target: ModelVersion
-    evaluation: dict | None  # the evaluation gate's inputs (promotions with the gate on)
+    evaluation: dict[str, Any] | None  # the evaluation gate's inputs (promotions with the gate on)
 
 
 # --- the evaluation gate ------------------------------------------------------------------------------------------
@@ -223,7 +243,13 @@ def task_scores(version: ModelVersion | None) -> dict[str, float] | None:
     return scores
 
 
-def evaluation_gate(candidate: ModelVersion, holder: ModelVersion | None, *, label: str, force: bool) -> dict:
+def _evaluated_file(version: ModelVersion) -> str | None:
+    """The SHA-256 of the file the version's task evaluation ran on."""
+    file_hash: str | None = (version.evaluation or {}).get("data_sha256")
+    return file_hash
+
+
+def evaluation_gate(candidate: ModelVersion, holder: ModelVersion | None, *, label: str, force: bool) -> dict[str, Any]:
     """Refuse a promotion to `label` (`name@alias`) that would make it worse on held-out data.
 
     Held-out loss:
@@ -237,11 +263,21 @@ def evaluation_gate(candidate: ModelVersion, holder: ModelVersion | None, *, lab
     candidate_loss = held_out_loss(candidate)
     holder_loss = held_out_loss(holder) if holder is not None else None
     candidate_task, holder_task = task_scores(candidate), task_scores(holder)
-    same_data = (
-        candidate_task is not None
-        and holder_task is not None
-        and candidate.evaluation.get("data_sha256") == holder.evaluation.get("data_sha256") is not None
-    )
+    same_data = False
+    if holder is not None and candidate_task is not None and holder_task is not None:
+        same_data = _evaluated_file(candidate) == _evaluated_file(holder) is not None
+        worse = [
+            f"{name} {candidate_task.get(name, 0.0):.4g} < {value:.4g}"
+            for name, value in holder_task.items()
+            if candidate_task.get(name, 0.0) < value
+        ]
+        if same_data and worse:
+            raise Conflict(
+                f"Evaluation gate: on the same validation file {candidate.id} answers worse than {holder.id}, the "
+                f"current {label}: {', '.join(worse)}.",
+                param="version_id",
+                code="evaluation_gate_failed",
+            )
     record = {
         "metric": "held_out_loss",
         "candidate_version_id": candidate.id,
@@ -253,20 +289,7 @@ def evaluation_gate(candidate: ModelVersion, holder: ModelVersion | None, *, lab
         "task_compared": same_data,
         "forced": False,
     }
-    if same_data:
-        worse = [
-            f"{name} {candidate_task.get(name, 0.0):.4g} < {value:.4g}"
-            for name, value in holder_task.items()
-            if candidate_task.get(name, 0.0) < value
-        ]
-        if worse:
-            raise Conflict(
-                f"Evaluation gate: on the same validation file {candidate.id} answers worse than {holder.id}, the "
-                f"current {label}: {', '.join(worse)}.",
-                param="version_id",
-                code="evaluation_gate_failed",
-            )
-    if holder_loss is None:
+    if holder is None or holder_loss is None:
         return record
     if candidate_loss is None:
         if not force:
@@ -444,7 +467,7 @@ def alias_history(session: Session, *, model_name: str | None = None, alias: str
 # --- lineage ---------------------------------------------------------------------------------------
 
 
-def _file_summary(session: Session, file_id: str | None) -> dict | None:
+def _file_summary(session: Session, file_id: str | None) -> dict[str, Any] | None:
     if file_id is None:
         return None
     file = session.get(File, file_id)
@@ -459,9 +482,9 @@ def _file_summary(session: Session, file_id: str | None) -> dict | None:
     }
 
 
-def lineage(session: Session, version: ModelVersion) -> list[dict]:
+def lineage(session: Session, version: ModelVersion) -> list[dict[str, Any]]:
     """The chain from this version down to its root: each with the job and dataset files that made it."""
-    chain: list[dict] = []
+    chain: list[dict[str, Any]] = []
     seen: set[str] = set()
     current: ModelVersion | None = version
     while current is not None and current.id not in seen:

@@ -22,6 +22,8 @@ from server.services.files import content_path
 from server.settings import Settings
 
 if TYPE_CHECKING:
+    from finetune.datasets.validation import ValidationReport
+    from finetune.estimate import TrainingEstimate
     from finetune.settings import FineTuneSettings
     from finetune.train import FineTuneRun
 
@@ -53,7 +55,7 @@ def check_inputs(settings: FineTuneSettings, *, has_validation_file: bool) -> No
         raise InvalidRequest(message, param=error.field, code="invalid_value") from None
 
 
-def file_error(session: Session, app_settings: Settings, job: FineTuningJob) -> dict | None:
+def file_error(session: Session, app_settings: Settings, job: FineTuningJob) -> dict[str, Any] | None:
     """The job's error if one of its files fails the fine-tuning validator for its base model, else None: checked as
     the trainer will check them, with the base model's tokenizer (chat template, special tokens) and length limit."""
     base = session.get(ModelVersion, job.base_version_id) if job.base_version_id else None
@@ -67,7 +69,7 @@ def file_error(session: Session, app_settings: Settings, job: FineTuningJob) -> 
     for param, file_id, other_id in checks:
         try:
             file = jobs.usable_file(session, file_id, param)
-            other = content_path(app_settings, session.get(File, other_id)) if other_id else None
+            other = content_path(app_settings, session.get_one(File, other_id)) if other_id else None
             problems = dataset_problems(
                 content_path(app_settings, file), model_dir=Path(base.path), settings=settings, other_path=other
             )
@@ -89,7 +91,9 @@ def dataset_problems(path: Path, *, model_dir: Path, settings: FineTuneSettings,
     return _validated(path, model_dir=model_dir, settings=settings, other_path=other_path)[1]
 
 
-def _validated(path: Path, *, model_dir: Path, settings: FineTuneSettings, other_path: Path | None):
+def _validated(
+    path: Path, *, model_dir: Path, settings: FineTuneSettings, other_path: Path | None
+) -> tuple[ValidationReport, list[str]]:
     """The file's validation report against the base model, and its problems (see `dataset_problems`)."""
     from transformers import AutoTokenizer
 
@@ -117,7 +121,7 @@ def estimate(
     training_file: str,
     validation_file: str | None,
     settings: FineTuneSettings,
-):
+) -> tuple[TrainingEstimate, list[str]]:
     """What a job with these inputs would train, before it is created: its trained tokens (`finetune.estimate`)
     and, when earlier jobs on the same base model and of the same method and adapter kind succeeded, the time at
     their median recorded throughput. 4xx naming the field for bad input. Returns (estimate, the jobs read)."""
@@ -130,8 +134,8 @@ def estimate(
         checks.append(("validation_file", validation_file, None))
     reports = {}
     for param, file_id, other_id in checks:
-        file = session.get(File, file_id)
-        other = content_path(app_settings, session.get(File, other_id)) if other_id else None
+        file = session.get_one(File, file_id)  # `trainable_base` found both files
+        other = content_path(app_settings, session.get_one(File, other_id)) if other_id else None
         report, problems = _validated(
             content_path(app_settings, file), model_dir=Path(base.path), settings=settings, other_path=other
         )
@@ -148,7 +152,9 @@ def estimate(
     return result.with_throughput(statistics.median(rates), source), job_ids
 
 
-def recorded_throughput(session: Session, base_version_id: str, settings: FineTuneSettings):
+def recorded_throughput(
+    session: Session, base_version_id: str, settings: FineTuneSettings
+) -> tuple[list[float], list[str]]:
     """The trained tokens per second that the newest succeeded jobs on this base model, of the same method type and
     adapter kind, recorded (in their model versions' metrics), and those jobs' ids."""
     rows = session.execute(
@@ -180,8 +186,8 @@ def job_run(session: Session, app_settings: Settings, job_id: str, attempt: int)
     trains into its own directory (`<data dir>/jobs/<job-id>/attempt-<n>/`)."""
     from finetune.train import FineTuneRun
 
-    job = session.get(FineTuningJob, job_id)
-    base = session.get(ModelVersion, job.base_version_id)
+    job = session.get_one(FineTuningJob, job_id)
+    base = session.get_one(ModelVersion, job.base_version_id)
     files = {
         file_id: content_path(app_settings, jobs.usable_file(session, file_id, "file"))
         for file_id in (job.training_file_id, job.validation_file_id)

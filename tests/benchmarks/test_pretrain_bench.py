@@ -5,6 +5,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -70,3 +71,18 @@ def test_quick_pretrain_benchmark_reports_speed_mfu_and_checkpoint_stall(tmp_pat
         assert _positive(timing["background_write_s"]) and _positive(timing["sync_save_pretrained_s"])
     assert "| micro | fp32 |" in done.stdout and "| micro | sharded_dcp |" in done.stdout
     assert "micro fp32 ours_over_upstream:" in done.stdout and "micro fp32 best_over_best:" in done.stdout
+
+
+def test_full_shapes_include_the_recipe_preset_and_are_selectable():
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    import pretrain_bench
+
+    from zaya_model.pretrain.presets import PRESETS
+
+    assert [shape["name"] for shape in pretrain_bench.shapes(quick=False)] == ["tiny", "cpu", "wide-512"]
+    args = pretrain_bench.parse_args(["--shapes", "cpu", "--clock", "cpu", "--threads", "1"])
+    (recipe,) = pretrain_bench.selected_shapes(args)
+    assert recipe["model"] == PRESETS["cpu"].model and recipe["seq_len"] == PRESETS["cpu"].seq_len
+    assert pretrain_bench.CLOCKS[args.clock] is time.process_time
+    with pytest.raises(SystemExit, match="unknown"):
+        pretrain_bench.selected_shapes(pretrain_bench.parse_args(["--shapes", "huge"]))

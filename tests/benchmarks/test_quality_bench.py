@@ -16,7 +16,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 def test_smoke_quality_benchmark_scores_base_lora_and_full(tmp_path):
     out = tmp_path / "results" / "quality.json"
     done = subprocess.run(
-        [sys.executable, "benchmarks/quality_bench.py", "--smoke", "--out", str(out)],
+        [sys.executable, "benchmarks/quality_bench.py", "--smoke", "--variant", "ledger", "--out", str(out)],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -38,6 +38,18 @@ def test_smoke_quality_benchmark_scores_base_lora_and_full(tmp_path):
         report["models"]["lora"]["hyperparameters"]["learning_rate"],
         10 * report["models"]["full"]["hyperparameters"]["learning_rate"],
     )
-    assert set(report["seconds"]) >= {"pretrain", "evaluate_base", "finetune_lora", "finetune_full", "total"}
+    phases = {"pretrain", "evaluate_base", "finetune_lora", "finetune_full", "total"}
+    assert set(report["seconds"]) >= phases and set(report["cpu_seconds"]) == set(report["seconds"])
+    for phase, seconds in report["cpu_seconds"].items():  # the idle estimate: CPU seconds over the threads
+        assert math.isclose(report["seconds_idle_estimate"][phase], round(seconds / report["threads"], 1))
+    assert report["variant"] == "ledger" and report["parameters"] > 0 and report["pretrain_tokens"] > 0
     table = done.stdout
     assert "disposition" in table and "exact match" in table and f"{report['models']['base']['loss']:.3f}" in table
+    assert "variant ledger" in table and "idle estimate" in table
+    refused = subprocess.run(
+        [sys.executable, "benchmarks/quality_bench.py", "--smoke", "--variant", "prose"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert refused.returncode == 2 and "--variant: unknown variant 'prose'" in refused.stderr

@@ -53,3 +53,17 @@ def test_a_request_of_another_length_fails_the_benchmark():
         check("local api", [16, 15], 16, 2)
     with pytest.raises(RuntimeError, match="1 of 2 requests answered"):
         check("local api", [16], 16, 2)
+
+
+@pytest.mark.slow
+def test_guidellm_can_send_the_api_loads(tmp_path):
+    """`--client guidellm`: each API load is one `guidellm run` (synchronous at one client, concurrent at more),
+    every answer exactly `max_tokens` long, its CPU counted as the client's."""
+    skip = ["engine", "generate", "requests", "qwen3-moe"]
+    report, _ = run_quick_serve_bench(
+        tmp_path / "serve_bench.json", "--systems", "local", "--client", "guidellm", "--skip", *skip
+    )
+    assert report["client"] == "guidellm"
+    loads = loads_by_key(report)  # every request exactly MAX_TOKENS long
+    assert set(loads) == {("local", "api", 0, clients) for clients in CLIENTS}
+    assert all(load["cpu_s"]["client"] > 0 for load in loads.values())  # guidellm's own process

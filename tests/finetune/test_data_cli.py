@@ -120,6 +120,22 @@ def test_sample_writes_chats_the_api_accepts_and_a_corpus(tokenizer_dir, tmp_pat
     assert "--cases: must be a positive integer, got 0" in capsys.readouterr().err
 
 
+def test_sample_variant_words_chats_and_corpus_alike(tmp_path, capsys):
+    out = tmp_path / "ledger"
+    assert main(["data", "sample", "--cases", "3", "--output", str(out), "--corpus", "4", "--variant", "ledger"]) == 0
+    corpus = [json.loads(line)["text"] for line in (out / "corpus.jsonl").read_text().splitlines()]
+    chats = [json.loads(line)["messages"] for line in (out / "train.jsonl").read_text().splitlines()]
+    assert all(text.startswith("Investigation file CASE-") for text in corpus)
+    assert all("\n\nInvestigation file CASE-" in chat[1]["content"] for chat in chats)
+    assert main(["data", "sample", "--cases", "3", "--output", str(tmp_path / "seeded"), "--variant", "17"]) == 0
+    capsys.readouterr()
+    for flag in ("--variant", "--validation-variant"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["data", "sample", "--cases", "3", "--output", str(out), flag, "prose"])
+        assert exit_.value.code == 2
+        assert f"{flag}: unknown variant 'prose'" in capsys.readouterr().err
+
+
 def test_sample_refuses_a_file_as_output(tmp_path, capsys):
     target = tmp_path / "file"
     target.write_text("x")

@@ -3,19 +3,26 @@
 from __future__ import annotations
 
 import datetime
+import json
+from pathlib import Path
 
 import pytest
 
 from finetune.datasets import validate_dataset
+from finetune.datasets.sample import write_sample
+from finetune.datasets.styles import NumberFormat, get_style, style_from_seed, with_reasons_of
 from finetune.datasets.synthetic import (
     DISPOSITIONS,
+    HIGH_RISK_COUNTRIES,
     Case,
     Transaction,
     decide_disposition,
     draft_sar_narrative,
+    explain_disposition,
     generate_cases,
     generate_chat_examples,
     parse_disposition,
+    render_case_file,
 )
 
 DAY = datetime.date(2025, 3, 1)
@@ -72,3 +79,66 @@ def test_generated_examples_validate_cleanly(tokenizer, write_jsonl):
     report = validate_dataset(write_jsonl(generate_chat_examples(30, seed=8)), tokenizer=tokenizer)
     assert report.is_valid, report.problem_lines()
     assert report.n_examples == 30 and report.n_trained_tokens > 0
+
+
+def test_number_formats():
+    assert NumberFormat().amount(9_459.14) == "9,459.14 USD" and NumberFormat().score(0.87) == "0.87"
+    plain = NumberFormat(thousands="", currency_first=True, percent_scores=True)
+    assert plain.amount(19_459.1) == "USD 19459.10" and plain.score(0.87) == "87%"
+    assert NumberFormat(thousands=".", decimal=",", currency="EUR").amount(1_234_567.5) == "1.234.567,50 EUR"
+
+
+@pytest.mark.parametrize("variant", ["ledger", "memo", "3", "11"])
+def test_variants_word_the_same_cases_differently(variant):
+    style = get_style(variant)
+    standard = generate_chat_examples(30, seed=4, tasks=("disposition",))
+    varied = generate_chat_examples(30, seed=4, tasks=("disposition",), style=style)
+    labels = [parse_disposition(example["messages"][-1]["content"]) for example in standard]
+    assert [parse_disposition(example["messages"][-1]["content"]) for example in varied] == labels
+    assert all(a["messages"][1] != b["messages"][1] for a, b in zip(standard, varied, strict=True))
+    case_ids = [example["messages"][1]["content"].split("\n\n")[1].splitlines()[0].split()[-1] for example in standard]
+    assert all(case_id in example["messages"][1]["content"] for case_id, example in zip(case_ids, varied, strict=True))
+
+
+@pytest.mark.parametrize("variant", ["standard", "ledger", "memo", "5"])
+def test_reasons_quote_the_case_files_values_as_printed(variant):
+    style = get_style(variant)
+    for case in generate_cases(60, seed=9):
+        case_file, answer = render_case_file(case, style), explain_disposition(case, style)
+        if case.sanctions_score:
+            assert style.numbers.score(case.sanctions_score) in case_file
+            assert style.numbers.score(case.sanctions_score) in answer
+        quoted = [
+            style.numbers.amount(t.amount)
+            for t in case.transactions
+            if "{amounts}" in style.reasons.flags["structuring"] and "structuring" in case.red_flags
+            if t.kind == "cash deposit" and 9_000 <= t.amount < 10_000
+        ]
+        assert all(amount in case_file and amount in answer for amount in quoted)
+        for country in HIGH_RISK_COUNTRIES:
+            assert (country in answer) == (country in case_file and "high_risk_jurisdiction" in case.red_flags)
+
+
+def test_seeded_styles_are_reproducible_and_varied():
+    assert style_from_seed(3) == style_from_seed(3) == get_style("3") == get_style(3)
+    drawn = [render_case_file(generate_cases(1, seed=1)[0], style_from_seed(seed)) for seed in range(8)]
+    assert len(set(drawn)) == 8
+    with pytest.raises(ValueError, match="unknown variant 'prose'"):
+        get_style("prose")
+
+
+def test_held_out_cases_in_another_variant_keep_the_training_answers_wording(tmp_path):
+    files = write_sample(tmp_path, 6, n_validation=6, variant="ledger", validation_variant="memo")
+    train, valid = (
+        [json.loads(line)["messages"] for line in Path(files[name]["path"]).read_text().splitlines()]
+        for name in ("train.jsonl", "validation.jsonl")
+    )
+    assert all("Investigation file CASE-" in chat[1]["content"] for chat in train)
+    assert all("Reference: CASE-" in chat[1]["content"] for chat in valid)
+    closing = "Disposition: CLOSE\nReason: no red flags found; activity fits the client profile."
+    assert closing in [chat[2]["content"] for chat in train] and closing in [chat[2]["content"] for chat in valid]
+    memo_with_ledger_reasons = with_reasons_of(get_style("memo"), get_style("ledger"))
+    for chat in valid:  # values quoted in the held-out case file's own formats
+        if "screening hit at" in chat[2]["content"]:
+            score = chat[2]["content"].split("screening hit at ")[1][:4]
+            assert score.startswith("0.") and memo_with_ledger_reasons.numbers.score(float(score)) == score

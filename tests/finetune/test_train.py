@@ -21,6 +21,7 @@ from finetune.settings import BASE_LEARNING_RATE, FineTuneSettings
 from finetune.train import FinetuneError, check_run, run_finetune
 from zaya_model import ZayaForCausalLM
 from zaya_model.pretrain import END_OF_TURN_TOKEN
+from zaya_model.pretrain.tokenizer import chat_template_token_ids
 from zaya_model.training.callbacks import COMPILING_MESSAGE
 
 
@@ -127,6 +128,26 @@ def test_lora_trains_and_its_adapter_and_merge_reload(model_dir, tokenizer, data
         with open(os.path.join(directory, "evaluation.json")) as file:
             assert json.load(file) == result.evaluation
     assert any(message.startswith("task evaluation: exact match") for _, message in hooks.events)
+
+
+def test_lora_trains_the_chat_templates_token_rows_tied_to_the_lm_head(model_dir, tokenizer, data, tmp_path):
+    """Pretraining on plain text never trains `<|im_start|>` / `<|im_end|>`; LoRA trains their embedding rows
+    (PEFT `trainable_token_indices`), saves them in the adapter, and merging writes them to the tied LM head too."""
+    template_ids = chat_template_token_ids(tokenizer)
+    assert template_ids == sorted(tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"]))
+    result = run_finetune(spec(model_dir, data[0], tmp_path / "rows", max_steps=4))
+    with open(os.path.join(result.output_dir, "adapter_config.json")) as file:
+        assert json.load(file)["trainable_token_indices"] == {"embed_tokens": template_ids}
+    base = ZayaForCausalLM.from_pretrained(model_dir)
+    merged = peft.PeftModel.from_pretrained(ZayaForCausalLM.from_pretrained(model_dir), result.output_dir)
+    merged = merged.merge_and_unload()
+    changed = (merged.model.embed_tokens.weight - base.model.embed_tokens.weight).abs().sum(-1).nonzero().flatten()
+    assert changed.tolist() == template_ids
+    assert merged.lm_head.weight.data_ptr() == merged.model.embed_tokens.weight.data_ptr()
+
+    off = run_finetune(spec(model_dir, data[0], tmp_path / "off", max_steps=1, lora_train_template_tokens=False))
+    with open(os.path.join(off.output_dir, "adapter_config.json")) as file:
+        assert json.load(file)["trainable_token_indices"] is None
 
 
 def test_full_fine_tuning_trains_and_stops_generation_at_end_of_turn(model_dir, tokenizer, write_jsonl, tmp_path):

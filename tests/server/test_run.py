@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -16,6 +17,8 @@ from sqlalchemy import select
 
 from server.commands.run import BOOTSTRAP_MODEL_NAME, ensure_local_model
 from server.db.models import ModelAlias, ModelVersion
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_model_is_bootstrapped_registered_and_reused(settings, sessions):
@@ -80,3 +83,22 @@ def test_zaya_run_serves_chat_and_stops_cleanly_on_ctrl_c(settings, sessions, ma
     assert "keys create --role admin" in output and "using the registered model 'bank-model'" in output
     worker_pid = re.search(r"worker: started \(pid (\d+)\)", output).group(1)
     assert not os.path.exists(f"/proc/{worker_pid}")  # stopped and reaped
+
+
+def make_run_plan(engine: str | None) -> list[str]:
+    """The commands `make run` would run (`make -n`), with ZAYA_ENGINE set to `engine` or unset."""
+    env = {name: value for name, value in os.environ.items() if name not in ("ZAYA_ENGINE", "MAKEFLAGS")}
+    if engine is not None:
+        env["ZAYA_ENGINE"] = engine
+    plan = subprocess.run(["make", "-n", "run"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, check=True)
+    return plan.stdout.splitlines()
+
+
+def test_make_run_serves_from_the_environment_of_its_engine():
+    # vLLM lives in its own environment (make install-vllm), installed first when missing.
+    vllm = make_run_plan("vllm")
+    assert vllm[-1] == ".venv-vllm/bin/python -m zaya_cli run"
+    assert all(".venv/" not in command for command in vllm), vllm
+    for default in (make_run_plan(None), make_run_plan("local")):
+        assert default[-1] == ".venv/bin/python -m zaya_cli run"
+        assert all(".venv-vllm" not in command for command in default), default

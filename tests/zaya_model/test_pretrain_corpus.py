@@ -7,11 +7,13 @@ import torch
 
 from zaya_model.pretrain.corpus import (
     IGNORE_INDEX,
+    PACKINGS,
     CorpusError,
     PackedStream,
     PackingSpec,
     corpus_files,
     iter_split,
+    pack_row,
     validation_rows,
 )
 from zaya_model.pretrain.tokenizer import train_tokenizer
@@ -36,8 +38,9 @@ def tokenizer():
     return train_tokenizer(DOCUMENTS, vocab_size=400)
 
 
-def make_spec(tokenizer, seed=0, fraction=0.2, seq_len=24):
-    return PackingSpec(seq_len, tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, seed, fraction)
+def make_spec(tokenizer, seed=0, fraction=0.2, seq_len=24, packing="concatenate"):
+    ids = (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    return PackingSpec(seq_len, *ids, seed, fraction, packing)
 
 
 def test_reads_text_and_jsonl_in_sorted_order(corpus_dir):
@@ -93,9 +96,10 @@ def test_order_is_deterministic_from_the_seed(corpus_dir, tokenizer):
     assert not torch.equal(draw(3), draw(4))
 
 
-def test_saved_position_continues_with_the_exact_next_batch(corpus_dir, tokenizer, tmp_path):
+@pytest.mark.parametrize("packing", PACKINGS)
+def test_saved_position_continues_with_the_exact_next_batch(corpus_dir, tokenizer, tmp_path, packing):
     files = corpus_files(corpus_dir)
-    spec = make_spec(tokenizer)
+    spec = make_spec(tokenizer, packing=packing)
     stream = PackedStream(files, tokenizer, spec, shuffle_buffer=8)
     for _ in range(7):
         stream.next_batch(3)
@@ -108,6 +112,51 @@ def test_saved_position_continues_with_the_exact_next_batch(corpus_dir, tokenize
     for want in expected:
         got = resumed.next_batch(3)
         assert all(torch.equal(got[key], want[key]) for key in want)
+
+
+def test_best_fit_never_splits_a_document_that_fits_a_row(corpus_dir, tokenizer):
+    files = corpus_files(corpus_dir)
+    spec = make_spec(tokenizer, fraction=0.0, seq_len=48, packing="best_fit")
+    lengths = [len(tokenizer(text, add_special_tokens=False)["input_ids"]) + 2 for text in DOCUMENTS]
+    assert max(lengths) <= spec.seq_len < sum(lengths) // 10  # several documents per row, none too long
+    stream = PackedStream(files, tokenizer, spec, shuffle_buffer=1)
+    batches = [stream.next_batch(4) for _ in range(5)]
+    documents, document_tokens = [], 0
+    for batch in batches:
+        for ids, positions, labels in zip(batch["input_ids"], batch["position_ids"], batch["labels"], strict=True):
+            starts = (positions == 0).nonzero().flatten().tolist()
+            for start, end in zip(starts, starts[1:] + [spec.seq_len], strict=True):
+                piece = ids[start:end].tolist()
+                if piece[0] != tokenizer.bos_token_id:
+                    assert all(token == tokenizer.pad_token_id for token in piece)  # padding: no loss
+                    assert (labels[start:end] == IGNORE_INDEX).all()
+                    continue
+                assert piece[-1] == tokenizer.eos_token_id  # whole: it ends in its own row
+                documents.append(tokenizer.decode(piece[1:-1]))
+                document_tokens += len(piece)
+    assert len(documents) == len(set(documents)) and set(documents) <= set(DOCUMENTS)
+    # Rows fill up from the window (these documents run 18-39 tokens: one per row alone would fill about half).
+    assert document_tokens > 0.75 * 20 * spec.seq_len
+
+
+def test_best_fit_cuts_only_documents_longer_than_a_row():
+    waiting = [(list(range(10)), list(range(10))), ([7] * 3, [0, 1, 2]), ([8] * 5, list(range(5)))]
+    row = pack_row(waiting, 8, pad_token_id=0, packing="best_fit")
+    assert row == (list(range(8)), list(range(8)))  # the oldest first, longer than the row: cut
+    row = pack_row(waiting, 8, pad_token_id=0, packing="best_fit")
+    assert row == ([8, 9, 8, 8, 8, 8, 8, 0], [8, 9, 0, 1, 2, 3, 4, 0], 7)  # its rest, then the best fit
+    assert waiting == [([7] * 3, [0, 1, 2])]
+
+
+@pytest.mark.parametrize("packing", PACKINGS)
+def test_validation_rows_hold_every_validation_document_once(corpus_dir, tokenizer, packing):
+    files = corpus_files(corpus_dir)
+    spec = make_spec(tokenizer, packing=packing)
+    rows = validation_rows(files, tokenizer, spec, max_rows=1000)
+    validation = list(iter_split(files, "validation", spec.seed, spec.validation_fraction))
+    tokens = [t for ids, _, length in rows for t in ids[:length]]
+    assert tokens.count(tokenizer.bos_token_id) == len(validation)
+    assert len(tokens) == sum(len(tokenizer(text, add_special_tokens=False)["input_ids"]) + 2 for text in validation)
 
 
 def test_validation_rows_pad_the_last_row_and_hold_only_validation_text(corpus_dir, tokenizer):

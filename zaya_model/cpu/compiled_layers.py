@@ -24,8 +24,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ..cache_zaya import ZayaCache
 from ..kernels.gathered_experts import gathered_products
 from ..kernels.grouped_mm_experts import has_adapters
+from ..modeling_zaya import ZayaDecoderLayer, ZayaSparseMoeBlock
 
 COMPILED_GRAPHS_LIMIT = 32
 
@@ -56,8 +58,8 @@ def compiled_function(function: Callable) -> Callable:
     return torch.compile(function)
 
 
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    return [module for module in model.modules() if type(module).__name__ == "ZayaDecoderLayer"]
+def decoder_layers(model: nn.Module) -> list[ZayaDecoderLayer]:
+    return [module for module in model.modules() if isinstance(module, ZayaDecoderLayer)]
 
 
 def enable_compiled_layers(model: nn.Module, enabled: bool = True) -> None:
@@ -70,7 +72,7 @@ def enable_compiled_layers(model: nn.Module, enabled: bool = True) -> None:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, COMPILED_GRAPHS_LIMIT)
     for layer in layers:
         if enabled:
-            layer.forward = types.MethodType(compiled_layer_forward, layer)
+            layer.__dict__["forward"] = types.MethodType(compiled_layer_forward, layer)
         else:
             layer.__dict__.pop("forward", None)
 
@@ -81,7 +83,7 @@ def compiled_layers_enabled(model: nn.Module) -> bool:
     return bool(layers) and all("forward" in layer.__dict__ for layer in layers)
 
 
-def gathers_experts(block: nn.Module, hidden_states: torch.Tensor) -> bool:
+def gathers_experts(block: ZayaSparseMoeBlock, hidden_states: torch.Tensor) -> bool:
     """Whether the compiled path computes these tokens' experts by gathering: at inference on CPU, for up to
     `GATHERED_EXPERTS_MAX_TOKENS` tokens (a prompt's prefill), and without adapters."""
     return (
@@ -93,18 +95,18 @@ def gathers_experts(block: nn.Module, hidden_states: torch.Tensor) -> bool:
 
 
 def compiled_layer_forward(
-    layer: nn.Module,
+    layer: ZayaDecoderLayer,
     residual: torch.Tensor,
     router_states: torch.Tensor | None,
     position_embeddings: tuple[torch.Tensor, torch.Tensor],
     attention_mask: torch.Tensor | None,
     lag_masks: torch.Tensor | None,
-    past_key_values=None,
+    past_key_values: ZayaCache | None = None,
     padding_mask: torch.Tensor | None = None,
     **kwargs,
 ):
     """`ZayaDecoderLayer.forward` with the block's parts compiled where the chunk starts its sequences."""
-    continuing = past_key_values is not None and past_key_values.has_previous_state(layer.layer_idx)
+    continuing = past_key_values is not None and past_key_values.cca_state(layer.layer_idx) is not None
     if continuing or kwargs:
         return type(layer).forward(
             layer, residual, router_states, position_embeddings, attention_mask, lag_masks, past_key_values,
@@ -125,7 +127,7 @@ def compiled_layer_forward(
 
 
 def attention_and_routing(
-    layer: nn.Module,
+    layer: ZayaDecoderLayer,
     residual: torch.Tensor,
     router_states: torch.Tensor | None,
     position_embeddings: tuple[torch.Tensor, torch.Tensor],
@@ -142,13 +144,13 @@ def attention_and_routing(
     return layer.route(attn_out, residual, router_states), state
 
 
-def merge_experts(layer: nn.Module, moe_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+def merge_experts(layer: ZayaDecoderLayer, moe_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """A block's last part: merge the MoE output into the residual."""
     return layer.post_mlp_residual_scale(moe_out, residual)
 
 
 def gathered_experts_and_merge(
-    layer: nn.Module, moe_input: torch.Tensor, choice: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor
+    layer: ZayaDecoderLayer, moe_input: torch.Tensor, choice: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor
 ) -> torch.Tensor:
     """A block's last two parts in one compiled graph where `gathers_experts`."""
     experts = functools.partial(gathered_products, layer.mlp.experts)

@@ -20,10 +20,10 @@ import functools
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from ..cache_zaya import ZayaCache
 from ..kernels.gathered_experts import gathered_products
+from ..modeling_zaya import ZayaForCausalLM
 
 CAPACITY_STEP = 256
 RECOMPILE_LIMIT = 64
@@ -60,7 +60,7 @@ def attend_one_query(
 
 
 def decode_step(
-    model: nn.Module,
+    model: ZayaForCausalLM,
     input_ids: torch.Tensor,
     position_ids: torch.Tensor,
     attend: torch.Tensor,
@@ -85,7 +85,7 @@ def decode_step(
     residual = ((embeds + inner.input_hidden_states_bias) * inner.input_hidden_states_scale).to(residual_dtype)
     router_states = None
     for layer, key_cache, value_cache, conv_state, shift_state in zip(
-        inner.layers, keys, values, conv_states, shift_states, strict=True
+        inner.decoder_layers(), keys, values, conv_states, shift_states, strict=True
     ):
         attention = layer.self_attn
         query_key, value, new_conv_state, new_shift_state = attention.qkv_proj.project(
@@ -130,12 +130,15 @@ class StaticDecodeCache:
         point `cache`'s layers at views of them, so that steps written into the buffers are the cache's own."""
         buffers = cls([], [], [], [])
         for layer in cache.layers:
-            rows, length = layer.keys.shape[0], layer.length
+            keys, values, conv_state, shift_state = layer.keys, layer.values, layer.conv_state, layer.shift_state
+            if keys is None or values is None or conv_state is None or shift_state is None:
+                raise ValueError("StaticDecodeCache.adopt needs every layer of the cache filled")
+            rows, length = keys.shape[0], layer.length
             for source, target in (
-                (layer.keys, buffers.keys),
-                (layer.values, buffers.values),
-                (layer.conv_state, buffers.conv_states),
-                (layer.shift_state, buffers.shift_states),
+                (keys, buffers.keys),
+                (values, buffers.values),
+                (conv_state, buffers.conv_states),
+                (shift_state, buffers.shift_states),
             ):
                 shape = list(source.shape)
                 shape[0] = batch
@@ -155,7 +158,7 @@ class StaticDecodeCache:
 class CompiledDecoder:
     """`decode_step` compiled with `torch.compile`: one graph per batch size, capacity dynamic."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: ZayaForCausalLM):
         self.model = model
         self._step = torch.compile(decode_step, fullgraph=True)
         # Every decoder's graphs are entries of `decode_step`'s one code object: room for several models' buckets.
@@ -228,7 +231,7 @@ __all__ = [
 
 @torch.inference_mode()
 def greedy_generate(
-    model: nn.Module, decoder: CompiledDecoder, input_ids: torch.Tensor, new_tokens: int
+    model: ZayaForCausalLM, decoder: CompiledDecoder, input_ids: torch.Tensor, new_tokens: int
 ) -> torch.Tensor:
     """`new_tokens` greedy tokens per row of `input_ids` [batch, prompt] (no padding, no EOS): the prompt's prefill
     through `model`, then every decode step through `decoder` -> the new tokens [batch, new_tokens]."""

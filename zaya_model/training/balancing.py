@@ -33,9 +33,11 @@ class BalancingBiasUpdater:
         )
 
     @torch.no_grad()
-    def step(self) -> dict[str, list[float] | float]:
+    def step(self) -> dict[str, list[list[float]] | list[float] | float]:
         """Update every router's biases from the counts gathered since the last step; return load statistics."""
-        loads, skip_rates, imbalances = [], [], []
+        loads: list[list[float]] = []
+        skip_rates: list[float] = []
+        imbalances: list[float] = []
         for router in self.routers:
             counts = router.routed_token_counts
             bias = router.balancing_biases

@@ -1,6 +1,7 @@
 """Generic `transformers.Trainer` callbacks shared by pretraining and fine-tuning.
 
-- `TrainingHooks`: the interface a caller (CLI, job worker) implements to see progress and to stop a run.
+- `TrainingHooks`: the interface a caller (CLI, job worker) implements to see progress and to stop a run;
+  `ProgressBarHooks` shows a run in a terminal.
 - `HooksCallback`: forwards the Trainer's logs as metrics events and polls `hooks.should_stop()` after every step;
   "cancel" stops at once, "pause" saves a checkpoint (with optimizer state) and then stops. List it after the
   Trainer's default callbacks (the default) so its end-of-epoch override wins.
@@ -14,7 +15,9 @@ the logs, and the default filter would hide a non-finite loss.
 from __future__ import annotations
 
 import math
+import sys
 import time
+from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
@@ -36,13 +39,13 @@ _METRIC_NAMES = {
 class TrainingHooks:
     """No-op base: subclass and override what you need. Methods are called from the training thread."""
 
-    def on_event(self, level: str, message: str, data: dict | None = None) -> None:
+    def on_event(self, level: str, message: str, data: dict[str, Any] | None = None) -> None:
         """A human-readable event; `level` is "info", "warning" or "error"."""
 
-    def on_metrics(self, step: int, metrics: dict) -> None:
+    def on_metrics(self, step: int, metrics: dict[str, Any]) -> None:
         """Metrics logged at `step`: train_loss every step; valid_loss, valid_mean_token_accuracy after an eval."""
 
-    def on_checkpoint(self, step: int, path: str, metrics: dict) -> None:
+    def on_checkpoint(self, step: int, path: str, metrics: dict[str, Any]) -> None:
         """A checkpoint was written (atomically) to `path`."""
 
     def on_checkpoint_deleted(self, step: int, path: str) -> None:
@@ -51,6 +54,45 @@ class TrainingHooks:
     def should_stop(self) -> str | None:
         """Polled after every optimizer step: None to go on, "cancel" to stop, "pause" to checkpoint then stop."""
         return None
+
+
+class ProgressBarHooks(TrainingHooks):
+    """TrainingHooks for a terminal: a tqdm bar over optimizer steps, events and evaluations as lines above it."""
+
+    def __init__(self) -> None:
+        self.bar: Any = None
+
+    def on_event(self, level: str, message: str, data: dict[str, Any] | None = None) -> None:
+        from tqdm import tqdm
+
+        if data and "max_steps" in data and self.bar is None:
+            self.bar = tqdm(total=data["max_steps"], initial=data["step"], unit="step", dynamic_ncols=True)
+        self._write(f"{level}: {message}")
+
+    def on_metrics(self, step: int, metrics: dict[str, Any]) -> None:
+        if self.bar is None:
+            return
+        if "train_loss" in metrics:
+            self.bar.update(step - self.bar.n)
+            self.bar.set_postfix(loss=f"{metrics['train_loss']:.4f}")
+        if "valid_loss" in metrics:
+            accuracy = metrics.get("valid_mean_token_accuracy", float("nan"))
+            self._write(f"step {step}: valid loss {metrics['valid_loss']:.4f}, token accuracy {accuracy:.4f}")
+
+    def on_checkpoint(self, step: int, path: str, metrics: dict[str, Any]) -> None:
+        self._write(f"step {step}: checkpoint {path}")
+
+    def on_checkpoint_deleted(self, step: int, path: str) -> None:
+        self._write(f"step {step}: removed older checkpoint {path}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def _write(self, line: str) -> None:
+        from tqdm import tqdm
+
+        tqdm.write(line, file=sys.stderr)
 
 
 class NonFiniteLossError(RuntimeError):

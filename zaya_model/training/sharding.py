@@ -12,25 +12,29 @@ process on the whole batch, as the replicated path's all-reduce does.
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.fsdp import FSDPModule, fully_shard
+
+if TYPE_CHECKING:
+    from ..modeling_zaya import ZayaForCausalLM
 
 # The decoder layers return the router state as a view; FSDP2 warns because an in-place op on it would skip the
 # pre-backward all-gather. Nothing modifies it in place (the 2-process test matches one process to 1e-5).
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPZayaDecoderLayer\) returned a view tensor")
 
 
-def shard_model(model: torch.nn.Module) -> FSDPModule:
-    """Shard `model` (a `ZayaForCausalLM`) in place over the default process group; returns it."""
-    for layer in model.model.layers:
+def shard_model(model: ZayaForCausalLM) -> FSDPModule:
+    """Shard `model` in place over the default process group; returns it."""
+    for layer in model.model.decoder_layers():
         fully_shard(layer)
-    fully_shard(model)
+    sharded = fully_shard(model)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no pre-scaled sum
-    return model
+    return sharded
 
 
 def is_sharded(model: torch.nn.Module) -> bool:

@@ -33,8 +33,8 @@ def cpu_copy(value: Any, reuse: Any = None) -> Any:
         previous = reuse if isinstance(reuse, dict) else {}
         return {key: cpu_copy(item, previous.get(key)) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        previous = reuse if isinstance(reuse, (list, tuple)) and len(reuse) == len(value) else [None] * len(value)
-        return type(value)(cpu_copy(item, old) for item, old in zip(value, previous, strict=True))
+        olds = reuse if isinstance(reuse, (list, tuple)) and len(reuse) == len(value) else [None] * len(value)
+        return type(value)(cpu_copy(item, old) for item, old in zip(value, olds, strict=True))
     return value
 
 

@@ -5,9 +5,12 @@ apply but silently skips others (PEFT stores a fused expert `gate_up_proj` adapt
 which vLLM ignores), and an adapter trained on another base fails late with a shape error. `check_adapter` reads
 only the adapter's config and tensor shapes, so callers can refuse an adapter with a clear message at registration.
 
-Adapters that train expert weights (PEFT `target_parameters`, the fine-tuning default) are merged at registration:
-`merge_expert_adapter` writes the base with the adapter merged (`merge_and_unload`) to `merged_checkpoint(adapter)`,
-a full checkpoint that engines serve as its own model.
+Adapters that vLLM's per-request LoRA cannot apply are merged at registration (`served_merged`): those that train
+expert weights (PEFT `target_parameters`, the fine-tuning default) and those that train token embedding rows (PEFT
+`trainable_token_indices`: the chat template's tokens, which fine-tuning trains by default; vLLM's LoRA has no
+per-request embedding rows). `merge_adapter_into_base` writes the base with the adapter merged (`merge_and_unload`,
+the tied LM head's rows included) to `merged_checkpoint(adapter)`, a full checkpoint that engines serve as its own
+model.
 """
 
 from __future__ import annotations
@@ -49,6 +52,12 @@ def check_adapter(adapter_dir: str | Path, model_dir: str | Path) -> None:
         raise AdapterError(
             f"{adapter_dir}: the adapter trains expert weights ({adapter_config['target_parameters']}); per-request "
             "LoRA covers the attention projections only: merge it into the base (merge_and_unload) and serve that"
+        )
+    if adapter_config.get("trainable_token_indices"):
+        raise AdapterError(
+            f"{adapter_dir}: the adapter trains token embedding rows ({adapter_config['trainable_token_indices']}); "
+            "per-request LoRA covers the attention projections only: merge it into the base (merge_and_unload) and "
+            "serve that"
         )
 
     base = ZayaConfig.from_pretrained(model_dir)
@@ -104,21 +113,23 @@ def _read_config(adapter_dir: Path) -> dict:
     return adapter_config
 
 
-def trains_experts(adapter_dir: str | Path) -> bool:
-    """Whether the adapter has LoRA on the fused expert weights (served merged, not per request)."""
+def served_merged(adapter_dir: str | Path) -> bool:
+    """Whether the adapter trains what per-request LoRA cannot apply (fused expert weights, token embedding rows),
+    so it is served merged into its base."""
     config_path = Path(adapter_dir) / "adapter_config.json"
     try:
-        return bool(json.loads(config_path.read_text()).get("target_parameters"))
+        adapter_config = json.loads(config_path.read_text())
     except (OSError, ValueError):
         return False
+    return bool(adapter_config.get("target_parameters") or adapter_config.get("trainable_token_indices"))
 
 
 def merged_checkpoint(adapter_dir: str | Path) -> Path:
-    """Where registration writes the full checkpoint of an expert adapter merged into its base."""
+    """Where registration writes the full checkpoint of an adapter merged into its base (`served_merged`)."""
     return Path(adapter_dir) / MERGED_DIR
 
 
-def merge_expert_adapter(adapter_dir: str | Path, model_dir: str | Path, staging: Path) -> None:
+def merge_adapter_into_base(adapter_dir: str | Path, model_dir: str | Path, staging: Path) -> None:
     """Write `model_dir` with the adapter merged into it (weights, tokenizer) to `staging`; `AdapterError` if the
     adapter does not fit this base (another base's shapes, unknown modules)."""
     from peft import PeftModel

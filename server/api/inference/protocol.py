@@ -39,7 +39,7 @@ MAX_STOP_SEQUENCES = 4
 MAX_STOP_LENGTH = 200
 MAX_TOP_LOGPROBS = 20  # chat
 MAX_LOGPROBS = 5  # OpenAI's limit for text completions
-MAX_PROMPTS = 64  # prompts in one text completion request
+MAX_CHOICES = 64  # choices in one text completion request: prompts x n
 MAX_LOGIT_BIAS = 1024  # biased tokens in one request
 MAX_BIAS = 100.0
 MAX_PENALTY = 2.0
@@ -439,10 +439,11 @@ class ChatCompletionRequest(SamplingRequest):
                     '"none" to answer in JSON',
                     param="response_format",
                 )
-            tools = [tool.model_dump(exclude_none=True) for tool in self.tools]
-            choice = self.tool_choice or "auto"
-            choice = choice if isinstance(choice, str) else choice.model_dump()
-            return OutputGrammar.tool_calls(tools, choice, parallel=self.parallel_tool_calls is not False)
+            tools = [tool.model_dump(exclude_none=True) for tool in self.tools or []]
+            choice = self.tool_choice
+            # "none" leaves nothing to parse: only auto, required and named choices get here.
+            mode = choice.model_dump() if isinstance(choice, NamedToolChoice | AllowedToolsChoice) else choice
+            return OutputGrammar.tool_calls(tools, mode or "auto", parallel=self.parallel_tool_calls is not False)
         if isinstance(response_format, JsonObjectFormat):
             return OutputGrammar.json_object()
         if isinstance(response_format, JsonSchemaFormat):
@@ -478,8 +479,8 @@ class CompletionRequest(SamplingRequest):
     prompt: (
         TextPromptValue
         | TokenIdsPrompt
-        | Annotated[list[TextPromptValue], Field(min_length=1, max_length=MAX_PROMPTS)]
-        | Annotated[list[TokenIdsPrompt], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | Annotated[list[TextPromptValue], Field(min_length=1, max_length=MAX_CHOICES)]
+        | Annotated[list[TokenIdsPrompt], Field(min_length=1, max_length=MAX_CHOICES)]
     )
     echo: bool | None = None
     # OpenAI's default is 16; 0 scores the prompt without generating (with `echo`).
@@ -488,6 +489,14 @@ class CompletionRequest(SamplingRequest):
     suffix: Annotated[Any, Unsupported("the model does not insert text before a suffix", ("",))] = None
     # One candidate per choice.
     best_of: Annotated[Any, Unsupported("choices are not chosen among candidates; ask for n choices", (1,))] = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _few_choices(cls, prompt: str | list[int] | list[str] | list[list[int]], info: ValidationInfo) -> Any:
+        prompts = 1 if isinstance(prompt, str) or isinstance(prompt[0], int) else len(prompt)
+        if prompts * (info.data.get("n") or 1) > MAX_CHOICES:
+            raise ValueError(f"at most {MAX_CHOICES} choices (prompts x n) per request")
+        return prompt
 
     @field_validator("max_tokens")
     @classmethod

@@ -10,7 +10,7 @@ validates as the declared chunk.
 from __future__ import annotations
 
 import json
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel
 
@@ -243,7 +243,7 @@ class CompletionChunk(BaseModel):
 STREAMED_CHUNKS = (ChatCompletionChunk, CompletionChunk)
 
 
-def event_stream(chunk: type[BaseModel]) -> dict:
+def event_stream(chunk: type[BaseModel]) -> dict[str, Any]:
     """The OpenAPI answer of a streamed request: `data:` events of `chunk` (a member of `STREAMED_CHUNKS`, which
     `server.api.openapi` adds to the document's schemas), then `data: [DONE]`."""
     return {
@@ -318,7 +318,7 @@ class ChunkWriter:
             return self._suffix
         return f"{self._usage_suffix}{usage.model_dump_json()}}}\n\n"
 
-    def _logprobs(self, delta: ChoiceDelta) -> dict:
+    def _logprobs(self, delta: ChoiceDelta) -> dict[str, Any]:
         if self.chat:
             return {"content": [_chat_token_logprob(entry) for entry in delta.logprobs], "refusal": None}
         return _completion_logprobs(delta.logprobs, self._offsets.get(delta.index, 0))
@@ -329,7 +329,7 @@ def error_event(message: str) -> str:
     return f"data: {_encode({'error': {'message': message, 'type': 'server_error', 'param': None, 'code': None}})}\n\n"
 
 
-def _tool_call_delta(call: ToolCallDelta) -> dict:
+def _tool_call_delta(call: ToolCallDelta) -> dict[str, Any]:
     """A streamed call's piece as OpenAI writes it: index, id, type and name first, then arguments alone."""
     if call.id is None:
         return {"index": call.index, "function": {"arguments": call.arguments}}
@@ -337,7 +337,7 @@ def _tool_call_delta(call: ToolCallDelta) -> dict:
     return {"index": call.index, "id": call.id, "type": "function", "function": function}
 
 
-def _chat_token_logprob(entry: TokenLogprob) -> dict:
+def _chat_token_logprob(entry: TokenLogprob) -> dict[str, Any]:
     return {
         "token": entry.token,
         "logprob": entry.logprob,
@@ -348,7 +348,7 @@ def _chat_token_logprob(entry: TokenLogprob) -> dict:
     }
 
 
-def _completion_logprobs(entries: list[TokenLogprob], offset: int) -> dict:
+def _completion_logprobs(entries: list[TokenLogprob], offset: int) -> dict[str, Any]:
     """OpenAI's legacy logprobs from `offset` in the text: each position's alternatives include its own token (so
     the best of them equals its logprob exactly when the token was the most likely one)."""
     offsets, position = [], offset

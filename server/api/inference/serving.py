@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TypeVar
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any, TypeVar
 
 import anyio
 from fastapi import Request, Response
@@ -41,8 +41,11 @@ class DisconnectAwareStreamingResponse(StreamingResponse):
     Starlette's own response stops listening under ASGI 2.4 and leaves the iterator for the garbage collector.
     """
 
-    def __init__(self, content: AsyncIterator[str], *, on_close: Callable[[], Awaitable[None]], **kwargs) -> None:
+    def __init__(
+        self, content: AsyncGenerator[str, None], *, on_close: Callable[[], Awaitable[None]], **kwargs: Any
+    ) -> None:
         super().__init__(content, **kwargs)
+        self.content = content  # Starlette's `body_iterator`, typed as any async iterable
         self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -59,7 +62,7 @@ class DisconnectAwareStreamingResponse(StreamingResponse):
                 tasks.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()
+                await self.content.aclose()
                 await self.on_close()  # also when the stream was cut before its first event
 
 
@@ -118,7 +121,7 @@ def _usage(generation: Generation) -> Usage:
 
 async def _events(
     generation: Generation, writer: ChunkWriter, body: SamplingRequest, *, logprobs: bool
-) -> AsyncIterator[str]:
+) -> AsyncGenerator[str, None]:
     continuous = body.continuous_usage
     async with generation:
         for event in writer.opening(generation.n, _usage(generation) if continuous else None):

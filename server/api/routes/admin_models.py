@@ -47,7 +47,7 @@ class AliasObject(RowObject):
     updated_at: UnixTime
     updated_by: str | None
 
-    @computed_field
+    @computed_field  # type: ignore[prop-decorator]  # pydantic's documented form; mypy rejects any decorated property
     @property
     def model(self) -> str:
         """What a request passes as `model`."""
@@ -128,7 +128,7 @@ def list_versions(session: SessionDep, _: AdminDep, name: str | None = None) -> 
 
 @router.post("/models", name="admin_models.register")
 def register_version(
-    body: RegisterBody, request: Request, session: SessionDep, principal: AdminDep
+    body: RegisterBody, request: Request, session: SessionDep, settings: SettingsDep, principal: AdminDep
 ) -> ModelVersionObject:
     base = find_version(session, body.base_model) if body.base_model else None
     version = registry.register_version(
@@ -138,6 +138,7 @@ def register_version(
         base_version_id=base.id if base else None,
         description=body.description,
         created_by=principal.key_id,
+        serving=settings,
     )
     session.commit()
     set_audit_target(request, version.id)
@@ -150,7 +151,7 @@ def get_version(version_id: str, session: SessionDep, _: AdminDep) -> ModelVersi
 
 
 @router.get("/models/{version_id}/lineage", name="admin_models.lineage")
-def get_lineage(version_id: str, session: SessionDep, _: AdminDep) -> dict:
+def get_lineage(version_id: str, session: SessionDep, _: AdminDep) -> dict[str, Any]:
     version = registry.get_version(session, version_id)
     return {"object": "model_version.lineage", "version_id": version.id, "chain": registry.lineage(session, version)}
 
@@ -175,7 +176,9 @@ def _moved_or_requested(
 
 
 # With the four-eyes rule on, a promotion or rollback is filed for approval instead of made.
-FILED_FOR_APPROVAL = {202: {"model": ApprovalObject, "description": "Filed for a second admin's approval."}}
+FILED_FOR_APPROVAL: dict[int | str, dict[str, Any]] = {
+    202: {"model": ApprovalObject, "description": "Filed for a second admin's approval."}
+}
 
 
 @router.post("/models/{version_id}/promote", name="admin_models.promote", responses=FILED_FOR_APPROVAL)

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, Field, StrictInt, field_validator
+from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from finetune.settings import FineTuneSettings, Hyperparameters, SupervisedSettings
@@ -22,7 +23,7 @@ from server.api.schemas import ListResponse, RequestBody, RowObject, UnixTime
 from server.db.models import Checkpoint, FineTuningJob, ModelVersion
 from server.errors import InvalidRequest
 from server.services import jobs as job_service
-from server.services import training
+from server.services import model_resolution, training
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
 
@@ -65,7 +66,8 @@ class JobError(BaseModel):
     param: str | None = None
 
 
-class JobObject(RowObject):
+# The pydantic plugin names `hyperparameters` by its alias `method` in `__init__`, beside the field `method`.
+class JobObject(RowObject):  # type: ignore[no-redef]
     id: str
     object: Literal["fine_tuning.job"] = "fine_tuning.job"
     created_at: UnixTime
@@ -75,7 +77,7 @@ class JobObject(RowObject):
     # OpenAI's three, read from the method's block: "auto" where the job left them to us, until a run chose them.
     hyperparameters: dict[str, Any] = Field(validation_alias="method")
     model: str
-    organization_id: str = job_service.ORGANIZATION
+    organization_id: str = model_resolution.ORGANIZATION
     result_files: list[str] = []
     seed: int
     status: str
@@ -161,7 +163,7 @@ class CheckpointObject(BaseModel):
 # --- routes -------------------------------------------------------------------------------------------------------
 
 
-def _create(session, body: JobCreate, created_by: str) -> FineTuningJob:
+def _create(session: Session, body: JobCreate, created_by: str) -> FineTuningJob:
     method = body.effective_method()
     training.check_inputs(method, has_validation_file=body.validation_file is not None)
     batch_size = method.hyperparameters.batch_size
@@ -285,7 +287,7 @@ def list_checkpoints(
     rows, has_more = job_service.list_checkpoints(session, job, after=after, limit=limit)
     base = session.get(ModelVersion, job.base_version_id) if job.base_version_id else None
     name = job.fine_tuned_model or (
-        job_service.fine_tuned_model_name(job, base) if base is not None else f"ft:{job.model}"
+        model_resolution.fine_tuned_model_name(job, base) if base is not None else f"ft:{job.model}"
     )
     data = [CheckpointObject.of(checkpoint, job, name) for checkpoint in rows]
     return ListResponse[CheckpointObject](data=data, has_more=has_more)

@@ -16,8 +16,15 @@ from server.api.ratelimit import RateLimits
 from server.db.models import InferenceRecord, ModelVersion
 from server.db.row_writer import RowWriter
 from server.db.session import RequestReads, make_engine
+from server.engines.base import (
+    EngineError,
+    EngineFailure,
+    EngineOverloaded,
+    EngineUnavailable,
+    ModelLoadError,
+)
 from server.errors import NotFound, RateLimited
-from server.services.inference import InferenceService
+from server.services.inference import InferenceService, engine_error
 
 MESSAGES = [{"role": "user", "content": "Summarise case CASE-7."}]
 
@@ -123,3 +130,22 @@ def test_refusals_come_before_any_output_and_are_recorded(run_with_service, make
         ("no-such-model", 404),
         ("tiny", 429),
     ]
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "kind", "retry_after"),
+    [
+        (EngineError("n must be at most 16 on this engine.", param="n"), 400, "invalid_request_error", None),
+        (EngineOverloaded("The engine's request queue is full."), 429, "rate_limit_error", "1"),
+        (ModelLoadError("Model version mv-1 could not be loaded."), 503, "server_error", None),
+        (EngineUnavailable("The engine core is restarting.", retry_after_s=10), 503, "server_error", "10"),
+        (EngineFailure("Generation failed: EngineCore encountered an issue."), 500, "server_error", None),
+    ],
+)
+def test_only_a_refused_request_is_the_clients_error_and_engine_failures_are_server_errors(
+    error, status, kind, retry_after
+):
+    api_error = engine_error(error)
+    assert (api_error.status_code, api_error.type, api_error.message) == (status, kind, error.message)
+    assert (api_error.headers or {}).get("Retry-After") == retry_after
+    assert api_error.param == error.param
