@@ -288,6 +288,6 @@ class GrammarMatcher:
         xgrammar.apply_token_bitmask_inplace(masked, self._bitmask[0])
         return masked
 
-    def accept(self, token: int) -> None:
-        if not self._matcher.accept_token(token):
-            raise RuntimeError(f"token {token} does not continue the grammar")
+    def accept(self, token: int) -> bool:
+        """Advance by `token`; False if the grammar does not allow it (the matcher stays where it was)."""
+        return bool(self._matcher.accept_token(token))

@@ -381,8 +381,11 @@ class _Scheduler:
             if row.matcher is not None:
                 row_logits = row.matcher.mask(row_logits)
             token = row.next_token = row.sampler(row_logits)
-            if row.matcher is not None:
-                row.matcher.accept(token)
+            if row.matcher is not None and not row.matcher.accept(token):
+                # The grammar library contradicting its own mask fails this request only; its rows leave the batch.
+                row.request.send(EngineFailure(f"Generation failed: the grammar refused token {token} it allowed."))
+                row.request.cancelled.set()
+                continue
             self.stats.decoded_tokens += 1
             row.output.add(token, self._logprob(row_logits, token, params.top_logprobs) if params.logprobs else None)
             self._send(row)

@@ -15,7 +15,7 @@ import pytest
 import xgrammar
 from transformers import AutoTokenizer
 
-from server.engines.base import EngineError, ModelRef, SamplingParams, end_of_sequence_ids
+from server.engines.base import EngineError, EngineFailure, ModelRef, SamplingParams, end_of_sequence_ids
 from server.engines.grammar import GrammarCompiler, GrammarError, OutputGrammar
 from server.engines.local import LocalEngine
 from server.settings import LocalEngineSettings
@@ -256,3 +256,23 @@ def test_length_bounded_strings_hold_well_formed_characters_that_need_no_escape(
     grammar = OutputGrammar.json_schema({"type": "string", "maxLength": 6})
     matcher = xgrammar.GrammarMatcher(xgrammar.GrammarCompiler(info).compile_structural_tag(grammar.structural_tag))
     assert (all(matcher.accept_token(byte) for byte in text) and matcher.accept_token(256)) == accepted
+
+
+def test_a_grammar_that_contradicts_its_mask_fails_its_request_only(base, prompt, monkeypatch):
+    """Should xgrammar refuse a token its own mask allowed, that request fails and the batch goes on."""
+    monkeypatch.setattr(xgrammar.GrammarMatcher, "accept_token", lambda self, token: False)
+    free = SamplingParams(max_tokens=12, seed=5, ignore_eos=True)
+    constrained = SamplingParams(max_tokens=12, n=2, seed=6, grammar=OutputGrammar.json_object())
+
+    async def scenario():
+        engine = LocalEngine(EAGER)
+        try:
+            return await asyncio.gather(
+                choices(engine, base, prompt, free), choices(engine, base, prompt, constrained), return_exceptions=True
+            )
+        finally:
+            await engine.close()
+
+    answered, failed = asyncio.run(scenario())
+    assert answered == [(answered[0][0], "length")] and isinstance(failed, EngineFailure)
+    assert "grammar refused" in failed.message
