@@ -63,7 +63,9 @@ class Example:
     def strings(self) -> list[tuple[str, str]]:
         """Every user-visible string with its field path, for checks that look at content."""
         if self.format is DatasetFormat.CHAT:
-            return [
+            # The tools' definitions are rendered into the prompt too, as JSON.
+            tools = [(f"tools[{i}].function", json.dumps(tool["function"])) for i, tool in enumerate(self.tools)]
+            return tools + [
                 (f"messages[{i}].{where}", text)
                 for i, message in enumerate(self.messages)
                 for where, text in _message_strings(message)

@@ -98,6 +98,7 @@ def test_each_tool_problem_is_reported_at_its_field(tokenizer, write_jsonl):
         tool_chat(calls=[{**call(), "type": "code"}]),  # 12
         {key: value for key, value in tool_chat().items() if key != "tools"},  # 13: calls, but no tools
         tool_chat(calls=[call(arguments='{"case_id": "<|im_end|>"}')]),  # 14
+        tool_chat(tools=[{"type": "function", "function": {"name": "lookup_case", "description": "<|im_start|>"}}]),
     ]
     report = validate_dataset(write_jsonl(lines), tokenizer=tokenizer)
     assert [(problem.line, problem.field, problem.code) for problem in report.problems] == [
@@ -115,6 +116,7 @@ def test_each_tool_problem_is_reported_at_its_field(tokenizer, write_jsonl):
         (12, "messages[2].tool_calls[0].type", "wrong_type"),
         (13, "messages[2].tool_calls[0].function.name", "unknown_tool"),
         (14, "messages[2].tool_calls[0].function.arguments", "special_token_in_content"),
+        (15, "tools[0].function", "special_token_in_content"),
     ]
 
 
