@@ -117,9 +117,7 @@ def task_examples(examples: list[Example], tokenizer: Any) -> list[TaskExample]:
     tasks = []
     for example in examples:
         if example.format is DatasetFormat.CHAT and example.messages and example.messages[-1]["role"] == "assistant":
-            context = [{"role": m["role"], "content": m["content"]} for m in example.messages[:-1]]
-            prompt = tokenizer.apply_chat_template(context, add_generation_prompt=True, tokenize=True, return_dict=True)
-            tasks.append(TaskExample(list(prompt["input_ids"]), example.messages[-1]["content"]))
+            tasks.append(_chat_task(example, tokenizer))
         elif example.format is DatasetFormat.PROMPT_COMPLETION:
             tasks.append(TaskExample(tokenizer.encode(example.prompt, add_special_tokens=False), example.completion))
         elif example.format is DatasetFormat.PREFERENCE:  # the preferred answer is the reference
@@ -127,6 +125,22 @@ def task_examples(examples: list[Example], tokenizer: Any) -> list[TaskExample]:
             prompt = tokenizer.apply_chat_template(context, add_generation_prompt=True, tokenize=True, return_dict=True)
             tasks.append(TaskExample(list(prompt["input_ids"]), example.preferred))
     return tasks
+
+
+def _chat_task(example: Example, tokenizer: Any) -> TaskExample:
+    """The conversation before its last (assistant) message, and that message as the model should write it: its
+    text, or for a message with tool calls the whole turn as the chat template renders it (calls included)."""
+    messages, tools = example.template_messages(), example.tools or None
+    prompt = tokenizer.apply_chat_template(
+        messages[:-1], tools=tools, add_generation_prompt=True, tokenize=True, return_dict=True
+    )
+    answer = messages[-1]
+    reference = answer["content"]
+    if answer.get("tool_calls"):
+        opening = tokenizer.apply_chat_template(messages[:-1], tools=tools, add_generation_prompt=True, tokenize=False)
+        turn = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)[len(opening) :]
+        reference = tokenizer.decode(tokenizer.encode(turn, add_special_tokens=False), skip_special_tokens=True)
+    return TaskExample(list(prompt["input_ids"]), reference)
 
 
 @torch.no_grad()

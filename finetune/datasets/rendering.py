@@ -1,7 +1,8 @@
 """Turn a dataset example into token ids and the loss mask, the one place that decides which tokens are trained.
 
-- chat: rendered with the tokenizer's chat template; trained tokens are the assistant turns with weight 1, including
-  their end-of-turn token, taken from the template's `{% generation %}` markers.
+- chat: rendered with the tokenizer's chat template (with the line's tools, if any); trained tokens are the assistant
+  turns with weight 1, their tool calls and end-of-turn token included, taken from the template's
+  `{% generation %}` markers.
 - prompt/completion: prompt and completion are encoded separately (as at inference, where the prompt is encoded and
   the completion generated), then EOS; trained: completion + EOS.
 - text: BOS + text + EOS, all trained but BOS.
@@ -11,9 +12,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .formats import DatasetFormat, Example
 
@@ -52,11 +53,17 @@ def tokenize_example(example: Example, tokenizer: PreTrainedTokenizerBase) -> To
 def _tokenize_chat(example: Example, tokenizer: PreTrainedTokenizerBase) -> TokenizedExample:
     if not tokenizer.chat_template:
         raise TemplateError("the tokenizer has no chat template")
+    if uses_tools(example.messages, example.tools) and not renders_tools(tokenizer):
+        raise TemplateError(TOOLS_NOT_RENDERED)
     # Render every assistant turn as trainable, then drop the weight-0 ones by position: this honours `weight` with
     # any template that has generation markers, not only ours.
-    messages = [{"role": message["role"], "content": message["content"]} for message in example.messages]
+    tools: list[dict[Any, Any] | Callable[..., Any]] = [*example.tools]
     rendered = tokenizer.apply_chat_template(
-        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        example.template_messages(),
+        tools=tools or None,
+        tokenize=True,
+        return_dict=True,
+        return_assistant_tokens_mask=True,
     )
     if not isinstance(rendered, Mapping):  # a BatchEncoding
         raise TypeError(f"apply_chat_template(return_dict=True) gave a {type(rendered).__name__}")
@@ -72,6 +79,52 @@ def _tokenize_chat(example: Example, tokenizer: PreTrainedTokenizerBase) -> Toke
         if weight == 0:
             mask[start:end] = [0] * (end - start)
     return TokenizedExample(input_ids, mask)
+
+
+TOOLS_NOT_RENDERED = (
+    "the chat template does not render tools, tool calls and tool results in the <tool_call> format "
+    "(a tokenizer trained by this version writes it)"
+)
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
+
+# A conversation with every part of the tool format, and the call as a template that speaks the format renders it.
+_PROBE_TOOL = {"type": "function", "function": {"name": "probe_tool", "parameters": {"type": "object"}}}
+_PROBE_MESSAGES: list[dict[str, Any]] = [
+    {"role": "user", "content": "probe"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"id": "call_0", "type": "function", "function": {"name": "probe_call", "arguments": {"a": 1}}}],
+    },
+    {"role": "tool", "tool_call_id": "call_0", "content": "probe_result"},
+]
+_PROBE_CALL = f'{TOOL_CALL_OPEN}\n{{"name": "probe_call", "arguments": {{"a": 1}}}}\n{TOOL_CALL_CLOSE}'
+
+
+def uses_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> bool:
+    """Whether a conversation needs the template's tool format: tools, calls or results."""
+    return bool(tools) or any(message.get("tool_calls") or message.get("role") == "tool" for message in messages)
+
+
+def renders_tools(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether the tokenizer's chat template lists tools, renders calls as
+    `<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>` (the format the server decodes and parses) and
+    renders tool results: a template that drops any of them would silently lose part of a conversation."""
+    template = tokenizer.chat_template
+    if template not in _RENDERS_TOOLS:
+        try:
+            text = tokenizer.apply_chat_template(_PROBE_MESSAGES, tools=[_PROBE_TOOL], tokenize=False)
+            renders = '"probe_tool"' in text and _PROBE_CALL in text and "probe_result" in text
+        except Exception:  # a template that refuses the roles or fields
+            renders = False
+        if len(_RENDERS_TOOLS) >= 64:  # a server sees a few templates; never grow without bound
+            _RENDERS_TOOLS.clear()
+        _RENDERS_TOOLS[template] = renders
+    return _RENDERS_TOOLS[template]
+
+
+_RENDERS_TOOLS: dict[str | None, bool] = {}  # by chat template: the probe's answer depends on nothing else
 
 
 def _runs_of_ones(mask: list[int]) -> list[tuple[int, int]]:

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from server.engines.grammar import OutputGrammar
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -41,7 +43,8 @@ class SamplingParams:
     Logits are adjusted in vLLM's order before a token is chosen: end-of-sequence tokens masked until `min_tokens`,
     `logit_bias` added, then `repetition_penalty`, `frequency_penalty` and `presence_penalty` applied; then the token
     is the most likely one (`greedy`) or drawn after `temperature`, `top_k` and `top_p`. Log-probabilities
-    (`logprobs`, `prompt_logprobs`) are the model's own, before any adjustment.
+    (`logprobs`, `prompt_logprobs`) are the model's own, before any adjustment; with a `grammar`, the grammar's mask
+    comes first (as in vLLM) and they are those of the masked distribution.
     """
 
     max_tokens: int  # 0 only with `prompt_logprobs`: the prompt is scored, nothing generated
@@ -69,6 +72,9 @@ class SamplingParams:
     # vLLM's and transformers': the logit of a token in the prompt or the output is divided by it (if positive) or
     # multiplied by it (if negative).
     repetition_penalty: float = 1.0
+    # Hold the text to this grammar (JSON of a schema, tool calls) by masking each step's logits: the choice ends at
+    # an end-of-sequence token only once the grammar is complete.
+    grammar: OutputGrammar | None = None
 
     @property
     def greedy(self) -> bool:
@@ -81,6 +87,17 @@ class TokenLogprob:
     logprob: float | None  # None only for a prompt's first token, which nothing predicts
     # The most likely alternatives at this position, best first: (token, logprob).
     top: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass
+class ToolCallDelta:
+    """New output of one tool call of a choice: its id and name when it starts, then pieces of its arguments (JSON
+    text). Parsed out of the text by the inference service (`server.services.tool_calls`), never by an engine."""
+
+    index: int  # of the call among the choice's calls
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
 
 
 @dataclass
@@ -98,6 +115,8 @@ class ChoiceDelta:
     cached_prompt_tokens: int = 0
     # On a choice's first delta when `prompt_logprobs` was asked for: one entry per prompt token.
     prompt_logprobs: list[TokenLogprob] | None = None
+    # Tool calls parsed out of the text, which then holds the rest (the service's, when a request has tools).
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
 
 class EngineError(Exception):
@@ -272,6 +291,10 @@ class Engine(abc.ABC):
             raise EngineError("The prompt plus max_tokens exceed the model's context length.", param="max_tokens")
         if params.min_tokens > params.max_tokens:
             raise EngineError("min_tokens must not exceed max_tokens.", param="min_tokens")
+        if params.grammar is not None and (params.ignore_eos or params.min_tokens):
+            # A complete grammar leaves only the end-of-sequence tokens to choose from.
+            field = "ignore_eos" if params.ignore_eos else "min_tokens"
+            raise EngineError(f"{field} cannot be combined with {params.grammar.param}.", param=field)
         vocabulary = len(await self.tokenizer(model))
         outside = sorted(token for token in params.logit_bias if not 0 <= token < vocabulary)
         if outside:

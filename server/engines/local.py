@@ -30,7 +30,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -50,6 +50,7 @@ from server.engines.base import (
     TokenLogprob,
     end_of_sequence_ids,
 )
+from server.engines.grammar import GrammarCompiler, GrammarError, GrammarMatcher, OutputGrammar
 from server.engines.output import ChoiceOutput
 from server.engines.sampling import TokenSampler, choice_generator
 from server.engines.threads import on_own_thread
@@ -58,6 +59,9 @@ from zaya_model import ZayaForCausalLM
 from zaya_model.cache_zaya import ZayaCache
 from zaya_model.cpu.decode import CompiledDecoder, StaticDecodeCache, capacity_for
 from zaya_model.pretrain.tokenizer import decode_text
+
+if TYPE_CHECKING:
+    import xgrammar
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +77,7 @@ class _Request:
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
     deltas: DeltaQueue
+    grammar: xgrammar.CompiledGrammar | None = None  # `params.grammar` compiled for the model's tokenizer
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def send(self, item: ChoiceDelta | BaseException) -> None:
@@ -86,6 +91,7 @@ class _Sequence:
     request: _Request
     output: ChoiceOutput
     sampler: TokenSampler
+    matcher: GrammarMatcher | None = None  # the choice's place in its request's grammar, if it has one
     next_token: int = -1
 
     @property
@@ -309,6 +315,7 @@ class _Scheduler:
                 request,
                 ChoiceOutput(index, self.tokenizer, params, self.end_ids, scored),
                 TokenSampler(params, prompt, self.end_ids, choice_generator(params.seed, index)),
+                GrammarMatcher(request.grammar, self.model.config.vocab_size) if request.grammar else None,
             )
             for index in range(params.n)
         ]
@@ -371,7 +378,14 @@ class _Scheduler:
             if row.finished:
                 continue
             params = row.request.params
+            if row.matcher is not None:
+                row_logits = row.matcher.mask(row_logits)
             token = row.next_token = row.sampler(row_logits)
+            if row.matcher is not None and not row.matcher.accept(token):
+                # The grammar library contradicting its own mask fails this request only; its rows leave the batch.
+                row.request.send(EngineFailure(f"Generation failed: the grammar refused token {token} it allowed."))
+                row.request.cancelled.set()
+                continue
             self.stats.decoded_tokens += 1
             row.output.add(token, self._logprob(row_logits, token, params.top_logprobs) if params.logprobs else None)
             self._send(row)
@@ -486,6 +500,7 @@ class LocalEngine(Engine):
         super().__init__()
         self.settings = settings or LocalEngineSettings()
         self._loaded: LoadedModels[_Loaded] = LoadedModels()  # by served version id
+        self._grammar_compilers: dict[str, GrammarCompiler] = {}  # by base version id
         self._locks: dict[str, asyncio.Lock] = {}
         self._compute: _ComputeThread | None = None  # started with the first model
 
@@ -505,6 +520,7 @@ class LocalEngine(Engine):
             if served_id == version_id or loaded.base_version_id == version_id:
                 await self._unload(served_id)
         self._forget(version_id)
+        self._grammar_compilers.pop(version_id, None)
 
     async def unload_adapter(self, version_id: str) -> None:
         await self._unload(version_id)
@@ -545,10 +561,27 @@ class LocalEngine(Engine):
         deltas: DeltaQueue,
     ) -> Callable[[], None]:
         scheduler = await self._ensure_loaded(model, adapter)
-        request = _Request(list(prompt_token_ids), params, asyncio.get_running_loop(), deltas)
+        grammar = await self._compile(model, scheduler, params.grammar) if params.grammar is not None else None
+        request = _Request(list(prompt_token_ids), params, asyncio.get_running_loop(), deltas, grammar)
         scheduler.submit(request)
         # The scheduler drops a cancelled request's rows at its next step.
         return request.cancelled.set
+
+    async def _compile(
+        self, model: ModelRef, scheduler: _Scheduler, grammar: OutputGrammar
+    ) -> xgrammar.CompiledGrammar:
+        """`grammar` compiled for the model's tokenizer, off the event loop and the compute thread (reading a
+        large vocabulary, or compiling a large schema, takes a while)."""
+        compiler = self._grammar_compilers.get(model.version_id)
+        if compiler is None:
+            vocab_size = scheduler.model.config.vocab_size
+            stop_ids = sorted(scheduler.end_ids)
+            compiler = await asyncio.to_thread(GrammarCompiler, scheduler.tokenizer, vocab_size, stop_ids)
+            self._grammar_compilers[model.version_id] = compiler
+        try:
+            return await asyncio.to_thread(compiler.compile, grammar)
+        except GrammarError as error:
+            raise EngineError(error.message, param=error.param) from error
 
     def stats(self, version_id: str) -> SchedulerStats | None:
         """Counters of the scheduler serving `version_id` (tests and metrics)."""

@@ -25,17 +25,20 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 from vllm import SamplingParams as VLLMSamplingParams
+from vllm.config import StructuredOutputsConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.exceptions import VLLMValidationError
 from vllm.logprobs import Logprob
 from vllm.lora.request import LoRARequest
 from vllm.outputs import RequestOutput
 from vllm.platforms import current_platform
-from vllm.sampling_params import RequestOutputKind
+from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from server.engines.base import (
     DeltaQueue,
     Engine,
+    EngineError,
     EngineFailure,
     EngineOverloaded,
     EngineUnavailable,
@@ -176,6 +179,8 @@ class VLLMEngine(Engine):
             block_size=settings.block_size or default_block_size(settings),
             **engine_core_executor(),
             seed=settings.seed,
+            # The same grammar library as the local engine (`server.engines.grammar`), never another by fallback.
+            structured_outputs_config=StructuredOutputsConfig(backend="xgrammar"),
             disable_log_stats=True,
         )
         try:
@@ -300,6 +305,10 @@ class VLLMEngine(Engine):
                     deltas.put_nowait(delta)
                 if choice.finished:
                     return  # leaving the stream aborts the vLLM request (a stop string: it would go on)
+        except VLLMValidationError as error:  # vLLM refused the request's grammar
+            param = params.grammar.param if params.grammar is not None else None
+            deltas.put_nowait(EngineError(f"{param or 'request'}: {error}", param=param))
+            return
         except Exception as error:  # not a cancellation (BaseException): that propagates and aborts the request
             logger.exception("vLLM generation failed")
             reason = str(error)
@@ -355,6 +364,9 @@ class VLLMEngine(Engine):
             repetition_penalty=params.repetition_penalty,
             detokenize=False,  # text comes from our detokenizer
             output_kind=RequestOutputKind.DELTA,
+            structured_outputs=None
+            if params.grammar is None
+            else StructuredOutputsParams(structural_tag=params.grammar.structural_tag),
         )
 
     def health(self) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 import anyio
 from sqlalchemy import insert
 
+from finetune.datasets.rendering import renders_tools, uses_tools
 from server.db.base import utcnow
 from server.db.models import InferenceRecord
 from server.db.row_writer import RowWriter
@@ -38,11 +39,13 @@ from server.engines.base import (
     SamplingParams,
     TokenLogprob,
 )
+from server.engines.grammar import GrammarError, OutputGrammar
 from server.engines.heap import freeze_startup_heap
 from server.errors import APIError, GenerationFailed, InvalidRequest, ServiceUnavailable, TooManyRequests
 from server.services.access import Principal, Scope
 from server.services.model_resolution import ServableModel, resolve
 from server.services.quotas import OpenStreams
+from server.services.tool_calls import ToolCall, ToolCallParser, parse_delta
 from server.settings import Settings
 
 if TYPE_CHECKING:
@@ -68,16 +71,28 @@ class TokenBudget(Protocol):
 
 @dataclass(frozen=True)
 class ChatPrompt:
-    """Chat messages (`{"role", "content"}`), rendered with the model's chat template."""
+    """Chat messages (`{"role", "content"}`, tool calls and results as transformers' templates take them) and the
+    tools (OpenAI's function definitions), rendered with the model's chat template."""
 
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
     endpoint: ClassVar[str] = "chat.completions"
     param: ClassVar[str] = "messages"
 
     def text(self, tokenizer: PreTrainedTokenizerBase) -> str:
         if not tokenizer.chat_template:
             raise InvalidRequest("This model has no chat template; use /v1/completions.", param="model")
-        text = tokenizer.apply_chat_template(self.messages, tokenize=False, add_generation_prompt=True)
+        if uses_tools(self.messages, self.tools) and not renders_tools(tokenizer):
+            param = "tools" if self.tools else "messages"
+            raise InvalidRequest(
+                f"{param}: this model's chat template does not render tools, tool calls and tool results in the "
+                "<tool_call> format; register a model whose tokenizer writes it.",
+                param=param,
+            )
+        tools: list[dict[Any, Any] | Callable[..., Any]] = [*(self.tools or [])]
+        text = tokenizer.apply_chat_template(
+            self.messages, tools=tools or None, tokenize=False, add_generation_prompt=True
+        )
         if not isinstance(text, str):
             raise TypeError(f"apply_chat_template(tokenize=False) gave a {type(text).__name__}")
         return text
@@ -131,6 +146,14 @@ class GenerationRequest(Protocol):
     def prompts(self) -> list[Prompt]:
         """The prompts, each completed by `n` choices (indexed prompt by prompt)."""
 
+    @property
+    def grammar(self) -> OutputGrammar | None:
+        """The grammar every choice is decoded under, if any; raises `GrammarError` for one that cannot be built."""
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        """The choices' tool calls are parsed out of their text."""
+
     def to_sampling_params(self, room: int) -> SamplingParams:
         """The sampling parameters of a prompt that leaves `room` tokens of the context for its completion."""
 
@@ -143,6 +166,7 @@ class FinishedChoice:
     text: str
     logprobs: list[TokenLogprob]
     finish_reason: str | None
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -201,11 +225,20 @@ class Generation:
     """
 
     def __init__(
-        self, record: _Record, runs: list[_Run], n: int, rows: RowWriter, close_stream: Callable[[], None]
+        self,
+        record: _Record,
+        runs: list[_Run],
+        n: int,
+        rows: RowWriter,
+        close_stream: Callable[[], None],
+        *,
+        parses_tool_calls: bool = False,
     ) -> None:
-        """`close_stream` gives back the request's place among its key's open streams (`OpenStreams`)."""
+        """`close_stream` gives back the request's place among its key's open streams (`OpenStreams`);
+        `parses_tool_calls`: each choice's tool calls are parsed out of its text (`ChoiceDelta.tool_calls`)."""
         self._record, self._runs, self._rows = record, runs, rows
         self._close_stream = close_stream
+        self._tool_parsers: dict[int, ToolCallParser] | None = {} if parses_tool_calls else None
         self.choices_per_prompt = n
         self.n = n * len(runs)
         self._tokens = [0] * self.n
@@ -237,6 +270,8 @@ class Generation:
                 if delta.index not in started:
                     started.add(delta.index)
                     _echo(delta, self._runs[prompt].echo)
+                if self._tool_parsers is not None:
+                    parse_delta(delta, self._tool_parsers.setdefault(delta.index, ToolCallParser()))
                 tokens[delta.index] = delta.completion_tokens
                 record.completion_tokens = sum(tokens)
                 self._cached_tokens = max(self._cached_tokens, delta.cached_prompt_tokens)
@@ -285,6 +320,10 @@ class Generation:
             texts[delta.index].append(delta.text)
             choice.logprobs.extend(delta.logprobs)
             choice.finish_reason = delta.finish_reason or choice.finish_reason
+            for call in delta.tool_calls:
+                if call.id is not None:  # a call's first piece
+                    choice.tool_calls.append(ToolCall(call.id, call.name or "", ""))
+                choice.tool_calls[call.index].arguments += call.arguments
         for choice, text in zip(choices, texts, strict=True):
             choice.text = "".join(text)
         return choices
@@ -444,6 +483,7 @@ class InferenceService:
         try:
             close_stream = self.open_streams.open(key_id)
             try:
+                await _build_grammar(request)
                 servable = await self.reads.run(resolve, caller.scope, request.model)
                 record.model_version_id = servable.version_id
                 prepared = [await self._prepare(servable, prompt, request) for prompt in prompts]
@@ -458,7 +498,9 @@ class InferenceService:
             record.status_code = error.status_code
             await self.rows.execute(INSERT_RECORD, record.row())
             raise
-        return Generation(record, runs, prepared[0].params.n, self.rows, close_stream)
+        return Generation(
+            record, runs, prepared[0].params.n, self.rows, close_stream, parses_tool_calls=request.parses_tool_calls
+        )
 
     async def _prepare(self, servable: ServableModel, prompt: Prompt, request: GenerationRequest) -> _PreparedPrompt:
         try:
@@ -505,6 +547,14 @@ class InferenceService:
             for first, stream, each in zip(firsts, streams, prepared, strict=True)
             if not isinstance(first, BaseException)  # none is: any failure was raised above
         ]
+
+
+async def _build_grammar(request: GenerationRequest) -> None:
+    """Build (and keep) the request's grammar off the event loop: checking a large schema takes a while."""
+    try:
+        await asyncio.to_thread(lambda: request.grammar)
+    except GrammarError as error:
+        raise InvalidRequest(error.message, param=error.param) from error
 
 
 async def _first_delta(deltas: AsyncIterator[ChoiceDelta]) -> ChoiceDelta:

@@ -67,14 +67,15 @@ CHAT = {
     "prompt_cache_options": REFUSED,
     "prompt_cache_retention": REFUSED,
     "safety_identifier": REFUSED,
-    "tool_choice": REFUSED,
-    "tools": REFUSED,
+    # Structured outputs and tool calls, by constrained decoding (test_structured_outputs_api.py and the vLLM one).
+    "response_format": HONOURED,
+    "tool_choice": HONOURED,
+    "tools": HONOURED,
+    "parallel_tool_calls": HONOURED,
     "verbosity": REFUSED,
     "web_search_options": REFUSED,
     "modalities": no_op(["text"]),
-    "parallel_tool_calls": no_op(True),
     "reasoning_effort": no_op("none"),
-    "response_format": no_op({"type": "text"}),
     "service_tier": no_op("auto", "default"),
     "store": no_op(False),
 }
@@ -87,8 +88,8 @@ MESSAGE = {
     "audio": REFUSED,
     "function_call": REFUSED,
     "refusal": REFUSED,
-    "tool_calls": REFUSED,
-    "tool_call_id": REFUSED,
+    "tool_calls": HONOURED,
+    "tool_call_id": HONOURED,
 }
 # vLLM's sampling extensions (lm-eval and guidellm send some): honoured by both engines.
 VLLM_EXTENSIONS = {"top_k", "min_tokens", "repetition_penalty", "ignore_eos"}
@@ -107,14 +108,10 @@ REFUSED_VALUES = {
     "prompt_cache_options": {"mode": "explicit", "ttl": "30m"},
     "prompt_cache_retention": "24h",
     "safety_identifier": "hash-of-user",
-    "tool_choice": "required",
-    "tools": [{"type": "function", "function": {"name": "lookup_case", "parameters": {"type": "object"}}}],
     "verbosity": "low",
     "web_search_options": {},
     "modalities": ["text", "audio"],
-    "parallel_tool_calls": False,
     "reasoning_effort": "high",
-    "response_format": {"type": "json_object"},
     "service_tier": "flex",
     "store": True,
     "best_of": 3,
@@ -262,7 +259,11 @@ def test_refused_fields_are_400_unsupported_parameter_naming_them(live_server, a
     ("endpoint", "fields", "param"),
     [
         ("chat", {"messages": [{"role": "user", "content": "hi", "name": "ana"}]}, "messages[0].name"),
-        ("chat", {"messages": [{"role": "assistant", "content": "x", "tool_calls": []}]}, "messages[0].tool_calls"),
+        (
+            "chat",
+            {"messages": [{"role": "assistant", "content": "x", "function_call": {"name": "f", "arguments": "{}"}}]},
+            "messages[0].function_call",
+        ),
         (
             "chat",
             {"stream": True, "stream_options": {"include_obfuscation": True}},

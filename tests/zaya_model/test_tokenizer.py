@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -104,3 +105,79 @@ def test_rejects_bad_settings():
         train_tokenizer(CORPUS, vocab_size=100)
     with pytest.raises(ValueError, match="empty"):
         train_tokenizer([], vocab_size=400)
+
+
+LOOKUP_CASE = {
+    "type": "function",
+    "function": {
+        "name": "lookup_case",
+        "description": "Fetch a case file.",
+        "parameters": {"type": "object", "properties": {"case_id": {"type": "string"}}, "required": ["case_id"]},
+    },
+}
+TOOL_CONVERSATION = [
+    {"role": "system", "content": "You are a bank investigator."},
+    {"role": "user", "content": "Compare cases 1 and 2."},
+    {
+        "role": "assistant",
+        "content": "Fetching both.",
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "lookup_case", "arguments": {"case_id": "1"}}},
+            # OpenAI's messages carry the arguments as JSON text: rendered as given.
+            {"id": "call_2", "type": "function", "function": {"name": "lookup_case", "arguments": '{"case_id": "2"}'}},
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "Case 1: closed."},
+    {"role": "tool", "tool_call_id": "call_2", "content": "Case 2: open."},
+    {"role": "assistant", "content": "Case 2 is still open."},
+]
+
+
+def test_a_conversation_without_tools_renders_as_plain_chatml(tokenizer):
+    assert tokenizer.apply_chat_template(CONVERSATION, tokenize=False) == (
+        "<|startoftext|><|im_start|>system\nYou are a bank investigator.<|im_end|>\n"
+        "<|im_start|>user\nSummarise case 7.<|im_end|>\n"
+        "<|im_start|>assistant\nDraft answer<|im_end|>\n"
+        "<|im_start|>user\nNow the disposition?<|im_end|>\n"
+        "<|im_start|>assistant\nEscalate: rapid movement of funds.<|im_end|>\n"
+    )
+
+
+def test_tools_join_the_system_turn_and_calls_and_results_have_their_own_tags(tokenizer):
+    text = tokenizer.apply_chat_template(TOOL_CONVERSATION, tools=[LOOKUP_CASE], tokenize=False)
+    system, rest = text.split("<|im_end|>\n", 1)
+    assert system.startswith("<|startoftext|><|im_start|>system\nYou are a bank investigator.\n\n# Tools\n")
+    assert f"<tools>\n{json.dumps(LOOKUP_CASE, ensure_ascii=False)}\n</tools>" in system
+    assert "You are a bank investigator." not in rest  # the system message is not repeated
+    assert (
+        "<|im_start|>assistant\nFetching both.\n"
+        '<tool_call>\n{"name": "lookup_case", "arguments": {"case_id": "1"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "lookup_case", "arguments": {"case_id": "2"}}\n</tool_call><|im_end|>\n'
+        "<|im_start|>tool\n<tool_response>\nCase 1: closed.\n</tool_response><|im_end|>\n"
+        "<|im_start|>tool\n<tool_response>\nCase 2: open.\n</tool_response><|im_end|>\n"
+    ) in rest
+
+    alone = tokenizer.apply_chat_template(TOOL_CONVERSATION[1:2], tools=[LOOKUP_CASE], tokenize=False)
+    assert alone.startswith("<|startoftext|><|im_start|>system\n# Tools\n")
+
+
+def test_a_call_without_text_starts_the_turn_with_its_tag(tokenizer):
+    call = {"role": "assistant", "content": None, "tool_calls": TOOL_CONVERSATION[2]["tool_calls"][:1]}
+    text = tokenizer.apply_chat_template([TOOL_CONVERSATION[1], call], tools=[LOOKUP_CASE], tokenize=False)
+    assert text.endswith(
+        '<|im_start|>assistant\n<tool_call>\n{"name": "lookup_case", "arguments": {"case_id": "1"}}\n'
+        "</tool_call><|im_end|>\n"
+    )
+
+
+def test_the_assistant_mask_covers_tool_calls_and_not_tool_results(tokenizer):
+    rendered = tokenizer.apply_chat_template(
+        TOOL_CONVERSATION, tools=[LOOKUP_CASE], tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    trained = [token for token, keep in zip(rendered["input_ids"], rendered["assistant_masks"], strict=True) if keep]
+    assert tokenizer.decode(trained) == (
+        "Fetching both.\n"
+        '<tool_call>\n{"name": "lookup_case", "arguments": {"case_id": "1"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "lookup_case", "arguments": {"case_id": "2"}}\n</tool_call><|im_end|>'
+        "Case 2 is still open.<|im_end|>"
+    )

@@ -11,7 +11,14 @@ Special tokens (each one token, never split or merged):
 The chat template is ChatML. Assistant content and its `<|im_end|>` sit inside `{% generation %}` markers, so
 `apply_chat_template(..., return_assistant_tokens_mask=True, return_dict=True)` marks exactly the tokens a model is
 trained on. An assistant message with `weight: 0` (OpenAI fine-tuning format) is rendered without the markers,
-so it is context only. Encoding plain text adds no special tokens: callers that pack documents add BOS/EOS themselves.
+so it is context only.
+
+Tools (`apply_chat_template(..., tools=[...])`, OpenAI's function definitions) are listed in the system turn, one JSON
+object per line within `<tools></tools>`. An assistant's tool calls follow its text, each as
+`<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` (the Hermes/Qwen format, which the server decodes
+and parses), inside the generation markers; a tool's result is a `tool` turn within `<tool_response>` tags.
+
+Encoding plain text adds no special tokens: callers that pack documents add BOS/EOS themselves.
 
 Numbers are split into single digits before BPE (`split_digits`, as Llama, DeepSeek and most current tokenizers
 do): "9,459.14" is nine tokens whatever the corpus, so a model copies a value from its input digit by digit instead
@@ -40,17 +47,50 @@ SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, TURN_START_TOKEN, END_OF_TURN
 # Byte-level BPE starts from all 256 byte symbols; the merges come on top.
 _BYTE_ALPHABET_SIZE = 256
 
+# The tools section of the system turn, after the system message (if any): what the model may call, and how.
+TOOLS_PREAMBLE = (
+    "# Tools\n\nYou may call functions to help with the request. Their signatures, one JSON object per line:\n"
+)
+TOOL_CALL_INSTRUCTIONS = (
+    "To call a function, write its name and arguments as JSON within <tool_call></tool_call> tags:\n"
+    '<tool_call>\n{"name": <function name>, "arguments": <arguments as a JSON object>}\n</tool_call>'
+)
+
 CHAT_TEMPLATE = (
+    # An assistant turn's body: its text, then each tool call. `arguments` may be an object (transformers'
+    # convention) or already JSON text (OpenAI's).
+    "{% macro assistant_body(message) %}"
+    "{% if message['content'] %}{{ message['content'] }}{% endif %}"
+    "{% for call in message.get('tool_calls') or [] %}"
+    "{% set function = call['function'] if call['function'] is defined else call %}"
+    "{% if message['content'] or not loop.first %}{{ '\n' }}{% endif %}"
+    "{{ '<tool_call>\n{\"name\": ' }}{{ function['name'] | tojson }}{{ ', \"arguments\": ' }}"
+    "{{ function['arguments'] if function['arguments'] is string else function['arguments'] | tojson }}"
+    "{{ '}\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>' }}"
+    "{% endmacro %}"
     "{{ bos_token }}"
+    "{% set tools_in_system = tools and messages and messages[0]['role'] == 'system' %}"
+    "{% if tools %}"
+    "{{ '<|im_start|>system\n' }}"
+    "{% if tools_in_system %}{{ messages[0]['content'] + '\n\n' }}{% endif %}"
+    f"{{{{ {TOOLS_PREAMBLE!r} + '<tools>\n' }}}}"
+    "{% for tool in tools %}{{ tool | tojson }}{{ '\n' }}{% endfor %}"
+    f"{{{{ '</tools>\n\n' + {TOOL_CALL_INSTRUCTIONS!r} + '<|im_end|>\n' }}}}"
+    "{% endif %}"
     "{% for message in messages %}"
-    "{% if message['role'] == 'assistant' %}"
+    "{% if loop.first and tools_in_system %}"
+    "{% elif message['role'] == 'assistant' %}"
     "{{ '<|im_start|>assistant\n' }}"
     "{% if message.get('weight', 1) == 0 %}"
-    "{{ message['content'] }}{{ '<|im_end|>' }}"
+    "{{ assistant_body(message) }}"
     "{% else %}"
-    "{% generation %}{{ message['content'] }}{{ '<|im_end|>' }}{% endgeneration %}"
+    "{% generation %}{{ assistant_body(message) }}{% endgeneration %}"
     "{% endif %}"
     "{{ '\n' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>tool\n<tool_response>\n' + message['content'] + '\n</tool_response><|im_end|>\n' }}"
     "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
     "{% endif %}"

@@ -11,7 +11,9 @@ sampling extensions that its clients send are honoured too (`top_k`, `min_tokens
 from __future__ import annotations
 
 import abc
+import json
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -22,12 +24,14 @@ from pydantic import (
     StrictBool,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError, core_schema
 
 from server.api.errors import UNSUPPORTED_PARAMETER
 from server.api.schemas import RequestBody
 from server.engines.base import SamplingParams
+from server.engines.grammar import GrammarError, OutputGrammar
 from server.services.inference import ChatPrompt, Prompt, TextPrompt
 
 MAX_N = 16
@@ -91,6 +95,9 @@ LogitBias = Annotated[
     dict[TokenId, Annotated[float, Field(ge=-MAX_BIAS, le=MAX_BIAS)]], Field(max_length=MAX_LOGIT_BIAS)
 ]
 Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
+# OpenAI's rule for the names of functions and response formats.
+FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+MAX_TOOLS = 128  # OpenAI's limit
 
 
 class StreamOptions(RequestBody):
@@ -108,24 +115,135 @@ class TextPart(RequestBody):
     text: Text
 
 
-class ChatMessage(RequestBody):
-    """A message of the conversation, as the model's chat template renders it: a role and text."""
+class FunctionCall(RequestBody):
+    name: FunctionName
+    arguments: Text  # a JSON object, as text
 
-    role: Literal["system", "developer", "user", "assistant"]
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, arguments: str) -> str:
+        try:
+            parsed = json.loads(arguments)
+        except ValueError as error:
+            raise ValueError(f"must be a JSON object: {error}") from None
+        if not isinstance(parsed, dict):
+            raise ValueError("must be a JSON object")
+        return arguments
+
+
+class ToolCall(RequestBody):
+    """A call an assistant message made (OpenAI's function tool call)."""
+
+    id: Annotated[Text, Field(min_length=1, max_length=256)]
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class ChatMessage(RequestBody):
+    """A message of the conversation, as the model's chat template renders it: a role and text; an assistant's tool
+    calls, and the call a tool message answers."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
+    tool_calls: Annotated[list[ToolCall], Field(min_length=1)] | None = None
+    tool_call_id: Annotated[Text, Field(min_length=1, max_length=256)] | None = None
     name: Annotated[Any, Unsupported("the chat template does not render participant names")] = None
     # An assistant message's other parts, which the chat template does not render.
     refusal: Annotated[Any, Unsupported("the chat template does not render refusals")] = None
     audio: Annotated[Any, Unsupported("this server answers in text only")] = None
-    tool_calls: Annotated[Any, Unsupported("tool calls are not available")] = None
-    function_call: Annotated[Any, Unsupported("function calls are not available")] = None
-    tool_call_id: Annotated[Any, Unsupported("tool messages are not available")] = None
+    function_call: Annotated[Any, Unsupported("function calls are not available; use tool calls")] = None
 
-    def as_template_input(self) -> dict[str, str]:
+    @model_validator(mode="after")
+    def _tool_fields_of_their_roles(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError("a tool message, and only a tool message, has a tool_call_id")
+        return self
+
+    def as_template_input(self) -> dict[str, Any]:
+        """The message as chat templates take it (transformers' convention: a call's arguments as an object)."""
         content = self.content or ""
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        if self.tool_calls is not None:
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.function.name, "arguments": json.loads(call.function.arguments)},
+                }
+                for call in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+# --- structured outputs and tools -------------------------------------------------------------------------------
+
+
+class TextFormat(RequestBody):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(RequestBody):
+    type: Literal["json_object"]
+
+
+class JsonSchema(RequestBody):
+    name: FunctionName
+    description: Annotated[Any, Unsupported("the response format's description is not shown to the model")] = None
+    # Absent: any JSON value. Enforced whether or not `strict` is true.
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class JsonSchemaFormat(RequestBody):
+    type: Literal["json_schema"]
+    json_schema: JsonSchema
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
+
+
+class FunctionDefinition(RequestBody):
+    name: FunctionName
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; absent: no parameters
+    strict: bool | None = None  # the arguments always match `parameters`, strict or not
+
+
+class Tool(RequestBody):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ChosenFunction(RequestBody):
+    name: FunctionName
+
+
+class NamedToolChoice(RequestBody):
+    """Call this function, once."""
+
+    type: Literal["function"]
+    function: ChosenFunction
+
+
+class AllowedTools(RequestBody):
+    mode: Literal["auto", "required"]
+    tools: Annotated[list[NamedToolChoice], Field(min_length=1)]
+
+
+class AllowedToolsChoice(RequestBody):
+    """Only these of the tools may be called, under `mode`."""
+
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice
 
 
 # --- the shared fields ------------------------------------------------------------------------------------------
@@ -212,7 +330,18 @@ class SamplingRequest(RequestBody):
             frequency_penalty=self.frequency_penalty or 0.0,
             presence_penalty=self.presence_penalty or 0.0,
             repetition_penalty=self.repetition_penalty or 1.0,
+            grammar=self.grammar,
         )
+
+    @property
+    def grammar(self) -> OutputGrammar | None:
+        """The grammar choices are decoded under, if any."""
+        return None
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        """Tool calls are parsed out of the choices' text."""
+        return False
 
     @abc.abstractmethod
     def completion_tokens(self, room: int) -> int:
@@ -246,16 +375,13 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
-    # Structured outputs and tools.
-    response_format: Annotated[
-        Any, Unsupported("structured outputs are not available; text is", ({"type": "text"},))
-    ] = None
-    tools: Annotated[Any, Unsupported("tool calls are not available")] = None
-    tool_choice: Annotated[Any, Unsupported("tool calls are not available")] = None
-    # Parallel tool calls allowed (OpenAI's default): nothing to allow without tools.
-    parallel_tool_calls: Annotated[Any, Unsupported("tool calls are not available", (True,))] = None
-    functions: Annotated[Any, Unsupported("function calls are not available")] = None
-    function_call: Annotated[Any, Unsupported("function calls are not available")] = None
+    # Structured outputs and tools: held to by constrained decoding (`server.engines.grammar`).
+    response_format: ResponseFormat | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    functions: Annotated[Any, Unsupported("function calls are not available; use tools")] = None
+    function_call: Annotated[Any, Unsupported("function calls are not available; use tool_choice")] = None
     # Outputs other than text, and features of OpenAI's own service.
     modalities: Annotated[Any, Unsupported("this server answers in text only", (["text"],))] = None
     audio: Annotated[Any, Unsupported("this server answers in text only")] = None
@@ -280,6 +406,51 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("top_logprobs needs logprobs set to true")
         return top
 
+    @field_validator("tool_choice")
+    @classmethod
+    def _names_given_tools(cls, choice: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
+        if choice is None or choice == "none":
+            return choice
+        names = {tool.function.name for tool in info.data.get("tools") or []}
+        if not names:
+            raise ValueError("needs tools: no tools were given")
+        chosen = [choice] if isinstance(choice, NamedToolChoice) else []
+        chosen += choice.allowed_tools.tools if isinstance(choice, AllowedToolsChoice) else []
+        missing = [named.function.name for named in chosen if named.function.name not in names]
+        if missing:
+            raise ValueError(f"names {missing[0]!r}, which is not among the tools")
+        return choice
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        """The answer's tool calls are parsed out of its text (`tool_choice` "none" renders tools but never calls)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @cached_property
+    def grammar(self) -> OutputGrammar | None:
+        """The grammar the answer is decoded under: its tool calls', or its response format's. Raises
+        `GrammarError` for a schema the grammar library cannot build or enforce."""
+        response_format = self.response_format
+        wants_json = response_format is not None and response_format.type != "text"
+        if self.parses_tool_calls:
+            if wants_json:
+                raise GrammarError(
+                    "response_format: a JSON response format cannot be combined with tool calls; use tool_choice "
+                    '"none" to answer in JSON',
+                    param="response_format",
+                )
+            tools = [tool.model_dump(exclude_none=True) for tool in self.tools or []]
+            choice = self.tool_choice
+            # "none" leaves nothing to parse: only auto, required and named choices get here.
+            mode = choice.model_dump() if isinstance(choice, NamedToolChoice | AllowedToolsChoice) else choice
+            return OutputGrammar.tool_calls(tools, mode or "auto", parallel=self.parallel_tool_calls is not False)
+        if isinstance(response_format, JsonObjectFormat):
+            return OutputGrammar.json_object()
+        if isinstance(response_format, JsonSchemaFormat):
+            schema = response_format.json_schema.schema_
+            return OutputGrammar.json_schema({} if schema is None else schema)
+        return None
+
     @property
     def max_tokens_param(self) -> str:
         # `max_completion_tokens` replaces the deprecated `max_tokens`; either names the field in errors.
@@ -293,7 +464,8 @@ class ChatCompletionRequest(SamplingRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def prompts(self) -> list[Prompt]:
-        return [ChatPrompt([message.as_template_input() for message in self.messages])]
+        tools = [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
+        return [ChatPrompt([message.as_template_input() for message in self.messages], tools)]
 
 
 # --- text completions -------------------------------------------------------------------------------------------

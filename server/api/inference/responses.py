@@ -14,10 +14,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from server.engines.base import ChoiceDelta, TokenLogprob
+from server.engines.base import ChoiceDelta, TokenLogprob, ToolCallDelta
 from server.services.inference import FinishedChoice
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class PromptTokensDetails(BaseModel):
@@ -62,10 +62,32 @@ class ChatChoiceLogprobs(BaseModel):
         return cls(content=[_chat_token_logprob(entry) for entry in entries])
 
 
+class Function(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ChatCompletionMessageToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: Function
+
+
 class ChatCompletionMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str | None
+    content: str | None  # null when the answer is tool calls alone
     refusal: str | None = None
+    tool_calls: list[ChatCompletionMessageToolCall] | None = None
+
+    @classmethod
+    def of(cls, choice: FinishedChoice) -> ChatCompletionMessage:
+        if not choice.tool_calls:
+            return cls(content=choice.text)
+        calls = [
+            ChatCompletionMessageToolCall(id=call.id, function=Function(name=call.name, arguments=call.arguments))
+            for call in choice.tool_calls
+        ]
+        return cls(content=choice.text or None, tool_calls=calls)
 
 
 class ChatCompletionChoice(BaseModel):
@@ -95,7 +117,7 @@ class ChatCompletion(BaseModel):
             choices=[
                 ChatCompletionChoice(
                     index=choice.index,
-                    message=ChatCompletionMessage(content=choice.text),
+                    message=ChatCompletionMessage.of(choice),
                     logprobs=ChatChoiceLogprobs.of(choice.logprobs) if logprobs else None,
                     finish_reason=choice.finish_reason,
                 )
@@ -105,9 +127,24 @@ class ChatCompletion(BaseModel):
         )
 
 
+class ChoiceDeltaFunction(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ChoiceDeltaToolCall(BaseModel):
+    """A piece of a streamed tool call: `id`, `type` and the function's `name` in its first, then its arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: ChoiceDeltaFunction | None = None
+
+
 class ChatCompletionDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ChoiceDeltaToolCall] | None = None
 
 
 class ChatCompletionChunkChoice(BaseModel):
@@ -234,10 +271,13 @@ class ChunkWriter:
         *,
         include_usage: bool,
         continuous_usage: bool = False,
+        tool_calls: bool = False,
     ) -> None:
         """`include_usage`: chunks have a `usage` field, null until the last; `continuous_usage`: every chunk's
-        `usage` is the usage so far (vLLM's `continuous_usage_stats`)."""
+        `usage` is the usage so far (vLLM's `continuous_usage_stats`); `tool_calls`: the answer may be tool calls,
+        whose content starts null rather than empty."""
         self.chat = chunk is ChatCompletionChunk
+        self._opening_content = "null" if tool_calls else '""'
         head = _encode({"id": id, "object": chunk.model_fields["object"].default, "created": created, "model": model})
         self._prefix = f'data: {head[:-1]},"choices":['
         self._suffix = '],"system_fingerprint":null' + (',"usage":null}\n\n' if include_usage else "}\n\n")
@@ -250,7 +290,7 @@ class ChunkWriter:
         if not self.chat:
             return []
         return [
-            f'{self._prefix}{{"index":{index},"delta":{{"role":"assistant","content":""}},'
+            f'{self._prefix}{{"index":{index},"delta":{{"role":"assistant","content":{self._opening_content}}},'
             f'"logprobs":null,"finish_reason":null}}{self._end(usage)}'
             for index in range(n)
         ]
@@ -260,7 +300,10 @@ class ChunkWriter:
         finish = "null" if delta.finish_reason is None else f'"{delta.finish_reason}"'
         entries = _encode(self._logprobs(delta)) if logprobs else "null"
         if self.chat:
-            output = f'"delta":{{"content":{_encode(delta.text)}}}' if delta.text else '"delta":{}'
+            parts = [f'"content":{_encode(delta.text)}'] if delta.text else []
+            if delta.tool_calls:
+                parts.append(f'"tool_calls":{_encode([_tool_call_delta(call) for call in delta.tool_calls])}')
+            output = f'"delta":{{{",".join(parts)}}}'
         else:
             output = f'"text":{_encode(delta.text)}'
             self._offsets[delta.index] = self._offsets.get(delta.index, 0) + len(delta.text)
@@ -284,6 +327,14 @@ class ChunkWriter:
 def error_event(message: str) -> str:
     """A failure after the stream started (headers are gone): reported in the stream, as OpenAI does."""
     return f"data: {_encode({'error': {'message': message, 'type': 'server_error', 'param': None, 'code': None}})}\n\n"
+
+
+def _tool_call_delta(call: ToolCallDelta) -> dict[str, Any]:
+    """A streamed call's piece as OpenAI writes it: index, id, type and name first, then arguments alone."""
+    if call.id is None:
+        return {"index": call.index, "function": {"arguments": call.arguments}}
+    function = {"name": call.name, "arguments": call.arguments}
+    return {"index": call.index, "id": call.id, "type": "function", "function": function}
 
 
 def _chat_token_logprob(entry: TokenLogprob) -> dict[str, Any]:

@@ -104,6 +104,7 @@ async def answer(
             body.model,
             include_usage=body.include_usage,
             continuous_usage=body.continuous_usage,
+            tool_calls=body.parses_tool_calls,
         )
         events = _events(generation, writer, body, logprobs=logprobs)
         return DisconnectAwareStreamingResponse(events, on_close=generation.aclose, media_type="text/event-stream")
