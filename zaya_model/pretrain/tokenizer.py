@@ -119,9 +119,8 @@ def train_tokenizer(
 
     backend = Tokenizer(models.BPE())
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if split_digits:
-        byte_level = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    backend.pre_tokenizer = byte_level
+    digits = pre_tokenizers.Digits(individual_digits=True)
+    backend.pre_tokenizer = pre_tokenizers.Sequence([digits, byte_level]) if split_digits else byte_level
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -160,7 +159,8 @@ def chat_template_token_ids(tokenizer: PreTrainedTokenizerFast) -> list[int]:
     plain-text corpus never holds, so pretraining leaves their embedding rows untrained."""
     template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
     specials = [token for token in tokenizer.all_special_tokens if token in template]
-    return sorted({tokenizer.convert_tokens_to_ids(token) for token in specials})
+    ids = tokenizer.convert_tokens_to_ids(specials)
+    return sorted(set(ids if isinstance(ids, list) else [ids]))
 
 
 def decode_text(

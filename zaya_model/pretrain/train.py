@@ -231,6 +231,8 @@ class Pretrainer:
         sharded = settings.sharding == "fsdp"
         if sharded and self.dist.enabled:  # one process has nothing to shard
             shard_model(self.model)
+        # After sharding (which swaps in sharded parameters); loading a checkpoint copies into these same tensors.
+        self.parameters = list(self.model.parameters())
         self.optimizers = build_optimizers(self.model, settings)
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, warmup_cosine(settings)) for o in self.optimizers]
         self.balancing = BalancingBiasUpdater(self.model, lr=settings.balancing_lr)
@@ -405,9 +407,9 @@ class Pretrainer:
             loss += micro_loss.detach()
         self.dist.sum_(loss)
         if not is_sharded(self.model):  # FSDP reduce-scatters the gradients during backward
-            self.dist.sum_gradients(list(self.model.parameters()))
+            self.dist.sum_gradients(self.parameters)
         max_norm = self.settings.max_grad_norm if self.settings.max_grad_norm > 0 else float("inf")
-        grad_norm = local_scalar(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        grad_norm = local_scalar(torch.nn.utils.clip_grad_norm_(self.parameters, max_norm))
         if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
             self._rollback(batch_index, loss.item(), grad_norm.item())
             return None
