@@ -5,7 +5,9 @@ Counting is the `limits` library's fixed-window strategy, whose counters are O(1
 (the default) keeps them in this process, so with several API processes each enforces the limits on its own share;
 a shared store (e.g. "redis://...") makes them hold across processes.
 
-Refused requests are not counted: a key that is over its limit cannot extend its own wait by retrying.
+Requests refused by these limits are not counted: a key that is over its limit cannot extend its own wait by
+retrying. A request refused for a prompt longer than the model's context is charged its prompt's tokens all the same
+(`charge_refused`), so prompts that cannot fit cost a key its budget as running them would.
 """
 
 from __future__ import annotations
@@ -47,6 +49,12 @@ class RateLimits:
                 param=param,
             )
         self._charge(self._tokens, key_id, tokens, "tokens", param=param)
+
+    def charge_refused(self, key_id: str, tokens: int) -> None:
+        """Count the tokens of a request refused for its prompt's length, at most the whole limit; never raises (the
+        request is refused already, and the next one finds the window used up)."""
+        if self._tokens is not None and tokens > 0:
+            self._limiter.hit(self._tokens, key_id, cost=min(tokens, self._tokens.amount))
 
     def _charge(self, item: RateLimitItem, key_id: str, cost: int, what: str, *, param: str | None) -> None:
         if self._limiter.test(item, key_id, cost=cost):

@@ -44,6 +44,7 @@ from server.engines.heap import freeze_startup_heap
 from server.errors import APIError, GenerationFailed, InvalidRequest, ServiceUnavailable, TooManyRequests
 from server.services.access import Principal, Scope
 from server.services.model_resolution import ServableModel, resolve
+from server.services.prompt_length import min_tokens
 from server.services.quotas import OpenStreams
 from server.services.tool_calls import ToolCall, ToolCallParser, parse_delta
 from server.settings import Settings
@@ -62,11 +63,22 @@ READY_ENGINE_STATES = frozenset({"not_started", "ready"})
 logger = logging.getLogger(__name__)
 
 
+class PromptTooLong(InvalidRequest):
+    """A prompt that leaves no room for a completion in the model's context (400 `context_length_exceeded`)."""
+
+    def __init__(self, message: str, *, param: str, tokens: int) -> None:
+        super().__init__(message, param=param, code="context_length_exceeded")
+        self.tokens = tokens  # the prompt's tokens, or a lower bound of them when it was refused by its length
+
+
 class TokenBudget(Protocol):
     """Per-key token limits (`server.api.ratelimit.RateLimits`)."""
 
     def charge_tokens(self, key_id: str, tokens: int, *, param: str) -> None:
         """Count a request's tokens (prompt plus max completion) against the key's limit, or raise `RateLimited`."""
+
+    def charge_refused(self, key_id: str, tokens: int) -> None:
+        """Count the tokens of a request refused for its prompt's length (up to the whole limit), never raising."""
 
 
 @dataclass(frozen=True)
@@ -97,9 +109,12 @@ class ChatPrompt:
             raise TypeError(f"apply_chat_template(tokenize=False) gave a {type(text).__name__}")
         return text
 
-    def token_ids(self, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    def token_ids(self, tokenizer: PreTrainedTokenizerBase, context: int) -> list[int] | int:
+        text = self.text(tokenizer)
+        if (at_least := min_tokens(tokenizer, text)) >= context:
+            return at_least
         # The template writes the special tokens itself (BOS, turn markers).
-        token_ids: list[int] = tokenizer.encode(self.text(tokenizer), add_special_tokens=False)
+        token_ids: list[int] = tokenizer.encode(text, add_special_tokens=False)
         return token_ids
 
 
@@ -118,10 +133,14 @@ class TextPrompt:
 
         return decode_text(tokenizer, self.prompt)
 
-    def token_ids(self, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    def token_ids(self, tokenizer: PreTrainedTokenizerBase, context: int) -> list[int] | int:
         if isinstance(self.prompt, str):
+            if (at_least := min_tokens(tokenizer, self.prompt)) >= context:
+                return at_least
             token_ids: list[int] = tokenizer.encode(self.prompt, add_special_tokens=False)
             return token_ids
+        if len(self.prompt) >= context:
+            return len(self.prompt)
         if any(token < 0 or token >= len(tokenizer) for token in self.prompt):
             raise InvalidRequest(f"prompt: token ids must be in [0, {len(tokenizer)}).", param="prompt")
         return list(self.prompt)
@@ -494,6 +513,13 @@ class InferenceService:
             except BaseException:
                 close_stream()
                 raise
+        except PromptTooLong as error:
+            # Refused, yet counted: the prompt's tokens are charged to the key as if it had run, so sending prompts
+            # that cannot fit costs a key its token budget as running them would.
+            self.budget.charge_refused(key_id, error.tokens)
+            record.status_code = error.status_code
+            await self.rows.execute(INSERT_RECORD, record.row())
+            raise
         except APIError as error:
             record.status_code = error.status_code
             await self.rows.execute(INSERT_RECORD, record.row())
@@ -508,15 +534,23 @@ class InferenceService:
             context = await self.engine.context_length(servable.base)
         except ModelLoadError as error:
             raise ServiceUnavailable(error.message, code="model_unavailable") from error
-        prompt_ids = prompt.token_ids(tokenizer)
+        # Rendering and tokenizing a long prompt takes seconds: off the event loop, which keeps serving meanwhile.
+        prompt_ids = await anyio.to_thread.run_sync(prompt.token_ids, tokenizer, context)
+        if isinstance(prompt_ids, int):  # refused by its length alone, before tokenizing
+            raise PromptTooLong(
+                f"This model's maximum context length is {context} tokens; your {prompt.param} use at least "
+                f"{prompt_ids} tokens, leaving no room for a completion.",
+                param=prompt.param,
+                tokens=prompt_ids,
+            )
         if not prompt_ids:
             raise InvalidRequest(f"{prompt.param}: the prompt is empty.", param=prompt.param)
         if len(prompt_ids) >= context:
-            raise InvalidRequest(
+            raise PromptTooLong(
                 f"This model's maximum context length is {context} tokens; your {prompt.param} use "
                 f"{len(prompt_ids)} tokens, leaving no room for a completion.",
                 param=prompt.param,
-                code="context_length_exceeded",
+                tokens=len(prompt_ids),
             )
         params = request.to_sampling_params(context - len(prompt_ids))
         if len(prompt_ids) + params.max_tokens > context:
@@ -528,7 +562,8 @@ class InferenceService:
                 param=request.max_tokens_param,
                 code="context_length_exceeded",
             )
-        return _PreparedPrompt(prompt_ids, params, prompt.text(tokenizer) if request.echo_prompt else None)
+        echo = await anyio.to_thread.run_sync(prompt.text, tokenizer) if request.echo_prompt else None
+        return _PreparedPrompt(prompt_ids, params, echo)
 
     async def _start_runs(self, servable: ServableModel, prepared: list[_PreparedPrompt]) -> list[_Run]:
         """Start every prompt's generation at once (so the engine batches them) and wait for their first deltas."""
