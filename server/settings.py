@@ -95,6 +95,9 @@ class Settings(BaseSettings):
     rate_limit_requests_per_minute: int = Field(default=600, ge=0)
     rate_limit_tokens_per_minute: int = Field(default=1_000_000, ge=0)
     rate_limit_window_s: int = Field(default=60, ge=1)
+    # Per client address: requests refused for a missing or invalid key; beyond this the address gets 429 (and no
+    # audit row) until the window ends.
+    rate_limit_auth_failures_per_minute: int = Field(default=60, ge=0)
     # Where the counters live (a `limits` storage URI). "memory://" keeps them per API process; with several
     # processes use a shared store (e.g. "redis://host:6379", needs the `redis` package) so the limits hold overall.
     rate_limit_storage_uri: str = "memory://"

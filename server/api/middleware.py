@@ -3,6 +3,8 @@
 Authentication runs here, before routing and body parsing, so every route except `/health` is authenticated by
 construction and a malformed body without a key still gets 401. Role checks are per route (`server.api.deps`).
 Body size limits are `server.api.limits`, which runs inside this middleware so refused bodies are audited too.
+Requests without a valid key are limited per client address (`RateLimits.check_auth_failure`): 401 and an audit row
+up to the limit, then 429 without one.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 PUBLIC_PATHS = frozenset({"/health"})
 MUTATING_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+MAX_AUDITED_PATH_CHARS = 1024  # longer paths are audited cut to this: a client cannot grow the log by its paths
 
 
 def _bearer_token(request: Request) -> str | None:
@@ -72,7 +75,7 @@ def install_middleware(app: FastAPI) -> None:
             project_id=principal.project_id if principal else None,
             action=_storable(action, 64),
             method=_storable(request.method, 8),
-            path=_storable(request.url.path),
+            path=_storable(request.url.path, MAX_AUDITED_PATH_CHARS),
             target=_storable(target, 256) if target is not None else None,
             status_code=status_code,
             client_address=request.client.host if request.client else None,
@@ -93,6 +96,11 @@ def install_middleware(app: FastAPI) -> None:
                 raise
             return unavailable
         if found is None:
+            try:
+                app.state.rate_limits.check_auth_failure(request.client.host if request.client else "")
+            except RateLimited as error:
+                request.state.unaudited = True  # past the limit: an address cannot grow the audit log at will
+                return error_response(429, error.message, code=error.code, headers=error.headers)
             message = "Invalid API key." if token else "Missing API key: send 'Authorization: Bearer <key>'."
             return error_response(401, message, code="invalid_api_key")
         principal = request.state.principal = found[0]
@@ -106,7 +114,7 @@ def install_middleware(app: FastAPI) -> None:
         """Audit a mutating request and observe its metrics, once its status is known (before the client sees it)."""
         route, path_params = _route_of(request)
         route_label = getattr(route, "path", "unmatched")
-        if request.method in MUTATING_METHODS:
+        if request.method in MUTATING_METHODS and not getattr(request.state, "unaudited", False):
             action = getattr(route, "name", None) or f"{request.method} {route_label}"
             try:
                 await app.state.rows.execute(audit.INSERT_ENTRY, audit_entry(request, action, path_params, status_code))

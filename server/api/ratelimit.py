@@ -8,6 +8,9 @@ a shared store (e.g. "redis://...") makes them hold across processes.
 Requests refused by these limits are not counted: a key that is over its limit cannot extend its own wait by
 retrying. A request refused for a prompt longer than the model's context is charged its prompt's tokens all the same
 (`charge_refused`), so prompts that cannot fit cost a key its budget as running them would.
+
+Failed authentications (no key, or an unknown or revoked one) are counted per client address
+(`rate_limit_auth_failures_per_minute`): past the limit, that address gets 429 instead of 401 until its window ends.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class RateLimits:
         self._window = window
         self._requests = _item(settings.rate_limit_requests_per_minute, window)
         self._tokens = _item(settings.rate_limit_tokens_per_minute, window)
+        self._auth_failures = _item(settings.rate_limit_auth_failures_per_minute, window)
 
     def check_request(self, key_id: str) -> None:
         """Count one request of `key_id`, or raise `RateLimited` if its window is used up."""
@@ -55,6 +59,20 @@ class RateLimits:
         request is refused already, and the next one finds the window used up)."""
         if self._tokens is not None and tokens > 0:
             self._limiter.hit(self._tokens, key_id, cost=min(tokens, self._tokens.amount))
+
+    def check_auth_failure(self, address: str) -> None:
+        """Count one failed authentication from `address`, or raise `RateLimited` once its window is used up."""
+        if self._auth_failures is None:
+            return
+        if self._limiter.hit(self._auth_failures, "auth-failure", address):
+            return
+        reset_at, _remaining = self._limiter.get_window_stats(self._auth_failures, "auth-failure", address)
+        retry_after = max(1, math.ceil(reset_at - time.time()))
+        raise RateLimited(
+            f"Too many requests without a valid API key from this address: at most {self._auth_failures.amount} "
+            f"per {self._window_text()}. Retry after {retry_after} s.",
+            retry_after_s=retry_after,
+        )
 
     def _charge(self, item: RateLimitItem, key_id: str, cost: int, what: str, *, param: str | None) -> None:
         if self._limiter.test(item, key_id, cost=cost):

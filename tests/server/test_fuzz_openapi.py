@@ -38,8 +38,9 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture
 def settings(settings):
-    """No rate limits: the fuzzer sends far more than a minute's worth of requests with each key."""
-    return settings.model_copy(update={"rate_limit_requests_per_minute": 0, "rate_limit_tokens_per_minute": 0})
+    """No rate limits: the fuzzer sends far more than a minute's worth of requests with each key, and without."""
+    limits_off = {"rate_limit_requests_per_minute": 0, "rate_limit_tokens_per_minute": 0}
+    return settings.model_copy(update={**limits_off, "rate_limit_auth_failures_per_minute": 0})
 
 
 @pytest.fixture
