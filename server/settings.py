@@ -89,6 +89,10 @@ class Settings(BaseSettings):
     upload_pii_scan: Literal["off", "report", "reject"] = "off"
     # Limit for every other request body (JSON).
     max_request_bytes: int = Field(default=8 * 1024**2, gt=0)
+    # Limits of a request's head, enforced as it arrives (`server.http_server`): the request target (path and query;
+    # longer gets 414) and the whole head, request line and header fields (longer gets 431).
+    max_request_line_bytes: int = Field(default=16 * 1024, ge=1024)
+    max_header_bytes: int = Field(default=64 * 1024, ge=4096)
 
     # Per-key rate limits (0 turns one off), counted over fixed windows of `rate_limit_window_s` (a minute).
     # Tokens are a request's prompt plus its max_tokens (times n), charged when it is admitted.

@@ -104,10 +104,9 @@ def _projects_list(_args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from server.app import create_app
     from server.db.session import make_engine
+    from server.http_server import run_server
 
     settings = Settings()
     engine = make_engine(settings.database_url)
@@ -115,7 +114,7 @@ def _serve(args: argparse.Namespace) -> int:
         _require_current_schema(engine)
     finally:
         engine.dispose()
-    uvicorn.run(create_app(settings), host=args.host or settings.host, port=args.port or settings.port)
+    run_server(create_app(settings), settings, host=args.host or settings.host, port=args.port or settings.port)
     return 0
 
 

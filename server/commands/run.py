@@ -95,10 +95,9 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from server.app import create_app
     from server.db.migrations import upgrade
+    from server.http_server import run_server
 
     settings = Settings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
@@ -114,7 +113,7 @@ def _run(args: argparse.Namespace) -> int:
     print(f"worker: started (pid {worker.pid})")
     _print_welcome(settings, host, port, model)
     try:
-        uvicorn.run(create_app(settings), host=host, port=port)
+        run_server(create_app(settings), settings, host=host, port=port)
     finally:
         _stop(worker)
     return 0
