@@ -13,22 +13,16 @@
 
 from __future__ import annotations
 
-import json
-import math
 import random
-import select
-import socket
-import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import httpx
 import pytest
 from sqlalchemy import func
 from sqlalchemy import select as sql_select
 
+from benchmarks.attack_bench import HealthProbe, health_probed, rss_bytes, send_raw, status_and_error
 from benchmarks.load_test.stack import MODEL_NAME, Stack
 
 HEALTH_BOUND_S = 1.0  # the issue's bound for /health during an attack
@@ -53,85 +47,10 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
         yield stack
 
 
-@dataclass
-class HealthProbe:
-    """`/health` polled from a thread of its own (a fresh connection each time) while an attack runs."""
-
-    url: str
-    latencies: list[float] = field(default_factory=list)
-    failures: list[str] = field(default_factory=list)
-
-    @property
-    def worst(self) -> float:
-        return max(self.latencies, default=math.inf)
-
-    def check(self) -> None:
-        assert not self.failures, self.failures[:3]
-        assert len(self.latencies) >= 2, "the attack ended before /health was probed"
-        assert self.worst < HEALTH_BOUND_S, f"/health took {self.worst:.2f} s during the attack"
-
-
-@contextmanager
-def health_probed(url: str) -> Iterator[HealthProbe]:
-    probe = HealthProbe(url)
-    done = threading.Event()
-
-    def poll() -> None:
-        while True:
-            started = time.perf_counter()
-            try:
-                response = httpx.get(f"{url}/health", timeout=10)
-                if response.status_code != 200:
-                    probe.failures.append(f"/health answered {response.status_code}")
-            except httpx.HTTPError as error:
-                probe.failures.append(f"/health failed: {error!r}")
-            probe.latencies.append(time.perf_counter() - started)
-            if done.wait(0.05):
-                return
-
-    thread = threading.Thread(target=poll, daemon=True)
-    thread.start()
-    time.sleep(0.2)  # probed before the attack starts, too
-    try:
-        yield probe
-    finally:
-        time.sleep(0.1)
-        done.set()
-        thread.join(timeout=15)
-
-
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
-
-
-def send_raw(port: int, start: bytes, filler: int, *, chunk: int = 64 * 1024) -> tuple[bytes, int]:
-    """Send `start` and then up to `filler` bytes of 'a' (stopping once the server answers); its answer, and the
-    filler bytes sent."""
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        sock.sendall(start)
-        sent, piece = 0, b"a" * chunk
-        while sent < filler and not select.select([sock], [], [], 0)[0]:
-            try:
-                sock.sendall(piece)
-            except OSError:  # closed by the server after its answer
-                break
-            sent += len(piece)
-        answer = b""
-        try:
-            while data := sock.recv(65536):
-                answer += data
-        except OSError:
-            pass
-        return answer, sent
-
-
-def status_and_error(answer: bytes) -> tuple[int, dict]:
-    head, _, body = answer.partition(b"\r\n\r\n")
-    return int(head.split(b" ", 2)[1]), json.loads(body)["error"]
+def check(probe: HealthProbe) -> None:
+    assert not probe.failures, probe.failures[:3]
+    assert len(probe.latencies) >= 2, "the attack ended before /health was probed"
+    assert probe.worst < HEALTH_BOUND_S, f"/health took {probe.worst:.2f} s during the attack"
 
 
 # --- prompts over the context ----------------------------------------------------------------------------------
@@ -160,7 +79,7 @@ def test_prompt_over_the_context_is_refused_by_its_length_and_charged(stack, rou
     )
     assert "maximum context length" in error["message"]
     assert elapsed < 5, f"refused after {elapsed:.1f} s"
-    probe.check()
+    check(probe)
 
     # Its tokens were charged: the key's window is used up, so a small request is refused with 429.
     small = {"model": MODEL_NAME, "max_tokens": 2}
@@ -187,7 +106,7 @@ def test_a_100_mb_header_is_cut_off_with_431(stack):
     assert sent < 10 * 1024**2, f"the server read {sent} bytes of the header before answering"
     assert elapsed < 5
     assert rss_bytes(stack.server.pid) - before < 32 * 1024**2
-    probe.check()
+    check(probe)
     # The server serves on.
     assert httpx.get(f"{stack.url}/v1/models", headers=stack.headers("admin"), timeout=10).status_code == 200
 
@@ -198,7 +117,7 @@ def test_a_long_request_target_gets_414(stack):
         answer, _sent = send_raw(stack.port, b"GET /v1/" + b"a" * 1024**2 + b" HTTP/1.1\r\n\r\n", 0)
     status, error = status_and_error(answer)
     assert (status, error["code"]) == (414, "uri_too_long")
-    probe.check()
+    check(probe)
 
 
 @pytest.mark.slow
@@ -208,6 +127,13 @@ def test_heads_within_the_limits_are_served(stack):
     query = "x=" + "a" * (MAX_REQUEST_LINE_BYTES - 200)
     response = httpx.get(f"{stack.url}/v1/models?{query}", headers=headers, timeout=10)
     assert response.status_code == 200, response.text
+
+    # Two requests pipelined in one write, their heads together over the limit, each within it: both answered.
+    key = stack.keys["admin"]
+    one = f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\nX-Padding: {'a' * 20_000}\r\n\r\n"
+    last = one.replace("\r\n\r\n", "\r\nConnection: close\r\n\r\n")
+    answer, _sent = send_raw(stack.port, (one + last).encode(), 0)
+    assert answer.count(b"HTTP/1.1 200 OK") == 2, answer[:300]
 
 
 # --- requests without a valid key --------------------------------------------------------------------------------
@@ -229,7 +155,7 @@ def test_requests_without_a_key_are_limited_per_address_and_audited_short(stack)
                 assert (error["type"], error["code"]) == ("rate_limit_error", "rate_limit_exceeded")
                 assert int(response.headers["Retry-After"]) >= 1
     assert statuses == [401] * AUTH_FAILURES_PER_WINDOW + [429] * 10
-    probe.check()
+    check(probe)
     # A valid key from the same address is served all the same.
     assert httpx.get(f"{stack.url}/v1/models", headers=stack.headers("admin"), timeout=10).status_code == 200
 
