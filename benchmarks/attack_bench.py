@@ -216,7 +216,7 @@ def main() -> int:
     for row in rows:
         failures = f" ({row.health_failures} failed)" if row.health_failures else ""
         print(
-            f"| {row.attack} | {row.answer} | {row.seconds:.2f} s | {row.health_worst_s:.3f} s{failures} "
+            f"| {row.attack} | {row.answer} | {row.seconds:.3f} s | {row.health_worst_s:.3f} s{failures} "
             f"| {row.memory_growth_mib:+.1f} MiB |"
         )
     print(f"audit rows of keyless requests: {audited}, longest path stored: {longest_path} characters")
