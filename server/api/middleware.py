@@ -3,7 +3,7 @@
 Authentication runs here, before routing and body parsing, so every route except `/health` is authenticated by
 construction and a malformed body without a key still gets 401. Role checks are per route (`server.api.deps`).
 Body size limits are `server.api.limits`, which runs inside this middleware so refused bodies are audited too.
-Requests without a valid key are limited per client address (`RateLimits.check_auth_failure`): 401 and an audit row
+Requests without a valid key are limited per client address (`server.api.ratelimit`): 401 and an audit row
 up to the limit, then 429 without one.
 """
 
@@ -96,11 +96,13 @@ def install_middleware(app: FastAPI) -> None:
                 raise
             return unavailable
         if found is None:
+            address = request.client.host if request.client else ""
             try:
-                app.state.rate_limits.check_auth_failure(request.client.host if request.client else "")
+                app.state.rate_limits.check_auth_failures_left(address)
             except RateLimited as error:
                 request.state.unaudited = True  # past the limit: an address cannot grow the audit log at will
                 return error_response(429, error.message, code=error.code, headers=error.headers)
+            app.state.rate_limits.count_auth_failure(address)
             message = "Invalid API key." if token else "Missing API key: send 'Authorization: Bearer <key>'."
             return error_response(401, message, code="invalid_api_key")
         principal = request.state.principal = found[0]

@@ -9,8 +9,9 @@ Requests refused by these limits are not counted: a key that is over its limit c
 retrying. A request refused for a prompt longer than the model's context is charged its prompt's tokens all the same
 (`charge_refused`), so prompts that cannot fit cost a key its budget as running them would.
 
-Failed authentications (no key, or an unknown or revoked one) are counted per client address
-(`rate_limit_auth_failures_per_minute`): past the limit, that address gets 429 instead of 401 until its window ends.
+Failed authentications (no key, or an unknown or revoked one, at the API or the console's sign-in form) are counted
+per client address (`rate_limit_auth_failures_per_minute`): past the limit, that address gets 429 instead of 401
+until its window ends, and the sign-in form tries no key from it.
 """
 
 from __future__ import annotations
@@ -60,11 +61,9 @@ class RateLimits:
         if self._tokens is not None and tokens > 0:
             self._limiter.hit(self._tokens, key_id, cost=min(tokens, self._tokens.amount))
 
-    def check_auth_failure(self, address: str) -> None:
-        """Count one failed authentication from `address`, or raise `RateLimited` once its window is used up."""
-        if self._auth_failures is None:
-            return
-        if self._limiter.hit(self._auth_failures, "auth-failure", address):
+    def check_auth_failures_left(self, address: str) -> None:
+        """Raise `RateLimited` if `address` has used up its failed authentications for this window (counts nothing)."""
+        if self._auth_failures is None or self._limiter.test(self._auth_failures, "auth-failure", address):
             return
         reset_at, _remaining = self._limiter.get_window_stats(self._auth_failures, "auth-failure", address)
         retry_after = max(1, math.ceil(reset_at - time.time()))
@@ -73,6 +72,11 @@ class RateLimits:
             f"per {self._window_text()}. Retry after {retry_after} s.",
             retry_after_s=retry_after,
         )
+
+    def count_auth_failure(self, address: str) -> None:
+        """Count one failed authentication from `address`."""
+        if self._auth_failures is not None:
+            self._limiter.hit(self._auth_failures, "auth-failure", address)
 
     def _charge(self, item: RateLimitItem, key_id: str, cost: int, what: str, *, param: str | None) -> None:
         if self._limiter.test(item, key_id, cost=cost):

@@ -20,6 +20,7 @@ from server.console.cookies import clear_cookie, set_login_cookie, set_session_c
 from server.console.session import COOKIE_NAME, LOGIN_COOKIE_NAME, ConsoleSession, SessionCodec, new_token
 from server.console.templating import STATIC_DIR, templates
 from server.db.session import session_scope
+from server.errors import RateLimited
 from server.services import audit, keys
 
 PREFIX = "/console"
@@ -54,6 +55,7 @@ def safe_next(value: str | None) -> str:
 def build_entrance(app_state: State, codec: SessionCodec) -> ExceptionMiddleware:
     settings = app_state.settings
     sessions = app_state.sessionmaker
+    rate_limits = app_state.rate_limits
     last_used_resolution = timedelta(seconds=settings.key_last_used_resolution_s)
 
     def render_login(request: Request, *, error: str | None = None, status_code: int = 200) -> Response:
@@ -110,9 +112,18 @@ def build_entrance(app_state: State, codec: SessionCodec) -> ExceptionMiddleware
         expected = request.cookies.get(LOGIN_COOKIE_NAME, "")
         if not expected or not hmac.compare_digest(expected, form.get("csrf", "")):
             return render_login(request, error="The sign-in form expired; please try again.", status_code=403)
+        address = request.client.host if request.client else ""
+        try:
+            # Failed sign-ins count with the API's failed authentications, per address: no guessing keys here.
+            rate_limits.check_auth_failures_left(address)
+        except RateLimited as error:
+            response = render_login(request, error=error.message, status_code=429)
+            response.headers.update(error.headers or {})
+            return response
         secret = form.get("api_key", "").strip()
         key_id = await run_in_threadpool(sign_in, secret, request) if secret else None
         if key_id is None:
+            rate_limits.count_auth_failure(address)
             return render_login(request, error="Invalid or revoked API key.", status_code=401)
         response = RedirectResponse(safe_next(form.get("next")), status_code=303)
         set_session_cookie(response, request, codec.encode(ConsoleSession.start(secret)), codec.idle_timeout_s)

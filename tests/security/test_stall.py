@@ -195,3 +195,24 @@ def test_no_length_bound_for_a_tokenizer_that_may_drop_characters(tiny_model_dir
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     tokenizer.backend_tokenizer.normalizer = normalizers.Strip()  # "   " is no token at all
     assert min_tokens(tokenizer, " " * 10_000) == 0
+
+
+# --- console sign-in -----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def settings(settings):
+    return settings.model_copy(update={"rate_limit_auth_failures_per_minute": 3})
+
+
+def test_console_sign_in_failures_count_with_the_apis(client, keys, sign_in):
+    """Wrong keys at the sign-in form and at the API share one per-address budget; past it even the right key waits
+    (no guessing keys through the console), while API calls with a valid key go on."""
+    assert client.get("/v1/models").status_code == 401
+    assert [sign_in(client, "sk-wrong").status_code for _ in range(2)] == [401, 401]
+    refused = sign_in(client, keys["admin"])
+    assert refused.status_code == 429
+    assert int(refused.headers["Retry-After"]) >= 1
+    assert "Too many requests without a valid API key" in refused.text
+    assert client.get("/v1/models").json()["error"]["code"] == "rate_limit_exceeded"
+    assert client.get("/v1/models", headers={"Authorization": f"Bearer {keys['admin']}"}).status_code == 200
