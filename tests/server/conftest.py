@@ -22,6 +22,7 @@ from server.db.base import Base
 from server.db.migrations import upgrade
 from server.db.models import DEFAULT_PROJECT_ID, Project, Role
 from server.db.session import make_engine, make_sessionmaker, session_scope
+from server.http_server import protocol_options
 from server.services.keys import create_key
 from server.services.projects import create_project
 from server.settings import LocalEngineSettings, Settings
@@ -134,12 +135,14 @@ def valid_dataset() -> bytes:
 
 @pytest.fixture
 def live_server(app) -> Iterator[str]:
-    """The app served by a real uvicorn on 127.0.0.1 and a free port; yields the base URL."""
+    """The app served by a real uvicorn on 127.0.0.1 and a free port, as `zaya serve` runs it; yields the base URL."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    # With the head bounds `zaya serve` runs with (`server.http_server`).
+    config = uvicorn.Config(app, log_level="warning", lifespan="on", **protocol_options(app.state.settings))
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 15
