@@ -1,12 +1,12 @@
 """The HTTP server the app runs in (`zaya serve`, `zaya run`): uvicorn, with bounds on a request's head.
 
 uvicorn's httptools protocol keeps a request's target and header fields in memory however long they grow (a 100 MB
-header took 22 s to refuse, and the event loop was busy all along). `BoundedHttpToolsProtocol` counts the head's
-bytes as they arrive and answers before parsing more: a request target over `max_request_line_bytes` gets 414, a
-head (request line plus header fields) over `max_header_bytes` gets 431, each with OpenAI's error body, and the
-connection closes. The rest of what the client sends is read and dropped for a moment (`LINGER_S`) so it reads the
-answer instead of a connection reset. (The head of a request pipelined behind another in the same read is counted
-from that read's end: it may pass the bound by up to one read, 256 KiB at most.)
+header field was read whole, for over a minute, with `/health` seconds late meanwhile). `BoundedHttpToolsProtocol`
+counts the head's bytes as they arrive and answers before parsing more: a request target over
+`max_request_line_bytes` gets 414, a head (request line plus header fields) over `max_header_bytes` gets 431, each
+with OpenAI's error body, and the connection closes. The rest of what the client sends is read and dropped for a
+moment (`LINGER_S`) so it reads the answer instead of a connection reset. (The head of a request pipelined behind
+another in the same read is counted from that read's end: it may pass the bound by up to one read, 256 KiB at most.)
 
 Without httptools, uvicorn's h11 protocol bounds the head itself (`h11_max_incomplete_event_size`), answering 400.
 """
@@ -26,7 +26,7 @@ LINGER_S = 1.0
 
 try:
     from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
-except ImportError:  # no httptools: h11 bounds the head (`server_config`)
+except ImportError:  # no httptools: h11 bounds the head (`protocol_options`)
     HttpToolsProtocol = None  # type: ignore[assignment,misc]
 
 

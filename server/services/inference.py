@@ -110,6 +110,8 @@ class ChatPrompt:
         return text
 
     def token_ids(self, tokenizer: PreTrainedTokenizerBase, context: int) -> list[int] | int:
+        """The prompt's token ids; or, when its length alone shows it takes `context` tokens or more, a lower bound
+        of its token count, found without tokenizing it."""
         text = self.text(tokenizer)
         if (at_least := min_tokens(tokenizer, text)) >= context:
             return at_least
@@ -134,6 +136,7 @@ class TextPrompt:
         return decode_text(tokenizer, self.prompt)
 
     def token_ids(self, tokenizer: PreTrainedTokenizerBase, context: int) -> list[int] | int:
+        """As `ChatPrompt.token_ids`: the ids, or a count of `context` or more when the prompt cannot fit."""
         if isinstance(self.prompt, str):
             if (at_least := min_tokens(tokenizer, self.prompt)) >= context:
                 return at_least
