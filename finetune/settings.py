@@ -139,12 +139,26 @@ class LoraSettings(Strict):
         + ")",
     )
     target_experts: bool = Field(True, description="also adapt the fused experts (PEFT target_parameters)")
+
+    @property
+    def trains_template_tokens(self) -> bool:
+        return False
+
+
+class SupervisedLoraSettings(LoraSettings):
+    """A supervised run's LoRA. A dpo run has no `train_template_tokens`: TRL's DPO scores answers with a fused LM
+    head that reads the head's weight directly, past PEFT's token rows (and its starting model trained them)."""
+
     train_template_tokens: bool = Field(
         True,
         description="also train the embedding rows of the special tokens the chat template writes (<|im_start|>, "
         "<|im_end|>), which plain-text pretraining never trains (PEFT trainable_token_indices; such an adapter is "
         "served merged into its base)",
     )
+
+    @property
+    def trains_template_tokens(self) -> bool:
+        return self.train_template_tokens
 
 
 class _MethodSettings(Strict):
@@ -171,6 +185,7 @@ class SupervisedSettings(_MethodSettings):
     """`method.supervised`: OpenAI's `hyperparameters`, then ours."""
 
     hyperparameters: Annotated[Hyperparameters, Cli(flatten=True)] = Field(default_factory=Hyperparameters)
+    lora: SupervisedLoraSettings = Field(default_factory=SupervisedLoraSettings)
 
 
 class DpoSettings(_MethodSettings):

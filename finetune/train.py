@@ -377,7 +377,7 @@ def make_lora_config(model: ZayaForCausalLM, settings: FineTuneSettings, tokeniz
         lora_dropout=lora.dropout,
         target_modules=targets,
         target_parameters=LORA_EXPERT_PARAMETERS if lora.target_experts else None,
-        trainable_token_indices=_template_token_rows(tokenizer) if lora.train_template_tokens else None,
+        trainable_token_indices=_template_token_rows(tokenizer) if lora.trains_template_tokens else None,
         task_type="CAUSAL_LM",
     )
 

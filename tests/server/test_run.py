@@ -90,7 +90,9 @@ def make_run_plan(engine: str | None) -> list[str]:
     env = {name: value for name, value in os.environ.items() if name not in ("ZAYA_ENGINE", "MAKEFLAGS")}
     if engine is not None:
         env["ZAYA_ENGINE"] = engine
-    plan = subprocess.run(["make", "-n", "run"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, check=True)
+    # --no-print-directory: under an outer make (MAKELEVEL > 0) make would add "Entering/Leaving directory" lines.
+    command = ["make", "--no-print-directory", "-n", "run"]
+    plan = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, check=True)
     return plan.stdout.splitlines()
 
 

@@ -49,12 +49,12 @@ def test_round_trips_any_text_including_unseen_bytes(tokenizer):
         assert tokenizer.bos_token_id not in ids  # plain encoding adds no special tokens
 
 
-def test_numbers_are_split_into_digits(tokenizer):
-    tokens = tokenizer.tokenize("wired 9,459.14 on 2025")
+def test_numbers_are_split_into_digits_when_asked(tokenizer):
+    split = train_tokenizer(iter(CORPUS), vocab_size=420, split_digits=True)
+    tokens = split.tokenize("wired 9,459.14 on 2025")
     assert [token for token in tokens if any(c.isdigit() for c in token)] == list("9459142025")
-    merged = train_tokenizer(iter(CORPUS), vocab_size=420, split_digits=False)
-    assert any(len(token.strip("Ġ")) > 1 and token.strip("Ġ").isdigit() for token in merged.get_vocab())
-    assert not any(len(token.strip("Ġ")) > 1 and token.strip("Ġ").isdigit() for token in tokenizer.get_vocab())
+    assert any(len(token.strip("Ġ")) > 1 and token.strip("Ġ").isdigit() for token in tokenizer.get_vocab())
+    assert not any(len(token.strip("Ġ")) > 1 and token.strip("Ġ").isdigit() for token in split.get_vocab())
 
 
 def test_special_tokens_are_single_tokens(tokenizer):

@@ -32,6 +32,9 @@ class PretrainSettings(BaseModel):
     tokenizer_vocab_size: Annotated[Positive, Cli(name="vocab-size")] = Field(
         1024, description="vocabulary size of a trained tokenizer"
     )
+    tokenizer_split_digits: Annotated[bool, Cli(name="split-digits")] = Field(
+        False, description="a trained tokenizer splits numbers into single digits (never merged by BPE)"
+    )
     seq_len: Positive = Field(128, description="tokens per packed row")
     batch_size: Positive = Field(8, description="rows per micro-batch")
     grad_accum: Positive = Field(1, description="micro-batches per optimizer step")

@@ -328,7 +328,9 @@ class Pretrainer:
                 raise PretrainError(f"tokenizer {tokenizer_path} needs BOS, EOS and PAD tokens")
         else:
             texts = iter_split(self.files, "train", self.settings.seed, self.settings.validation_fraction)
-            tokenizer = train_tokenizer(texts, self.settings.tokenizer_vocab_size)
+            tokenizer = train_tokenizer(
+                texts, self.settings.tokenizer_vocab_size, split_digits=self.settings.tokenizer_split_digits
+            )
         tokenizer.model_max_length = self.settings.max_positions
         return tokenizer
 
