@@ -12,12 +12,9 @@ token at position p only sees the p tokens before it.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from collections.abc import Callable
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, Self, Unpack
+from typing import TYPE_CHECKING, Any, Protocol, Unpack
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +35,6 @@ from .cache_zaya import ZayaCache
 from .configuration_zaya import ZayaConfig
 from .expert_lora import ExpertWeight, expert_weight, peft_expert_weights
 from .grouped_linear import group_layout, group_row_multiple
-from .legacy_layout import is_legacy_config, load_legacy_checkpoint
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
@@ -817,18 +813,6 @@ class ZayaForCausalLM(ZayaPreTrainedModel, GenerationMixin):
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=config.lm_head_bias)
         self.post_init()
-
-    @classmethod
-    def from_pretrained(
-        cls, pretrained_model_name_or_path: str | os.PathLike[str] | None, *model_args: Any, **kwargs: Any
-    ) -> Self:
-        """Load the upstream `zaya` layout, or Zyphra's legacy ZAYA1-base layout (converted in memory)."""
-        config_path = Path(str(pretrained_model_name_or_path)) / "config.json"
-        if config_path.is_file() and is_legacy_config(json.loads(config_path.read_text())):
-            config_dict, state_dict = load_legacy_checkpoint(config_path.parent)
-            config = kwargs.pop("config", None) or ZayaConfig(**config_dict)
-            return super().from_pretrained(None, *model_args, config=config, state_dict=state_dict, **kwargs)
-        return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
