@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol, Unpack
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -27,8 +27,7 @@ from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.utils import TransformersKwargs, can_return_tuple
-from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .cache_zaya import ZayaCache
@@ -692,6 +691,7 @@ class ZayaModel(ZayaPreTrainedModel):
         self.norm = ZayaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = ZayaRotaryEmbedding(config)
         self.gradient_checkpointing = False
+        self.routed_token_counter: RoutedTokenCounter | None = None  # set by `RoutedTokenCounter.install`
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -721,7 +721,7 @@ class ZayaModel(ZayaPreTrainedModel):
         past_key_values: ZayaCache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool | None = None,
-        **kwargs: Unpack[TransformersKwargs],
+        **kwargs: Any,
     ) -> MoeModelOutputWithPast:
         """`use_cache` defaults to the config's (`merge_with_config_defaults`); `output_hidden_states` and
         `output_router_logits` are served by `capture_outputs`, which records them from the layers' outputs."""
@@ -831,16 +831,16 @@ class ZayaForCausalLM(ZayaPreTrainedModel, GenerationMixin):
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         skip_logits: bool = False,
-        **kwargs: Unpack[TransformersKwargs],
+        **kwargs: Any,
     ) -> MoeCausalLMOutputWithPast:
         """`skip_logits=True` with `labels` (training): the LM head runs only where a label is trained and `logits`
         is None. Same loss and gradients; with assistant-only labels most of the head's FLOPs and memory go."""
         if skip_logits and labels is None:
             raise ValueError("`skip_logits=True` needs `labels`: without them there is nothing to compute.")
-        loss_kwargs = {name: kwargs.pop(name) for name in LOSS_KWARGS if name in kwargs}  # type: ignore[misc]
+        loss_kwargs = {name: kwargs.pop(name) for name in LOSS_KWARGS if name in kwargs}
         # An `output_*` flag given as None (PEFT passes them so) means the config's value, as when it is left out.
         model_kwargs = {name: value for name, value in kwargs.items() if value is not None or name not in OUTPUT_FLAGS}
-        outputs: MoeModelOutputWithPast = self.model(
+        outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
@@ -901,8 +901,8 @@ class RoutedTokenCounter:
         for inner in model.modules():
             if not isinstance(inner, ZayaModel):
                 continue
-            if isinstance(existing := getattr(inner, "routed_token_counter", None), RoutedTokenCounter):
-                return existing
+            if inner.routed_token_counter is not None:
+                return inner.routed_token_counter
             inner.routed_token_counter = counter
             counter.handles.append(inner.register_forward_pre_hook(counter._start, with_kwargs=True))
             counter.handles.append(inner.register_forward_hook(counter._stop, always_call=True))
