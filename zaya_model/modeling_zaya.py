@@ -891,6 +891,7 @@ class RoutedTokenCounter:
     """
 
     def __init__(self) -> None:
+        self.models: list[ZayaModel] = []
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
         self.counting = False
         self.token_mask: torch.Tensor | None = None
@@ -904,17 +905,21 @@ class RoutedTokenCounter:
             if inner.routed_token_counter is not None:
                 return inner.routed_token_counter
             inner.routed_token_counter = counter
+            counter.models.append(inner)
             counter.handles.append(inner.register_forward_pre_hook(counter._start, with_kwargs=True))
             counter.handles.append(inner.register_forward_hook(counter._stop, always_call=True))
             counter.handles.extend(layer.register_forward_hook(counter._count) for layer in inner.decoder_layers())
-        if not counter.handles:
+        if not counter.models:
             raise ValueError(f"{type(model).__name__} holds no ZAYA model to count the routing of.")
         return counter
 
     def remove(self) -> None:
+        """Unhook the models (counts gathered so far stay with their routers)."""
         for handle in self.handles:
             handle.remove()
-        self.handles = []
+        for model in self.models:
+            model.routed_token_counter = None
+        self.models, self.handles = [], []
 
     def _start(self, model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)

@@ -71,3 +71,6 @@ def test_the_updater_counts_real_tokens_of_training_forwards_once():
     updater.counter.remove()
     model(input_ids, use_cache=False)
     assert all(c is None for c in counts(model))
+    BalancingBiasUpdater(model)  # hooks the model again
+    model(input_ids, use_cache=False)
+    assert all(c.sum() == 16 for c in counts(model))
