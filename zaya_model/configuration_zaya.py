@@ -12,6 +12,9 @@ from typing import Any
 from transformers import PreTrainedConfig
 
 SKIP_EXPERT_MODES = ("zero", "scaled_input")
+# The field that marks Zyphra's legacy ZAYA1-base config (its per-sub-layer plan); `zaya_model.legacy_layout` converts.
+LEGACY_LAYERS_FIELD = "zaya_layers"
+LEGACY_CONVERSION_COMMAND = "python -m zaya_model.legacy_layout LEGACY_DIR OUTPUT_DIR"
 
 
 class ZayaConfig(PreTrainedConfig):
@@ -71,6 +74,11 @@ class ZayaConfig(PreTrainedConfig):
     balancing_bias_init_skip: float = -1.0
 
     def __post_init__(self, **kwargs):
+        if LEGACY_LAYERS_FIELD in kwargs:
+            raise ValueError(
+                f"This is a config of Zyphra's legacy ZAYA1-base checkpoint layout (it has `{LEGACY_LAYERS_FIELD}`), "
+                f"which ZAYA models do not load: convert the checkpoint first with `{LEGACY_CONVERSION_COMMAND}`."
+            )
         if self.layer_types is None:
             self.layer_types = ["hybrid"] * self.num_hidden_layers
         self.layer_types = list(self.layer_types)
@@ -160,4 +168,4 @@ class ZayaConfig(PreTrainedConfig):
         return cls(**values)
 
 
-__all__ = ["ZayaConfig", "SKIP_EXPERT_MODES"]
+__all__ = ["ZayaConfig", "SKIP_EXPERT_MODES", "LEGACY_LAYERS_FIELD", "LEGACY_CONVERSION_COMMAND"]

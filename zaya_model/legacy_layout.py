@@ -17,17 +17,27 @@ layout the same merges happen after each half:
     legacy `model.res_scale.*`                          <-> `model.layers.{last}.post_mlp_residual_scale.*`
 
 All conversions are pure renames, stacks and unbinds: no tensor value or dtype changes, so round trips are bit-exact.
+
+Our models load the upstream layout only (a legacy config is refused, naming the command). Convert a legacy
+checkpoint directory once, as a command:
+
+    python -m zaya_model.legacy_layout LEGACY_DIR OUTPUT_DIR
+
+which writes `OUTPUT_DIR` atomically: `config.json`, the weights as safetensors, and every other file of `LEGACY_DIR`
+(tokenizer, generation config) copied along.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import os
 import re
 import shutil
+import sys
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +45,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .configuration_zaya import LEGACY_LAYERS_FIELD, ZayaConfig
 from .training.atomic_io import fsync_path
 
 CONFIG_NAME = "config.json"
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 
 ATTENTION_LAYER = "a"
 # What Zyphra's original code did, and so what a legacy checkpoint means when its config says nothing.
@@ -144,7 +156,7 @@ _UPSTREAM_CONSUMED_FIELDS = {
 
 def is_legacy_config(config_dict: Mapping[str, Any]) -> bool:
     """True for Zyphra's per-sub-layer config (it lists the sub-layers in `zaya_layers`)."""
-    return "zaya_layers" in config_dict
+    return LEGACY_LAYERS_FIELD in config_dict
 
 
 def _legacy_block_plan(zaya_layers: Any) -> tuple[int, int]:
@@ -638,7 +650,7 @@ def save_legacy_checkpoint(
     state_dict: Mapping[str, torch.Tensor],
     out_dir: str | os.PathLike,
     *,
-    max_shard_bytes: int = 5 * 1024**3,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     overwrite: bool = False,
 ) -> Path:
     """Writes an upstream-layout config and state dict as a legacy ZAYA checkpoint directory, atomically.
@@ -649,8 +661,7 @@ def save_legacy_checkpoint(
     into shards with a `model.safetensors.index.json`.
     """
     out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out_dir} exists and is not empty")
+    _check_writable(out_dir, overwrite)
     legacy_config = upstream_config_to_legacy(config_dict)
     tensors = dict(state_dict)
     if legacy_config["tie_word_embeddings"] and "lm_head.weight" in tensors:
@@ -658,23 +669,74 @@ def save_legacy_checkpoint(
             raise ValueError("tie_word_embeddings is set but lm_head.weight differs from model.embed_tokens.weight")
         del tensors["lm_head.weight"]
     legacy = upstream_state_dict_to_legacy(tensors, config_dict["num_hidden_layers"])
+    config_json = json.dumps(legacy_config, indent=2) + "\n"
+    return _write_checkpoint(config_json, legacy, out_dir, max_shard_bytes=max_shard_bytes)
 
+
+def convert_legacy_checkpoint(
+    legacy_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
+) -> Path:
+    """Writes the legacy checkpoint directory `legacy_dir` in the upstream `zaya` layout (what `from_pretrained`,
+    stock transformers and the vLLM plugin read) as `out_dir`, atomically, as `save_legacy_checkpoint` writes.
+
+    Tensors keep their values and dtypes; the other files of `legacy_dir` (tokenizer, generation config, ...) are
+    copied along, so `out_dir` is a complete checkpoint. A non-empty `out_dir` is an error unless `overwrite`.
+    """
+    legacy_dir, out_dir = Path(legacy_dir), Path(out_dir)
+    _check_writable(out_dir, overwrite)
+    if out_dir.resolve() == legacy_dir.resolve():
+        raise ValueError(f"{out_dir}: the converted checkpoint needs a directory of its own")
+    config_dict, state_dict = load_legacy_checkpoint(legacy_dir)
+    config_json = ZayaConfig(**config_dict).to_json_string()  # checked as the model will read it
+    extra_files = [path for path in sorted(legacy_dir.iterdir()) if not _is_checkpoint_file(path.name)]
+    return _write_checkpoint(config_json, state_dict, out_dir, max_shard_bytes=max_shard_bytes, copied=extra_files)
+
+
+def _is_checkpoint_file(name: str) -> bool:
+    """The config and weight files a conversion writes anew (everything else of a checkpoint is copied)."""
+    return name in (CONFIG_NAME, SAFE_WEIGHTS_INDEX_NAME) or name.endswith(".safetensors")
+
+
+def _check_writable(out_dir: Path, overwrite: bool) -> None:
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out_dir} exists and is not empty")
+
+
+def _write_checkpoint(
+    config_json: str,
+    tensors: Mapping[str, torch.Tensor],
+    out_dir: Path,
+    *,
+    max_shard_bytes: int,
+    copied: Sequence[Path] = (),
+) -> Path:
+    """`config.json`, the tensors as (sharded) safetensors and copies of `copied` in a staging directory beside
+    `out_dir`, each synced, then renamed into place (an existing `out_dir` is replaced)."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = _sibling(out_dir, "tmp")
     staging.mkdir()  # not mkdtemp: that makes it owner-only, and the checkpoint keeps the directory's mode
     try:
-        _write_synced(staging / CONFIG_NAME, lambda p: p.write_text(json.dumps(legacy_config, indent=2) + "\n"))
+        _write_synced(staging / CONFIG_NAME, lambda p: p.write_text(config_json))
         weight_map: dict[str, str] = {}
         total_bytes = 0
-        for file_name, names in _shard_files(legacy, max_shard_bytes):
+        for file_name, names in _shard_files(tensors, max_shard_bytes):
             # Copies: expert slices are views of one fused tensor, and safetensors refuses tensors sharing memory.
-            shard = {name: legacy[name].detach().clone().contiguous() for name in names}
+            shard = {name: tensors[name].detach().clone().contiguous() for name in names}
             _write_synced(staging / file_name, functools.partial(save_file, shard, metadata={"format": "pt"}))
             weight_map.update(dict.fromkeys(names, file_name))
             total_bytes += sum(t.numel() * t.element_size() for t in shard.values())
         if len(set(weight_map.values())) > 1:
             index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
             _write_synced(staging / SAFE_WEIGHTS_INDEX_NAME, lambda p: p.write_text(json.dumps(index, indent=2) + "\n"))
+        for source in copied:
+            if source.is_dir():
+                shutil.copytree(source, staging / source.name)
+            else:
+                _write_synced(staging / source.name, functools.partial(shutil.copy2, source))
         fsync_path(staging)
         _replace_directory(staging, out_dir)
     except BaseException:
@@ -700,7 +762,35 @@ def _replace_directory(staging: Path, out_dir: Path) -> None:
         shutil.rmtree(previous)
 
 
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m zaya_model.legacy_layout",
+        description="Convert a checkpoint directory of Zyphra's legacy ZAYA1-base layout into the upstream `zaya` "
+        "layout that ZayaForCausalLM.from_pretrained, stock transformers and the vLLM plugin load. Other files "
+        "(tokenizer, generation config) are copied along; the output is written atomically.",
+    )
+    parser.add_argument("legacy_dir", type=Path, help="the legacy checkpoint (config.json with zaya_layers)")
+    parser.add_argument("out_dir", type=Path, help="where to write the converted checkpoint (new or empty)")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty out_dir")
+    parser.add_argument(
+        "--max-shard-gib", type=float, default=DEFAULT_MAX_SHARD_BYTES / 1024**3, help="largest weight file (GiB)"
+    )
+    args = parser.parse_args(argv)
+    if not args.max_shard_gib > 0:
+        parser.error("--max-shard-gib must be positive")
+    try:
+        out_dir = convert_legacy_checkpoint(
+            args.legacy_dir, args.out_dir, max_shard_bytes=int(args.max_shard_gib * 1024**3), overwrite=args.overwrite
+        )
+    except (OSError, ValueError, KeyError) as error:
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        return 1
+    print(out_dir)
+    return 0
+
+
 __all__ = [
+    "convert_legacy_checkpoint",
     "is_legacy_config",
     "legacy_config_to_upstream",
     "upstream_config_to_legacy",
@@ -709,3 +799,7 @@ __all__ = [
     "load_legacy_checkpoint",
     "save_legacy_checkpoint",
 ]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

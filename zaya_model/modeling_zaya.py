@@ -12,12 +12,9 @@ token at position p only sees the p tokens before it.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from collections.abc import Callable
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, Self
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -30,15 +27,21 @@ from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .cache_zaya import ZayaCache
 from .configuration_zaya import ZayaConfig
 from .expert_lora import ExpertWeight, expert_weight, peft_expert_weights
 from .grouped_linear import group_layout, group_row_multiple
-from .legacy_layout import is_legacy_config, load_legacy_checkpoint
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
+
+# Forward flags that `capture_outputs` reads; the rest of a forward's `**kwargs` goes to the attention kernels.
+OUTPUT_FLAGS = ("output_attentions", "output_hidden_states", "output_router_logits")
+# Keyword arguments of `ZayaForCausalLM.forward` that are the loss function's.
+LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
 
 
 class ZayaRMSNorm(nn.Module):
@@ -442,7 +445,8 @@ class ZayaRouter(nn.Module):
         # Not trained by backprop: moved by the balancing-bias update (see `zaya_model.training.balancing`).
         self.balancing_biases: torch.Tensor
         self.register_buffer("balancing_biases", torch.zeros(config.num_experts + 1, dtype=torch.float32))
-        # Routed tokens per class, summed over training forwards until the balancing update consumes them.
+        # Routed tokens per class, summed over training forwards by a `RoutedTokenCounter` (which the balancing
+        # update installs) until the update consumes them.
         self.routed_token_counts: torch.Tensor | None = None
 
     def forward(
@@ -553,7 +557,12 @@ class ZayaSparseMoeBlock(nn.Module):
 
 
 class ZayaDecoderLayer(GradientCheckpointingLayer):
-    """One ZAYA block: attention half then MoE half, each pre-normed and merged by residual scaling."""
+    """One ZAYA block: attention half then MoE half, each pre-normed and merged by residual scaling.
+
+    Returns (residual, router state for the next layer, router logits [tokens, classes], chosen class [batch, seq]).
+    The output recorders read hidden states and router logits from this tuple (`_can_record_outputs`): the layer is
+    called eagerly even when its parts run compiled (`zaya_model.cpu.compiled_layers`), so hooks on it always run.
+    """
 
     def __init__(self, config: ZayaConfig, layer_idx: int):
         super().__init__()
@@ -588,11 +597,12 @@ class ZayaDecoderLayer(GradientCheckpointingLayer):
         return residual, router_states, router_logits, choice
 
     def route(self, attn_out: torch.Tensor, residual: torch.Tensor, router_states: torch.Tensor | None):
-        """Merge the attention output into the residual, then route its normed MoE input."""
+        """Merge the attention output into the residual, then route its normed MoE input. The router logits come
+        flattened to [tokens, classes], as transformers' MoE models return them."""
         residual = self.post_attention_residual_scale(attn_out, residual)
         moe_input = self.post_attention_layernorm(residual.to(self.post_attention_layernorm.weight.dtype))
         logits, choice, weight, router_states = self.mlp.gate(moe_input, router_states)
-        return residual, moe_input, logits, choice, weight, router_states
+        return residual, moe_input, logits.flatten(0, -2), choice, weight, router_states
 
 
 class ZayaPreTrainedModel(PreTrainedModel):
@@ -608,6 +618,11 @@ class ZayaPreTrainedModel(PreTrainedModel):
     _supports_attention_backend = True
     _can_compile_fullgraph = False
     _is_stateful = True
+    # `output_hidden_states` / `output_router_logits`: the library's recorders (`capture_outputs`) hook the layers.
+    _can_record_outputs = {
+        "hidden_states": OutputRecorder(ZayaDecoderLayer, index=0),
+        "router_logits": OutputRecorder(ZayaDecoderLayer, index=2),
+    }
 
     def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
         # Unless another is asked for, the reference experts ("eager"); transformers' default is "grouped_mm".
@@ -676,6 +691,7 @@ class ZayaModel(ZayaPreTrainedModel):
         self.norm = ZayaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = ZayaRotaryEmbedding(config)
         self.gradient_checkpointing = False
+        self.routed_token_counter: RoutedTokenCounter | None = None  # set by `RoutedTokenCounter.install`
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -695,6 +711,8 @@ class ZayaModel(ZayaPreTrainedModel):
             layers.append(layer)
         return layers
 
+    @merge_with_config_defaults
+    @capture_outputs
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -703,106 +721,87 @@ class ZayaModel(ZayaPreTrainedModel):
         past_key_values: ZayaCache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool | None = None,
-        output_router_logits: bool | None = None,
-        output_hidden_states: bool | None = None,
-        **kwargs,
+        **kwargs: Any,
     ) -> MoeModelOutputWithPast:
+        """`use_cache` defaults to the config's (`merge_with_config_defaults`); `output_hidden_states` and
+        `output_router_logits` are served by `capture_outputs`, which records them from the layers' outputs."""
+        attention_kwargs = kernel_kwargs(kwargs)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
-        # PEFT passes `output_attentions=None`; what reaches the layers are attention-kernel arguments only.
-        if kwargs.pop("output_attentions", None):
-            raise ValueError("ZAYA does not return attention weights (`output_attentions=True`).")
         if past_key_values is not None and not isinstance(past_key_values, ZayaCache):
             raise TypeError(f"ZAYA needs a `ZayaCache` (KV + CCA state), got {type(past_key_values).__name__}.")
-        use_cache = self.config.use_cache if use_cache is None else use_cache
-        output_router_logits = (
-            self.config.output_router_logits if output_router_logits is None else output_router_logits
-        )
-        output_hidden_states = (
-            self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
-        )
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        batch, seq, _ = inputs_embeds.shape
-
+        dtype = inputs_embeds.dtype
         past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
         if position_ids is None:
-            position_ids = torch.arange(past_length, past_length + seq, device=inputs_embeds.device)[None]
-        position_ids = position_ids.expand(batch, -1)
+            position_ids = torch.arange(past_length, past_length + inputs_embeds.shape[1], device=inputs_embeds.device)
+        position_ids = position_ids.expand(inputs_embeds.shape[0], -1)
 
-        # Padding must not reach the convolutions or the value shift: zero padded tokens' inputs (prefill only).
-        padding_mask = None
-        if attention_mask is not None and attention_mask.dim() == 2 and seq > 1:
-            local_mask = attention_mask[:, -seq:]
-            if not bool(local_mask.all()):
-                padding_mask = local_mask.to(inputs_embeds.dtype)[..., None]
-
-        causal_mask: torch.Tensor | BlockMask | None
-        if seq == 1 and past_length > 0 and self.config._attn_implementation in ("sdpa", "eager"):
-            # Decode step: one query sees every cached key; only padding needs masking.
-            causal_mask = None
-            if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
-                causal_mask = attention_mask[:, None, None, :].bool()
-        else:
-            causal_mask = create_causal_mask(
-                config=self.config,
-                inputs_embeds=inputs_embeds,
-                attention_mask=attention_mask,
-                past_key_values=past_key_values,
-                position_ids=position_ids,
-            )
+        causal_mask = self.causal_mask(inputs_embeds, attention_mask, past_key_values, position_ids)
+        padding_mask = input_padding_mask(attention_mask, inputs_embeds)
+        lag_masks = document_lag_masks(position_ids, self.cca_history, past_length > 0, dtype)
         if use_cache and past_key_values is None:
             past_key_values = ZayaCache(self.config)
 
-        dtype = inputs_embeds.dtype
-        residual_dtype = torch.float32 if self.config.residual_in_fp32 else dtype
-        history = self.config.cca_time0 + self.config.cca_time1 - 2
-        lag_masks = document_lag_masks(position_ids, max(history, 1), past_length > 0, dtype)
         position_embeddings = self.rotary_emb(position_ids, dtype)
-
-        residual = ((inputs_embeds + self.input_hidden_states_bias) * self.input_hidden_states_scale).to(residual_dtype)
+        residual = (inputs_embeds + self.input_hidden_states_bias) * self.input_hidden_states_scale
+        residual = residual.to(torch.float32 if self.config.residual_in_fp32 else dtype)
         router_states = None
-        all_router_logits, all_hidden_states, all_choices = [], [], []
         for layer in self.layers:
-            if output_hidden_states:
-                all_hidden_states.append(residual)
-            residual, router_states, router_logits, choice = layer(
-                residual,
-                router_states,
-                position_embeddings,
-                causal_mask,
-                lag_masks,
-                past_key_values,
-                padding_mask,
-                **kwargs,
-            )
-            all_choices.append(choice)
-            if output_router_logits:
-                all_router_logits.append(router_logits.reshape(-1, router_logits.shape[-1]))
-
-        hidden_states = self.norm(residual.to(dtype))
-        if output_hidden_states:
-            all_hidden_states.append(hidden_states)
-        if self.training:
-            self._record_routing(all_choices, attention_mask)
+            residual, router_states, _, _ = layer(
+                residual, router_states, position_embeddings, causal_mask, lag_masks, past_key_values, padding_mask,
+                **attention_kwargs,
+            )  # fmt: skip
         return MoeModelOutputWithPast(
-            last_hidden_state=hidden_states,
+            last_hidden_state=self.norm(residual.to(dtype)),
             past_key_values=past_key_values if use_cache else None,
-            # transformers types output fields with the legacy `FloatTensor` class; the values are plain tensors.
-            hidden_states=tuple(all_hidden_states) if output_hidden_states else None,  # type: ignore[arg-type]
-            router_logits=tuple(all_router_logits) if output_router_logits else None,
         )
 
-    @torch.no_grad()
-    def _record_routing(self, choices: list[torch.Tensor], attention_mask: torch.Tensor | None) -> None:
-        """Accumulate per-layer routed-token counts for the balancing-bias update (real tokens only)."""
-        for layer, choice in zip(self.decoder_layers(), choices, strict=True):
-            router = layer.mlp.gate
-            if attention_mask is not None and attention_mask.dim() == 2:
-                choice = choice[attention_mask[:, -choice.shape[1] :].bool()]
-            counts = torch.bincount(choice.reshape(-1), minlength=router.num_experts + 1).to(torch.float32)
-            previous = router.routed_token_counts
-            router.routed_token_counts = counts if previous is None else previous + counts
+    @property
+    def cca_history(self) -> int:
+        """Tokens before each token that CCA reads (the convolutions' history; at least 1, for the value shift)."""
+        return max(self.config.cca_time0 + self.config.cca_time1 - 2, 1)
+
+    def causal_mask(
+        self,
+        inputs_embeds: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        past_key_values: ZayaCache | None,
+        position_ids: torch.Tensor,
+    ) -> torch.Tensor | BlockMask | None:
+        """The attention mask for the attention kernel of `config._attn_implementation`."""
+        decoding = inputs_embeds.shape[1] == 1 and past_key_values is not None and past_key_values.get_seq_length() > 0
+        if decoding and self.config._attn_implementation in ("sdpa", "eager"):
+            # One query sees every cached key; only padding needs masking.
+            if attention_mask is None or attention_mask.dim() != 2 or bool(attention_mask.all()):
+                return None
+            return attention_mask[:, None, None, :].bool()
+        return create_causal_mask(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            position_ids=position_ids,
+        )
+
+
+def kernel_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """What of a model forward's `**kwargs` reaches the layers: attention-kernel arguments. The `output_*` flags were
+    read by `capture_outputs` (PEFT and `generate` pass `output_attentions=False` or None)."""
+    if kwargs.get("output_attentions"):
+        raise ValueError("ZAYA does not return attention weights (`output_attentions=True`).")
+    return {name: value for name, value in kwargs.items() if name not in OUTPUT_FLAGS}
+
+
+def input_padding_mask(attention_mask: torch.Tensor | None, inputs_embeds: torch.Tensor) -> torch.Tensor | None:
+    """[batch, seq, 1] zeros at the padded tokens of a chunk of several tokens (a prompt), to zero their inputs
+    before the convolutions and the value shift read them; None when nothing is padded (or for one token)."""
+    seq = inputs_embeds.shape[1]
+    if attention_mask is None or attention_mask.dim() != 2 or seq == 1:
+        return None
+    local_mask = attention_mask[:, -seq:]
+    return None if bool(local_mask.all()) else local_mask.to(inputs_embeds.dtype)[..., None]
 
 
 class ZayaForCausalLM(ZayaPreTrainedModel, GenerationMixin):
@@ -816,22 +815,11 @@ class ZayaForCausalLM(ZayaPreTrainedModel, GenerationMixin):
         self.post_init()
 
     @classmethod
-    def from_pretrained(
-        cls, pretrained_model_name_or_path: str | os.PathLike[str] | None, *model_args: Any, **kwargs: Any
-    ) -> Self:
-        """Load the upstream `zaya` layout, or Zyphra's legacy ZAYA1-base layout (converted in memory)."""
-        config_path = Path(str(pretrained_model_name_or_path)) / "config.json"
-        if config_path.is_file() and is_legacy_config(json.loads(config_path.read_text())):
-            config_dict, state_dict = load_legacy_checkpoint(config_path.parent)
-            config = kwargs.pop("config", None) or ZayaConfig(**config_dict)
-            return super().from_pretrained(None, *model_args, config=config, state_dict=state_dict, **kwargs)
-        return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
-
-    @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
         # ZAYA needs its own cache (KV + CCA state); the model creates a `ZayaCache` on the first forward.
         return False
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -841,18 +829,17 @@ class ZayaForCausalLM(ZayaPreTrainedModel, GenerationMixin):
         inputs_embeds: torch.FloatTensor | None = None,
         labels: torch.Tensor | None = None,
         use_cache: bool | None = None,
-        output_router_logits: bool | None = None,
-        output_hidden_states: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         skip_logits: bool = False,
-        **kwargs,
+        **kwargs: Any,
     ) -> MoeCausalLMOutputWithPast:
         """`skip_logits=True` with `labels` (training): the LM head runs only where a label is trained and `logits`
         is None. Same loss and gradients; with assistant-only labels most of the head's FLOPs and memory go."""
-        loss_kwargs = {k: kwargs.pop(k) for k in ("num_items_in_batch", "ignore_index", "shift_labels") if k in kwargs}
         if skip_logits and labels is None:
             raise ValueError("`skip_logits=True` needs `labels`: without them there is nothing to compute.")
-        kwargs.pop("return_dict", None)
+        loss_kwargs = {name: kwargs.pop(name) for name in LOSS_KWARGS if name in kwargs}
+        # An `output_*` flag given as None (PEFT passes them so) means the config's value, as when it is left out.
+        model_kwargs = {name: value for name, value in kwargs.items() if value is not None or name not in OUTPUT_FLAGS}
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -860,9 +847,8 @@ class ZayaForCausalLM(ZayaPreTrainedModel, GenerationMixin):
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
-            output_router_logits=output_router_logits,
-            output_hidden_states=output_hidden_states,
-            **kwargs,
+            return_dict=True,
+            **model_kwargs,
         )
         hidden_states = outputs.last_hidden_state
         logits = loss = None
@@ -892,6 +878,70 @@ class ZayaForCausalLM(ZayaPreTrainedModel, GenerationMixin):
         return self.loss_function(logits, None, self.vocab_size, shift_labels=targets[trained], **loss_kwargs)
 
 
+class RoutedTokenCounter:
+    """Counts the real tokens each router sends to each class in training forwards, into `routed_token_counts`
+    (what the balancing-bias update reads), through hooks on every `ZayaModel` inside `model`.
+
+    A pre-hook on the model keeps the call's 2-D attention mask (padding is not counted) and whether it trains; a
+    hook on each decoder layer counts the layer's chosen classes while the model's forward runs, so a layer that
+    gradient checkpointing recomputes in the backward pass is not counted twice. The layers are hooked rather than
+    their routers: with compiled layers (`zaya_model.cpu.compiled_layers`) a router runs inside a compiled graph,
+    which leaves out any hook added after it was traced, while the layer itself is always called eagerly. A model
+    that already has a counter keeps it (`install` returns it).
+    """
+
+    def __init__(self) -> None:
+        self.models: list[ZayaModel] = []
+        self.handles: list[torch.utils.hooks.RemovableHandle] = []
+        self.counting = False
+        self.token_mask: torch.Tensor | None = None
+
+    @classmethod
+    def install(cls, model: nn.Module) -> RoutedTokenCounter:
+        counter = cls()
+        for inner in model.modules():
+            if not isinstance(inner, ZayaModel):
+                continue
+            if inner.routed_token_counter is not None:
+                return inner.routed_token_counter
+            inner.routed_token_counter = counter
+            counter.models.append(inner)
+            counter.handles.append(inner.register_forward_pre_hook(counter._start, with_kwargs=True))
+            counter.handles.append(inner.register_forward_hook(counter._stop, always_call=True))
+            counter.handles.extend(layer.register_forward_hook(counter._count) for layer in inner.decoder_layers())
+        if not counter.models:
+            raise ValueError(f"{type(model).__name__} holds no ZAYA model to count the routing of.")
+        return counter
+
+    def remove(self) -> None:
+        """Unhook the models (counts gathered so far stay with their routers)."""
+        for handle in self.handles:
+            handle.remove()
+        for model in self.models:
+            model.routed_token_counter = None
+        self.models, self.handles = [], []
+
+    def _start(self, model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+        self.counting = model.training
+        self.token_mask = mask.bool() if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+
+    def _stop(self, model: nn.Module, args: tuple, output: Any) -> None:
+        self.counting, self.token_mask = False, None
+
+    @torch.no_grad()
+    def _count(self, layer: nn.Module, args: tuple, output: tuple[torch.Tensor, ...]) -> None:
+        if not self.counting or not isinstance(layer, ZayaDecoderLayer):
+            return
+        choice = output[3]  # [batch, seq]
+        if self.token_mask is not None:
+            choice = choice[self.token_mask[:, -choice.shape[1] :]]
+        router = layer.mlp.gate
+        counts = torch.bincount(choice.reshape(-1), minlength=router.num_experts + 1).to(torch.float32)
+        previous = router.routed_token_counts
+        router.routed_token_counts = counts if previous is None else previous + counts
+
+
 def count_parameters(model: ZayaForCausalLM) -> dict[str, int]:
     """Total, non-embedding and active (per token, non-embedding) parameter counts; works on the meta device."""
     config = model.config
@@ -907,4 +957,4 @@ def count_parameters(model: ZayaForCausalLM) -> dict[str, int]:
     return {"total": total, "non_embedding": total - embedding, "active_non_embedding": active}
 
 
-__all__ = ["ZayaPreTrainedModel", "ZayaModel", "ZayaForCausalLM", "count_parameters"]
+__all__ = ["ZayaPreTrainedModel", "ZayaModel", "ZayaForCausalLM", "RoutedTokenCounter", "count_parameters"]

@@ -33,6 +33,34 @@ def test_full_forward_matches(model_pair):
 
 
 @torch.no_grad()
+def test_recorded_hidden_states_and_router_logits_match(model_pair):
+    ours, upstream = model_pair
+    input_ids = torch.randint(3, 128, (2, 11), generator=torch.Generator().manual_seed(4))
+    flags = dict(output_hidden_states=True, output_router_logits=True)
+    ours_out, upstream_out = ours(input_ids, **flags), upstream(input_ids, **flags)
+    layers = TINY_ZAYA["num_hidden_layers"]
+    assert len(ours_out.hidden_states) == layers + 1 and len(ours_out.router_logits) == layers
+    for mine, theirs in zip(ours_out.hidden_states, upstream_out.hidden_states, strict=True):
+        assert mine.shape == theirs.shape and max_diff(mine, theirs) <= TOLERANCE
+    for mine, theirs in zip(ours_out.router_logits, upstream_out.router_logits, strict=True):
+        assert mine.shape == theirs.shape == (2 * 11, TINY_ZAYA["num_experts"] + 1)
+        assert max_diff(mine, theirs) <= TOLERANCE
+    # The last hidden state is the final norm's output, which the LM head reads.
+    assert max_diff(ours.lm_head(ours_out.hidden_states[-1]), ours_out.logits) <= ROUNDING
+
+    plain = ours(input_ids)
+    assert plain.hidden_states is None and plain.router_logits is None
+    as_tuple = ours(input_ids, use_cache=False, return_dict=False)
+    assert isinstance(as_tuple, tuple) and torch.equal(as_tuple[0], plain.logits)
+    ours.config.output_router_logits = True  # the config's value when the call gives none (or None, as PEFT does)
+    try:
+        assert len(ours(input_ids).router_logits) == len(ours(input_ids, output_router_logits=None).router_logits)
+        assert ours(input_ids, output_router_logits=False).router_logits is None
+    finally:
+        ours.config.output_router_logits = False
+
+
+@torch.no_grad()
 def test_prefill_then_32_cached_decode_steps_match(model_pair):
     ours, upstream = model_pair
     input_ids = torch.randint(3, 128, (2, 17), generator=torch.Generator().manual_seed(2))

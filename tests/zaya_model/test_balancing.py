@@ -39,9 +39,38 @@ def test_bias_update_evens_out_a_skewed_router():
         assert biases[-1] == -1.0  # skip class untouched by default
 
 
-def test_eval_forwards_do_not_count():
+def counts(model):
+    return [layer.mlp.gate.routed_token_counts for layer in model.model.layers]
+
+
+def test_the_updater_counts_real_tokens_of_training_forwards_once():
     torch.manual_seed(0)
     model = ZayaForCausalLM(ZayaConfig(**TINY_ZAYA)).eval()
+    input_ids = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(2))
+    model.train()(input_ids)
+    assert all(c is None for c in counts(model))  # nothing counts before an updater hooks the model
+
+    updater = BalancingBiasUpdater(model)
+    assert BalancingBiasUpdater(model).counter is updater.counter  # a second updater does not count twice
     with torch.no_grad():
-        model(torch.randint(3, 128, (1, 8)))
-    assert all(layer.mlp.gate.routed_token_counts is None for layer in model.model.layers)
+        model.eval()(input_ids)
+    assert all(c is None for c in counts(model))  # evaluation does not count
+
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, :5] = 0  # left padding: 16 - 5 real tokens
+    model.train()(input_ids, attention_mask=attention_mask, use_cache=False)
+    first = [c.clone() for c in counts(model)]
+    assert all(c.shape == (TINY_ZAYA["num_experts"] + 1,) and c.sum() == 11 for c in first)
+    # Reentrant gradient checkpointing reruns each layer, hooks and all, in the backward pass: not counted again.
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model(input_ids, labels=input_ids, use_cache=False).loss.backward()
+    assert all(c.sum() == 11 + 16 for c in counts(model))
+    updater.step()
+    assert all(c is None for c in counts(model))  # consumed by the update
+
+    updater.counter.remove()
+    model(input_ids, use_cache=False)
+    assert all(c is None for c in counts(model))
+    BalancingBiasUpdater(model)  # hooks the model again
+    model(input_ids, use_cache=False)
+    assert all(c.sum() == 16 for c in counts(model))

@@ -16,6 +16,7 @@ from torch._dynamo.utils import counters
 from zaya_model import ZayaConfig, ZayaForCausalLM
 from zaya_model.cpu import compiled_layers
 from zaya_model.cpu.compiled_layers import compiled_layers_enabled, enable_compiled_layers
+from zaya_model.training.balancing import BalancingBiasUpdater
 
 gathers_experts = compiled_layers.gathers_experts
 
@@ -55,8 +56,15 @@ def test_layers_are_compiled_and_train_like_eager():
     # Packed: documents restart at position 0 (attention, convolutions and value shift cut at each start).
     position_ids = torch.cat([torch.arange(n) for n in (9, 1, 30)])[None].expand(2, -1)
     graph_breaks = sum(counters["graph_break"].values())
+    updaters = [BalancingBiasUpdater(model) for model in (eager, compiled)]  # hooked after the layers were compiled
     for kwargs in ({}, {"position_ids": position_ids}):
         assert_same_training(eager, compiled, input_ids, **kwargs)
+    # The routing the balancing update reads is counted under compiled layers as in the eager model.
+    for eager_layer, compiled_layer in zip(eager.model.layers, compiled.model.layers, strict=True):
+        counted = compiled_layer.mlp.gate.routed_token_counts
+        assert counted is not None and counted.sum() == 2 * input_ids.numel()
+        assert torch.equal(counted, eager_layer.mlp.gate.routed_token_counts)
+    assert all(updater.step()["expert_load"] for updater in updaters)
     # Each part is one graph: the convolutions are cut at document starts inside it (a data-dependent `nonzero`
     # there would split it into a dozen graphs and slow a packed step by a third).
     assert sum(counters["graph_break"].values()) == graph_breaks

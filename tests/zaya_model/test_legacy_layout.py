@@ -1,12 +1,14 @@
 """Zyphra's legacy ZAYA1-base checkpoint layout <-> the upstream `zaya` layout (`zaya_model.legacy_layout`)."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 import transformers
 
-from zaya_model import ZayaConfig, ZayaForCausalLM
+from zaya_model import ZayaConfig, ZayaForCausalLM, legacy_layout
 from zaya_model.legacy_layout import (
     is_legacy_config,
     legacy_config_to_upstream,
@@ -411,22 +413,61 @@ def test_loading_rejects_an_index_that_disagrees_with_its_shards(tmp_path):
         load_legacy_checkpoint(tmp_path / "ckpt")
 
 
-def test_from_pretrained_reads_the_legacy_layout_and_saves_upstream(tmp_path):
-    """`ZayaForCausalLM.from_pretrained` on Zyphra's layout: ZAYA1-base behaviour, same logits; saving writes the
-    upstream layout, which stock transformers reads."""
-    source = random_model(skip_expert_mode="scaled_input", router_rms_norm_eps=1e-6, residual_in_fp32=False)
-    save_legacy_checkpoint(source.config.to_dict(), source.state_dict(), tmp_path / "legacy")
-    loaded = ZayaForCausalLM.from_pretrained(tmp_path / "legacy").eval()
-    assert loaded.config.skip_expert_mode == "scaled_input"
-    input_ids = torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(3))
-    assert torch.equal(logits_of(loaded, input_ids), logits_of(source, input_ids))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_conversion_command_writes_the_upstream_layout(tmp_path, capsys, dtype):
+    """`python -m zaya_model.legacy_layout` on Zyphra's layout: ZAYA1-base behaviour, the same logits and tensors
+    (dtype included), the other files along; stock transformers reads the result. `from_pretrained` on the legacy
+    directory names the command."""
+    source = random_model(skip_expert_mode="scaled_input", router_rms_norm_eps=1e-6, residual_in_fp32=False).to(dtype)
+    for layer in source.model.layers:  # the model keeps its balancing biases in fp32 whatever its dtype
+        layer.mlp.gate.balancing_biases = layer.mlp.gate.balancing_biases.float()
+    save_legacy_checkpoint(source.config.to_dict(), source.state_dict(), tmp_path / "legacy", max_shard_bytes=40_000)
+    (tmp_path / "legacy" / "tokenizer_config.json").write_text('{"model_max_length": 256}')
+    for load in (ZayaForCausalLM.from_pretrained, ZayaConfig.from_pretrained):
+        with pytest.raises(ValueError, match="python -m zaya_model.legacy_layout"):
+            load(tmp_path / "legacy")
 
-    loaded.save_pretrained(tmp_path / "upstream")
-    written = json.loads((tmp_path / "upstream" / "config.json").read_text())
+    assert legacy_layout.main([str(tmp_path / "legacy"), str(tmp_path / "converted")]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "converted")
+    converted = tmp_path / "converted"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["converted", "legacy"]  # no staging left behind
+    assert (converted / "tokenizer_config.json").read_text() == '{"model_max_length": 256}'
+    written = json.loads((converted / "config.json").read_text())
     assert "zaya_layers" not in written and written["model_type"] == "zaya"
     assert written["architectures"] == ["ZayaForCausalLM"]
-    stock = transformers.ZayaForCausalLM.from_pretrained(tmp_path / "upstream")
+    loaded = ZayaForCausalLM.from_pretrained(converted, dtype=dtype).eval()
+    assert loaded.config.skip_expert_mode == "scaled_input" and loaded.config.router_rms_norm_eps == 1e-6
+    expected = {k: v for k, v in source.state_dict().items() if k != "lm_head.weight"}
+    assert_bit_exact(load_legacy_checkpoint(tmp_path / "legacy")[1], expected)
+    assert_bit_exact({k: v for k, v in loaded.state_dict().items() if k != "lm_head.weight"}, expected)
+    if dtype == torch.float32:  # `.to(bfloat16)` cast the source's RoPE frequencies, which a loaded model keeps fp32
+        input_ids = torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(3))
+        assert torch.equal(logits_of(loaded, input_ids), logits_of(source, input_ids))
+
+    stock = transformers.ZayaForCausalLM.from_pretrained(converted, dtype=dtype)
     assert_bit_exact(
         {k: v for k, v in stock.state_dict().items() if "balancing_biases" not in k},
         {k: v for k, v in loaded.state_dict().items() if "balancing_biases" not in k},
     )
+
+
+def test_the_conversion_command_refuses_what_it_cannot_write(tmp_path, capsys):
+    source = random_model(num_hidden_layers=2)
+    save_legacy_checkpoint(source.config.to_dict(), source.state_dict(), tmp_path / "legacy")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("old")
+    assert legacy_layout.main([str(tmp_path / "legacy"), str(tmp_path / "out")]) == 1
+    assert "exists and is not empty" in capsys.readouterr().err
+    assert [path.name for path in (tmp_path / "out").iterdir()] == ["keep.txt"]
+    assert legacy_layout.main([str(tmp_path / "legacy"), str(tmp_path / "legacy"), "--overwrite"]) == 1
+    assert "directory of its own" in capsys.readouterr().err
+    source.save_pretrained(tmp_path / "upstream")  # already converted: not a legacy checkpoint
+    assert legacy_layout.main([str(tmp_path / "upstream"), str(tmp_path / "again")]) == 1
+    assert "zaya_layers" in capsys.readouterr().err
+    assert not (tmp_path / "again").exists()
+
+    command = [sys.executable, "-m", "zaya_model.legacy_layout", str(tmp_path / "legacy"), str(tmp_path / "out")]
+    done = subprocess.run([*command, "--overwrite"], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert not (tmp_path / "out" / "keep.txt").exists()
+    assert ZayaForCausalLM.from_pretrained(tmp_path / "out").config.num_hidden_layers == 2

@@ -1,7 +1,8 @@
 """The balancing-bias update of ZAYA's aux-loss-free load balancing (spec §4.3).
 
-The router picks `argmax(p + b)`; the biases `b` are not trained by backprop. In training mode every forward adds
-each router's routed-token counts to `router.routed_token_counts`; after each optimizer step call
+The router picks `argmax(p + b)`; the biases `b` are not trained by backprop. The updater hooks the model
+(`RoutedTokenCounter`): each training forward then adds each router's routed-token counts to
+`router.routed_token_counts`. After each optimizer step call
 `BalancingBiasUpdater.step()`, which feeds AdamW the error `p̂_e − 1/E` (fraction of tokens routed to expert e minus
 the uniform share) as the biases' gradient, so over-used experts' biases go down and under-used ones go up.
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..modeling_zaya import ZayaRouter
+from ..modeling_zaya import RoutedTokenCounter, ZayaRouter
 
 
 class BalancingBiasUpdater:
@@ -27,6 +28,7 @@ class BalancingBiasUpdater:
         self.routers = [module for module in model.modules() if isinstance(module, ZayaRouter)]
         if not self.routers:
             raise ValueError("The model has no ZAYA routers to balance.")
+        self.counter = RoutedTokenCounter.install(model)
         self.include_skip = include_skip
         self.optimizer = torch.optim.AdamW(
             [router.balancing_biases for router in self.routers], lr=lr, betas=betas, weight_decay=0.0
