@@ -34,6 +34,7 @@ from server.errors import Conflict, InvalidRequest, NotFound
 from server.services.access import Scope
 from server.services.adapters import prepare_adapter
 from server.settings import Settings
+from zaya_model.legacy_layout import is_legacy_config
 
 DEFAULT_ALIAS = "production"
 VERSION_ID_PREFIX = "mv-"
@@ -74,6 +75,13 @@ def detect_kind(directory: Path) -> str:
         config = _read_json(directory / "config.json")
         if not config.get("model_type"):
             raise InvalidRequest(f"{directory}/config.json has no 'model_type'.", param="path")
+        if is_legacy_config(config):
+            raise InvalidRequest(
+                f"{directory} is in ZAYA1-base's original layout: convert it first with "
+                f"`python -m zaya_model.legacy_layout {directory} OUTPUT_DIR` and register OUTPUT_DIR.",
+                param="path",
+                code="legacy_layout",
+            )
         return "full"
     raise InvalidRequest(
         f"{directory} holds neither config.json (a checkpoint) nor adapter_config.json (a LoRA adapter).", param="path"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import shutil
 
 import pytest
@@ -95,6 +96,12 @@ def test_register_refuses_what_it_cannot_load(client, admin, tmp_path, tiny_mode
     broken.mkdir()
     (broken / "config.json").write_text("{not json")
     assert "cannot be read as JSON" in register(client, admin, broken).json()["error"]["message"]
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    (legacy / "config.json").write_text(json.dumps({"model_type": "zaya", "zaya_layers": ["a", 16] * 2}))
+    error = register(client, admin, legacy).json()["error"]
+    assert (error["code"], error["param"]) == ("legacy_layout", "path")
+    assert f"python -m zaya_model.legacy_layout {legacy} OUTPUT_DIR" in error["message"]
     assert register(client, admin, tiny_model_dir, name="bad@name").json()["error"]["param"] == "name"
 
     adapter = tiny_adapter_dir
