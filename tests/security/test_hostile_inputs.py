@@ -45,3 +45,26 @@ def test_special_token_spellings_in_chat_messages_are_text_not_turn_markers(clie
         == len(expected)
         > len(tokenizer.encode(ChatPrompt(body["messages"]).text(tokenizer), add_special_tokens=False))
     )
+
+
+def test_metadata_and_metadata_filters_stay_within_openais_limits(client, auth):
+    def refused(response) -> bool:
+        return response.status_code == 400 and response.json()["error"]["param"] == "metadata"
+
+    def create(metadata: dict[str, str]):
+        body = {"model": "zaya", "training_file": "file-none", "metadata": metadata}
+        return client.post("/v1/fine_tuning/jobs", headers=auth("data"), json=body)
+
+    assert refused(create({f"k{index}": "v" for index in range(17)}))
+    assert refused(create({"k" * 65: "v"}))
+    assert refused(create({"k": "v" * 513}))
+    at_the_limits = create({f"{index:02d}".ljust(64, "k"): "v" * 512 for index in range(16)})
+    assert at_the_limits.json()["error"]["param"] == "training_file", at_the_limits.text  # past the metadata
+
+    def listing(filters: int):
+        query = "&".join(f"metadata[k{index}]=v" for index in range(filters))
+        return client.get(f"/v1/fine_tuning/jobs?{query}", headers=auth("data"))
+
+    assert listing(16).status_code == 200
+    assert refused(listing(17)) and refused(listing(3000))
+    assert refused(client.get("/v1/fine_tuning/jobs", params={"metadata[" + "k" * 65 + "]": "v"}, headers=auth("data")))
