@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from transformers import AutoTokenizer
 
-from server.services import registry
+from server.db.models import DEFAULT_PROJECT_ID, FineTuningJob, JobStatus
+from server.services import jobs, registry
 from server.services.chat_encoding import encode_literally
 from server.services.inference import ChatPrompt
 from zaya_model.pretrain.tokenizer import END_OF_TURN_TOKEN, TURN_START_TOKEN, decode_text
@@ -68,3 +69,38 @@ def test_metadata_and_metadata_filters_stay_within_openais_limits(client, auth):
     assert listing(16).status_code == 200
     assert refused(listing(17)) and refused(listing(3000))
     assert refused(client.get("/v1/fine_tuning/jobs", params={"metadata[" + "k" * 65 + "]": "v"}, headers=auth("data")))
+
+
+def test_job_events_and_errors_name_no_server_paths_or_process_ids(client, auth, sessions, valid_dataset):
+    upload = client.post(
+        "/v1/files", headers=auth("data"), data={"purpose": "fine-tune"}, files={"file": ("t.jsonl", valid_dataset)}
+    )
+    with sessions() as session:
+        job = FineTuningJob(
+            model="m",
+            training_file_id=upload.json()["id"],
+            status=JobStatus.queued,
+            project_id=DEFAULT_PROJECT_ID,
+            seed=0,
+            method={},
+        )
+        session.add(job)
+        session.commit()
+        job_id = job.id
+    # What a worker on host "gpu-node-7" as process 48213, its training process 48377, writes (`server.jobs.worker`).
+    with sessions() as session:
+        lease = jobs.claim_next_job(session, worker_id="gpu-node-7:48213", lease_seconds=60)
+        checkpoint = "/srv/zaya/data/jobs/ftjob-x/attempt-1/checkpoints/checkpoint-20"
+        jobs.record_event(session, lease, f"resuming from {checkpoint}", data={"path": checkpoint, "pid": 48377})
+        jobs.record_event(session, lease, "Training process 48377 started (pid=48377).", data={"worker_pid": 48213})
+        jobs.record_event(session, lease, "Step 3/4: training loss=1.25")
+        died = "The training process 48377 was killed by signal SIGKILL (9): see /var/log/zaya/worker.log"
+        assert jobs.end_lost_attempt(session, lease, died, max_attempts=1) == JobStatus.failed
+
+    events = client.get(f"/v1/fine_tuning/jobs/{job_id}/events", headers=auth("data"))
+    shown = events.text + client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=auth("data")).text
+    for private in ("/srv", "/var/log", "gpu-node-7", "48213", "48377"):
+        assert private not in shown, private
+    messages = [event["message"] for event in events.json()["data"]]
+    assert "resuming from checkpoint-20" in messages and "Step 3/4: training loss=1.25" in messages
+    assert "Training process started (pid)." in messages
