@@ -30,7 +30,7 @@ PUBLIC_PATHS = frozenset({"/health"})
 MUTATING_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 
 
-def _bearer_token(request: Request) -> str | None:
+def bearer_token(request: Request) -> str | None:
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     return (token.strip() or None) if scheme.lower() == "bearer" else None
 
@@ -82,7 +82,7 @@ def install_middleware(app: FastAPI) -> None:
         """Authenticate and rate-limit a request: None lets it through, otherwise the response that refuses it."""
         if request.url.path in PUBLIC_PATHS:
             return None
-        token = _bearer_token(request)
+        token = bearer_token(request)
         try:
             found = await app.state.reads.run(look_up, token) if token else None
             if found is not None and (last_use := found[1]) is not None:

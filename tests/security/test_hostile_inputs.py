@@ -104,3 +104,19 @@ def test_job_events_and_errors_name_no_server_paths_or_process_ids(client, auth,
     messages = [event["message"] for event in events.json()["data"]]
     assert "resuming from checkpoint-20" in messages and "Step 3/4: training loss=1.25" in messages
     assert "Training process started (pid)." in messages
+
+
+def test_health_says_up_or_down_only_without_a_key(client, auth, sessions, tiny_model_dir):
+    with sessions() as session:
+        version = registry.register_version(session, name="zaya", path=tiny_model_dir)
+        session.commit()
+    body = {"model": "zaya", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    assert client.post("/v1/chat/completions", headers=auth("analyst"), json=body).status_code == 200  # loads it
+
+    anonymous = client.get("/health")
+    assert (anonymous.status_code, anonymous.json()) == (200, {"status": "ok"})
+    assert client.get("/health", headers={"Authorization": "Bearer zk-forged"}).json() == {"status": "ok"}
+    analyst = client.get("/health", headers=auth("analyst"))
+    assert analyst.json()["engine"] == {"status": "ready", "kind": "local"} and version.id not in analyst.text
+    admin = client.get("/health", headers=auth("admin")).json()
+    assert admin["database"] == "ok" and admin["engine"]["loaded_models"] == [version.id]
