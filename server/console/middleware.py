@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import hmac
 
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.datastructures import Headers, MutableHeaders
-from starlette.requests import HTTPConnection
+from starlette.requests import HTTPConnection, Request
 from starlette.responses import RedirectResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.api.errors import error_response
+from server.api.errors import database_unavailable, error_response
 from server.console import entrance
 from server.console.cookies import clear_cookie, session_cookie_header
 from server.console.session import COOKIE_NAME, SessionCodec
+from server.db.session import RequestReads
+from server.services import console_sessions
 
 MUTATING_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 CSRF_HEADER = "x-csrf-token"
@@ -43,10 +46,11 @@ def _expired_redirect(connection: HTTPConnection) -> RedirectResponse:
 
 
 class ConsoleMiddleware:
-    def __init__(self, app: ASGIApp, *, codec: SessionCodec, entrance_app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, *, codec: SessionCodec, entrance_app: ASGIApp, reads: RequestReads) -> None:
         self.app = app
         self.codec = codec
         self.entrance_app = entrance_app
+        self.reads = reads
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -69,6 +73,15 @@ class ConsoleMiddleware:
 
         session = self.codec.decode(cookie)
         page = _is_page_navigation(scope, headers)
+        if session is not None:
+            try:
+                if await self.reads.run(console_sessions.is_ended, session.id):
+                    session = None  # signed out: this is a copy of the cookie
+            except SQLAlchemyError as error:
+                if (unavailable := database_unavailable(Request(scope), error)) is None:
+                    raise
+                await unavailable(scope, receive, send)
+                return
         if session is None:
             if page:
                 await _expired_redirect(connection)(scope, receive, send)
@@ -104,7 +117,7 @@ class ConsoleMiddleware:
                     return
                 if refresh and message["status"] != 401:
                     cookie_header = session_cookie_header(
-                        connection, self.codec.encode(session), self.codec.idle_timeout_s
+                        connection, self.codec.encode(session), self.codec.cookie_max_age(session)
                     )
                     MutableHeaders(scope=message).append("set-cookie", cookie_header)
             elif swallowing:

@@ -11,8 +11,12 @@ import time
 
 import httpx
 import uvicorn
+from fastapi.testclient import TestClient
+from pydantic import SecretStr
 from transformers import AutoTokenizer
 
+from server.app import create_app
+from server.console.session import COOKIE_NAME, ConsoleSession, SessionCodec
 from server.db.models import DEFAULT_PROJECT_ID, FineTuningJob, JobStatus
 from server.services import jobs, registry
 from server.services.chat_encoding import encode_literally
@@ -157,3 +161,37 @@ def test_access_logs_carry_no_query_strings(app, keys):
         access.removeHandler(handler)
     assert records and all("/v1/files?[redacted]" in line for line in records), records
     assert not any(secret[PREFIX_LENGTH:] in line or secret in line for line in records)
+
+
+def test_a_console_session_ends_at_sign_out_for_every_copy_of_its_cookie(client, keys, sign_in, csrf_of, HTML):
+    sign_in(client, keys["data"])
+    token = csrf_of(client, "/console/jobs")
+    copied = client.cookies[COOKIE_NAME]  # what a stolen cookie, or another tab, holds
+    ended = client.post("/console/session/end", data={"csrf": token}, follow_redirects=False)
+    assert ended.status_code == 303 and "ended=signed_out" in ended.headers["location"]
+    client.cookies.clear()
+    client.cookies.set(COOKIE_NAME, copied)
+    page = client.get("/console/jobs", headers=HTML, follow_redirects=False)
+    assert page.status_code == 303 and "ended=expired" in page.headers["location"]
+    refused = client.get("/v1/files")
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "session_expired"
+
+
+def test_a_console_session_ends_at_its_absolute_lifetime_however_active(settings, keys, HTML):
+    lifetimes = {"console_secret": SecretStr("known"), "console_idle_timeout_s": 600, "console_session_max_age_s": 3600}
+    codec = SessionCodec("known", 600, 3600)
+    with TestClient(create_app(settings.model_copy(update=lifetimes))) as client:
+        now = time.time()
+        # Active a minute ago (the cookie's time), signed in just within, then just beyond, the lifetime.
+        within = ConsoleSession.start(keys["data"], now=now - 3500)
+        client.cookies.set(COOKIE_NAME, codec.encode(within, now=now - 60))
+        page = client.get("/console/jobs", headers=HTML)
+        assert page.status_code == 200
+        reissued = next(h for h in page.headers.get_list("set-cookie") if h.startswith(f"{COOKIE_NAME}="))
+        assert "Max-Age=99" in reissued or "Max-Age=100" in reissued  # what is left of the lifetime, not 600
+        client.cookies.clear()
+        beyond = ConsoleSession.start(keys["data"], now=now - 3601)
+        client.cookies.set(COOKIE_NAME, codec.encode(beyond, now=now - 60))
+        page = client.get("/console/jobs", headers=HTML, follow_redirects=False)
+        assert page.status_code == 303 and "ended=expired" in page.headers["location"]
+        assert client.get("/v1/files").status_code == 401
