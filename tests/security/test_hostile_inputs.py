@@ -5,6 +5,7 @@ their lifetime, the console's security headers."""
 from __future__ import annotations
 
 import logging
+import re
 import socket
 import threading
 import time
@@ -195,3 +196,25 @@ def test_a_console_session_ends_at_its_absolute_lifetime_however_active(settings
         page = client.get("/console/jobs", headers=HTML, follow_redirects=False)
         assert page.status_code == 303 and "ended=expired" in page.headers["location"]
         assert client.get("/v1/files").status_code == 401
+
+
+def test_console_responses_carry_the_security_headers(client, keys, sign_in, HTML):
+    def assert_protected(response) -> None:
+        policy = response.headers["content-security-policy"]
+        assert "script-src 'self'" in policy and "frame-ancestors 'none'" in policy and "unsafe" not in policy
+        assert response.headers["x-frame-options"] == "DENY"
+        assert response.headers["x-content-type-options"] == "nosniff"
+        assert response.headers["referrer-policy"] == "no-referrer"
+
+    assert_protected(client.get("/console/login"))
+    assert_protected(client.get("/console/static/console.js"))
+    assert_protected(client.get("/console/jobs", headers=HTML, follow_redirects=False))  # to sign-in
+    assert_protected(sign_in(client, keys["data"]))
+    page = client.get("/console/jobs", headers=HTML)
+    assert page.status_code == 200
+    assert_protected(page)
+    # Nothing a strict policy would block: no inline script or style, no style attribute.
+    for path in ("/console/jobs", "/console/datasets", "/console/playground", "/console/login"):
+        text = client.get(path, headers=HTML).text
+        assert "style=" not in text and "<style" not in text
+        assert all("src=" in tag for tag in re.findall(r"<script[^>]*>", text))
