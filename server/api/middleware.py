@@ -20,6 +20,7 @@ from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.api.errors import database_unavailable, error_response
+from server.api.limits import too_many_query_parameters
 from server.errors import RateLimited
 from server.services import audit, keys
 from server.services.access import Principal
@@ -80,6 +81,8 @@ def install_middleware(app: FastAPI) -> None:
 
     async def admit(request: Request) -> Response | None:
         """Authenticate and rate-limit a request: None lets it through, otherwise the response that refuses it."""
+        if (refusal := too_many_query_parameters(request.scope.get("query_string", b""))) is not None:
+            return refusal
         if request.url.path in PUBLIC_PATHS:
             return None
         token = bearer_token(request)

@@ -84,6 +84,10 @@ def test_metadata_and_metadata_filters_stay_within_openais_limits(client, auth):
 
     assert listing(16).status_code == 200
     assert refused(listing(17)) and refused(listing(3000))
+    # Any route: FastAPI's query parsing takes time quadratic in the parameters' number, so many are refused first.
+    flood = client.get("/v1/files?" + "&" * 5000 + "&".join(f"p{index}=" for index in range(6000)))
+    assert flood.status_code == 400 and flood.json()["error"]["param"] == "p64"
+    assert client.get("/health?" + "&".join(["x=1"] * 65)).status_code == 400
     assert refused(client.get("/v1/fine_tuning/jobs", params={"metadata[" + "k" * 65 + "]": "v"}, headers=auth("data")))
 
 
