@@ -1,6 +1,7 @@
 """Smaller attacks from a tester's pass, one test each: forged chat turns, oversized metadata and metadata filters,
 server details in job events and in `/health`, keys in access logs, console sessions outliving their sign-out or
-their lifetime, the console's security headers."""
+their lifetime, the console's security headers, database credentials in compose.yaml (docs/reliability.md lists
+them with their answers)."""
 
 from __future__ import annotations
 
