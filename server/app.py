@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from server.api.access_log import redact_query_strings
 from server.api.errors import install_error_handlers
 from server.api.limits import BodySizeLimitMiddleware
 from server.api.metrics import Metrics
@@ -31,6 +32,7 @@ logger = logging.getLogger(__name__)
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     engine = make_engine(settings.database_url)
+    redact_query_strings()
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

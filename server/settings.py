@@ -118,6 +118,8 @@ class Settings(BaseSettings):
 
     # Web console sessions (`/console`): an encrypted cookie that ends after this long without a user action.
     console_idle_timeout_s: float = Field(default=1800.0, gt=0)
+    # ... and after this long from sign-in, however active (an absolute lifetime); sign-out ends one at once.
+    console_session_max_age_s: float = Field(default=43200.0, gt=0)
     # Key for the session cookies; empty means a random one per server process (sessions end on restart). Set it
     # when several server processes share the traffic or sessions should survive a restart.
     console_secret: SecretStr = SecretStr("")

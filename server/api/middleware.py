@@ -22,6 +22,7 @@ from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.api.errors import database_unavailable, error_response
+from server.api.limits import too_many_query_parameters
 from server.errors import RateLimited
 from server.services import audit, keys
 from server.services.access import Principal
@@ -33,7 +34,7 @@ MUTATING_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 MAX_AUDITED_PATH_CHARS = 1024  # longer paths are audited cut to this: a client cannot grow the log by its paths
 
 
-def _bearer_token(request: Request) -> str | None:
+def bearer_token(request: Request) -> str | None:
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     return (token.strip() or None) if scheme.lower() == "bearer" else None
 
@@ -83,9 +84,11 @@ def install_middleware(app: FastAPI) -> None:
 
     async def admit(request: Request) -> Response | None:
         """Authenticate and rate-limit a request: None lets it through, otherwise the response that refuses it."""
+        if (refusal := too_many_query_parameters(request.scope.get("query_string", b""))) is not None:
+            return refusal
         if request.url.path in PUBLIC_PATHS:
             return None
-        token = _bearer_token(request)
+        token = bearer_token(request)
         try:
             found = await app.state.reads.run(look_up, token) if token else None
             if found is not None and (last_use := found[1]) is not None:

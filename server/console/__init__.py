@@ -17,7 +17,11 @@ def install_console(app: FastAPI) -> None:
     """Add the console's pages and its middleware; call after the API's middleware, so this one runs first."""
     settings = app.state.settings
     codec = SessionCodec(
-        settings.console_secret.get_secret_value() or secrets.token_urlsafe(32), settings.console_idle_timeout_s
+        settings.console_secret.get_secret_value() or secrets.token_urlsafe(32),
+        settings.console_idle_timeout_s,
+        settings.console_session_max_age_s,
     )
     app.include_router(router)
-    app.add_middleware(ConsoleMiddleware, codec=codec, entrance_app=build_entrance(app.state, codec))
+    app.add_middleware(
+        ConsoleMiddleware, codec=codec, entrance_app=build_entrance(app.state, codec), reads=app.state.reads
+    )

@@ -5,7 +5,7 @@ and ending a session, and the static assets. Everything else under `/console` ne
 from __future__ import annotations
 
 import hmac
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from urllib.parse import quote
 
 from starlette.concurrency import run_in_threadpool
@@ -19,9 +19,10 @@ from starlette.staticfiles import StaticFiles
 from server.console.cookies import clear_cookie, set_login_cookie, set_session_cookie
 from server.console.session import COOKIE_NAME, LOGIN_COOKIE_NAME, ConsoleSession, SessionCodec, new_token
 from server.console.templating import STATIC_DIR, templates
+from server.db.base import utcnow
 from server.db.session import session_scope
 from server.errors import RateLimited
-from server.services import audit, keys
+from server.services import audit, console_sessions, keys
 
 PREFIX = "/console"
 LOGIN_PATH = f"{PREFIX}/login"
@@ -95,6 +96,13 @@ def build_entrance(app_state: State, codec: SessionCodec) -> ExceptionMiddleware
             )
         return key_id
 
+    def end_in_database(session: ConsoleSession) -> None:
+        expires = codec.expires_at(session)
+        # Without an absolute lifetime a cookie could come back any time: the record is kept for a year.
+        until = datetime.fromtimestamp(expires, UTC) if expires is not None else utcnow() + timedelta(days=365)
+        with sessions() as db_session:
+            console_sessions.end(db_session, session.id, expires_at=until)
+
     async def read_form(request: Request) -> dict[str, str] | None:
         declared = request.headers.get("content-length", "")
         if not declared.isdigit() or int(declared) > MAX_FORM_BYTES:
@@ -126,7 +134,8 @@ def build_entrance(app_state: State, codec: SessionCodec) -> ExceptionMiddleware
             rate_limits.count_auth_failure(address)
             return render_login(request, error="Invalid or revoked API key.", status_code=401)
         response = RedirectResponse(safe_next(form.get("next")), status_code=303)
-        set_session_cookie(response, request, codec.encode(ConsoleSession.start(secret)), codec.idle_timeout_s)
+        started = ConsoleSession.start(secret)
+        set_session_cookie(response, request, codec.encode(started), codec.cookie_max_age(started))
         clear_cookie(response, LOGIN_COOKIE_NAME, path=PREFIX)
         return response
 
@@ -135,6 +144,8 @@ def build_entrance(app_state: State, codec: SessionCodec) -> ExceptionMiddleware
         form = await read_form(request) or {}
         if session is not None and not hmac.compare_digest(session.csrf, form.get("csrf", "")):
             return Response("Missing or wrong CSRF token.", status_code=403, media_type="text/plain")
+        if session is not None:  # every copy of the cookie is refused from now on
+            await run_in_threadpool(end_in_database, session)
         response = RedirectResponse(login_url(ended="signed_out"), status_code=303)
         clear_cookie(response, COOKIE_NAME)
         return response

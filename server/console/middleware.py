@@ -11,16 +11,31 @@ from __future__ import annotations
 
 import hmac
 
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.datastructures import Headers, MutableHeaders
-from starlette.requests import HTTPConnection
+from starlette.requests import HTTPConnection, Request
 from starlette.responses import RedirectResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.api.errors import error_response
+from server.api.errors import database_unavailable, error_response
 from server.console import entrance
 from server.console.cookies import clear_cookie, session_cookie_header
 from server.console.session import COOKIE_NAME, SessionCodec
+from server.db.session import RequestReads
+from server.services import console_sessions
 
+# Sent with every console response. The console has no inline script or style and loads nothing from elsewhere, so
+# the policy allows only its own origin; no other site may frame it (clickjacking), and no browser guesses a type.
+SECURITY_HEADERS = (
+    (
+        b"content-security-policy",
+        b"default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
+        b"object-src 'none'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'",
+    ),
+    (b"x-frame-options", b"DENY"),
+    (b"x-content-type-options", b"nosniff"),
+    (b"referrer-policy", b"no-referrer"),
+)
 MUTATING_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 CSRF_HEADER = "x-csrf-token"
 # Sent by the console's polling scripts: their requests do not count as user activity for the idle timeout.
@@ -43,15 +58,18 @@ def _expired_redirect(connection: HTTPConnection) -> RedirectResponse:
 
 
 class ConsoleMiddleware:
-    def __init__(self, app: ASGIApp, *, codec: SessionCodec, entrance_app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, *, codec: SessionCodec, entrance_app: ASGIApp, reads: RequestReads) -> None:
         self.app = app
         self.codec = codec
         self.entrance_app = entrance_app
+        self.reads = reads
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if scope["path"] == entrance.PREFIX or scope["path"].startswith(f"{entrance.PREFIX}/"):
+            send = _with_security_headers(send)
         if entrance.handles(scope["path"]):
             await self.entrance_app(scope, receive, send)
             return
@@ -69,6 +87,15 @@ class ConsoleMiddleware:
 
         session = self.codec.decode(cookie)
         page = _is_page_navigation(scope, headers)
+        if session is not None:
+            try:
+                if await self.reads.run(console_sessions.is_ended, session.id):
+                    session = None  # signed out: this is a copy of the cookie
+            except SQLAlchemyError as error:
+                if (unavailable := database_unavailable(Request(scope), error)) is None:
+                    raise
+                await unavailable(scope, receive, send)
+                return
         if session is None:
             if page:
                 await _expired_redirect(connection)(scope, receive, send)
@@ -104,7 +131,7 @@ class ConsoleMiddleware:
                     return
                 if refresh and message["status"] != 401:
                     cookie_header = session_cookie_header(
-                        connection, self.codec.encode(session), self.codec.idle_timeout_s
+                        connection, self.codec.encode(session), self.codec.cookie_max_age(session)
                     )
                     MutableHeaders(scope=message).append("set-cookie", cookie_header)
             elif swallowing:
@@ -112,6 +139,17 @@ class ConsoleMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_wrapper)
+
+
+def _with_security_headers(send: Send) -> Send:
+    async def sending(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            headers = MutableHeaders(scope=message)
+            for name, value in SECURITY_HEADERS:
+                headers[name.decode()] = value.decode()
+        await send(message)
+
+    return sending
 
 
 async def _no_body() -> Message:

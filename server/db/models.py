@@ -343,3 +343,15 @@ class RegisteredWorker(Base):
     # "gpu" (one process per GPU) or "cpu" (one process per core).
     device_kind: Mapped[str] = mapped_column(String(8))
     seen_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class ConsoleSessionEnd(Base):
+    """A console session signed out before its cookie expired: its cookie is refused from then on. Kept until the
+    session's absolute lifetime would have ended it anyway (`expires_at`), then deleted."""
+
+    __tablename__ = "console_session_ends"
+    __table_args__ = (Index("ix_console_session_ends_expires_at", "expires_at"),)
+
+    session_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    ended_at: Mapped[datetime] = mapped_column(default=utcnow)
+    expires_at: Mapped[datetime]

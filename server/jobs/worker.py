@@ -380,10 +380,11 @@ class Worker:
         process = subprocess.Popen(command, start_new_session=True)
         try:
             parallelism = fine_tune_run.settings.data_parallelism
-            message = f"Training process {process.pid} started" + (
-                f" ({devices} devices, {parallelism})." if devices > 1 else "."
+            message = "Training process started" + (f" ({devices} devices, {parallelism})." if devices > 1 else ".")
+            data = {"attempt": run.lease.attempt, "devices": devices} | (
+                {"parallelism": parallelism} if devices > 1 else {}
             )
-            data = {"pid": process.pid, "devices": devices} | ({"parallelism": parallelism} if devices > 1 else {})
+            logger.info("job %s: training process %d started", run.lease.job_id, process.pid)
             run.write(jobs.record_event, message, data=data)
             self._follow(run, process, files)
         finally:
@@ -395,7 +396,8 @@ class Worker:
                     process.kill()
                     process.wait()
         if not files.result.is_file():
-            raise AttemptDied(f"The training process {process.pid} {exit_description(process.returncode)}")
+            logger.warning("job %s: training process %d ended without a result", run.lease.job_id, process.pid)
+            raise AttemptDied(f"The training process {exit_description(process.returncode)}")
         result: dict[str, Any] = json.loads(files.result.read_text())
         return result
 
@@ -447,7 +449,7 @@ class Worker:
         elif status == "paused" and run.requested_action == "pause":
             run.write(jobs.finish_stopped, JobStatus.paused, "Job paused at its last checkpoint.")
         elif status == "paused":  # this worker is shutting down: another one continues the job
-            run.write(jobs.finish_stopped, JobStatus.queued, f"Worker {self.worker_id} shut down; job re-queued.")
+            run.write(jobs.finish_stopped, JobStatus.queued, "The worker shut down; job re-queued.")
         else:
             message = f"The trainer returned an unknown status {status!r}."
             unknown = {"code": "training_error", "message": message, "param": None}

@@ -43,6 +43,7 @@ from server.engines.grammar import GrammarError, OutputGrammar
 from server.engines.heap import freeze_startup_heap
 from server.errors import APIError, GenerationFailed, InvalidRequest, ServiceUnavailable, TooManyRequests
 from server.services.access import Principal, Scope
+from server.services.chat_encoding import encode_chat
 from server.services.model_resolution import ServableModel, resolve
 from server.services.prompt_length import min_tokens
 from server.services.quotas import OpenStreams
@@ -92,6 +93,21 @@ class ChatPrompt:
     param: ClassVar[str] = "messages"
 
     def text(self, tokenizer: PreTrainedTokenizerBase) -> str:
+        self._check(tokenizer)
+        return _render_chat(tokenizer, self.messages, self.tools)
+
+    def token_ids(self, tokenizer: PreTrainedTokenizerBase, context: int) -> list[int] | int:
+        """The prompt's token ids; or, when its length alone shows it takes `context` tokens or more, a lower bound
+        of its token count, found without tokenizing it."""
+        if (at_least := min_tokens(tokenizer, self.text(tokenizer))) >= context:
+            return at_least
+        # The template writes the special tokens itself (BOS, turn markers); in what the caller wrote, their
+        # spellings are text (`server.services.chat_encoding`).
+        return encode_chat(
+            tokenizer, self.messages, self.tools, lambda messages, tools: _render_chat(tokenizer, messages, tools)
+        )
+
+    def _check(self, tokenizer: PreTrainedTokenizerBase) -> None:
         if not tokenizer.chat_template:
             raise InvalidRequest("This model has no chat template; use /v1/completions.", param="model")
         if uses_tools(self.messages, self.tools) and not renders_tools(tokenizer):
@@ -101,23 +117,16 @@ class ChatPrompt:
                 "<tool_call> format; register a model whose tokenizer writes it.",
                 param=param,
             )
-        tools: list[dict[Any, Any] | Callable[..., Any]] = [*(self.tools or [])]
-        text = tokenizer.apply_chat_template(
-            self.messages, tools=tools or None, tokenize=False, add_generation_prompt=True
-        )
-        if not isinstance(text, str):
-            raise TypeError(f"apply_chat_template(tokenize=False) gave a {type(text).__name__}")
-        return text
 
-    def token_ids(self, tokenizer: PreTrainedTokenizerBase, context: int) -> list[int] | int:
-        """The prompt's token ids; or, when its length alone shows it takes `context` tokens or more, a lower bound
-        of its token count, found without tokenizing it."""
-        text = self.text(tokenizer)
-        if (at_least := min_tokens(tokenizer, text)) >= context:
-            return at_least
-        # The template writes the special tokens itself (BOS, turn markers).
-        token_ids: list[int] = tokenizer.encode(text, add_special_tokens=False)
-        return token_ids
+
+def _render_chat(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+) -> str:
+    functions: list[dict[Any, Any] | Callable[..., Any]] = [*(tools or [])]
+    text = tokenizer.apply_chat_template(messages, tools=functions or None, tokenize=False, add_generation_prompt=True)
+    if not isinstance(text, str):
+        raise TypeError(f"apply_chat_template(tokenize=False) gave a {type(text).__name__}")
+    return text
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ old worker cannot change anything: a job never has two effective runners and reg
 
 from __future__ import annotations
 
+import re
 import secrets
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -135,7 +136,7 @@ def finish_validation(session: Session, job_id: str, error: dict[str, Any] | Non
     moved = session.execute(
         update(FineTuningJob)
         .where(FineTuningJob.id == job_id, FineTuningJob.status == JobStatus.validating_files)
-        .values(status=status, error=error, finished_at=utcnow() if error is not None else None)
+        .values(status=status, error=_public_error(error), finished_at=utcnow() if error is not None else None)
         .execution_options(synchronize_session=False)
     )
     if matched_rows(moved) != 1:
@@ -257,6 +258,34 @@ def latest_checkpoint(session: Session, job_id: str) -> Checkpoint | None:
     return session.scalars(query).first()
 
 
+# A job's events and error are shown to every key of its project: they name no host path and no process id.
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.:/~-])(?:/[\w.@+~-]+)+/?")
+_PROCESS_ID = re.compile(r"\b(process|pid)(\s*[=:#]?\s*)\d+\b", re.IGNORECASE)
+_PROCESS_ID_KEYS = frozenset({"pid", "worker_pid"})
+
+
+def public_text(text: str) -> str:
+    """`text` without host paths (each cut to its last part: "checkpoint-20") and process ids."""
+    text = _ABSOLUTE_PATH.sub(lambda match: match.group().rstrip("/").rsplit("/", 1)[-1], text)
+    return _PROCESS_ID.sub(lambda match: match.group(1), text)
+
+
+def _public_data(value: Any) -> Any:
+    if isinstance(value, str):
+        return public_text(value)
+    if isinstance(value, dict):
+        return {key: _public_data(item) for key, item in value.items() if key not in _PROCESS_ID_KEYS}
+    if isinstance(value, list):
+        return [_public_data(item) for item in value]
+    return value
+
+
+def _public_error(error: dict[str, Any] | None) -> dict[str, Any] | None:
+    if error is None or not isinstance(error.get("message"), str):
+        return error
+    return {**error, "message": public_text(error["message"])}
+
+
 def add_event(
     session: Session,
     job_id: str,
@@ -266,7 +295,8 @@ def add_event(
     type_: str = "message",
     data: dict[str, Any] | None = None,
 ) -> JobEvent:
-    event = JobEvent(job_id=job_id, message=message, level=level, type=type_, data=data)
+    """Add an event to the job, its message and data without host paths and process ids."""
+    event = JobEvent(job_id=job_id, message=public_text(message), level=level, type=type_, data=_public_data(data))
     session.add(event)
     return event
 
@@ -329,7 +359,7 @@ def claim_next_job(
         session.rollback()
         return None
     lease = Lease(job_id=claimed.id, token=token, worker_id=worker_id, attempt=claimed.attempts)
-    add_event(session, lease.job_id, f"Worker {worker_id} started the job (attempt {lease.attempt}).")
+    add_event(session, lease.job_id, f"A worker started the job (attempt {lease.attempt}).")
     session.commit()
     return lease
 
@@ -502,7 +532,7 @@ def finish_stopped(
     _guard(session, lease)
     job = session.get_one(FineTuningJob, lease.job_id)  # `_guard` found it
     _end_lease(job, status)
-    job.error = error
+    job.error = _public_error(error)
     add_event(session, job.id, message, level="error" if status == JobStatus.failed else "info")
     session.commit()
 
@@ -530,7 +560,7 @@ def end_lost_attempt(session: Session, lease: Lease, reason: str, *, max_attempt
             f"{reason}; re-queued to resume from the last checkpoint (lost {lost} of at most {max_attempts} times)."
         )
     _end_lease(job, status)
-    job.error = error
+    job.error = _public_error(error)
     add_event(session, job.id, message, level=level, data={"lost_attempts": lost})
     session.commit()
     return status
@@ -556,17 +586,17 @@ def requeue_expired(session: Session, *, max_attempts: int) -> list[str]:
         lost = job.lease_expirations + 1
         if job.requested_action == "cancel":
             status, level = JobStatus.cancelled, "warn"
-            message = f"Worker {job.worker_id} stopped responding; the requested cancellation is done."
+            message = "The worker stopped responding; the requested cancellation is done."
         elif job.requested_action == "pause":
             status, level = JobStatus.paused, "warn"
-            message = f"Worker {job.worker_id} stopped responding; the job is paused as requested."
+            message = "The worker stopped responding; the job is paused as requested."
         elif lost >= max_attempts:
             status, level = JobStatus.failed, "error"
             message = f"Gave up after {lost} attempts: the worker stopped responding each time."
         else:
             status, level = JobStatus.queued, "warn"
             message = (
-                f"Worker {job.worker_id} stopped responding (lease expired); re-queued to resume from the last "
+                "The worker stopped responding (lease expired); re-queued to resume from the last "
                 f"checkpoint (lost {lost} of at most {max_attempts} times)."
             )
         error = {"code": "worker_lost", "message": message, "param": None} if status == JobStatus.failed else None

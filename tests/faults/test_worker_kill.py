@@ -71,16 +71,20 @@ def test_kill_9_of_workers_at_three_points_of_a_job_succeeds_exactly_once(stack)
         def checkpoints(attempt: int) -> Path:
             return job_dir / f"attempt-{attempt}" / "checkpoints"
 
-        def metrics_events_from(pid: int) -> int:
-            """Metrics events recorded since the training process `pid` started."""
+        def metrics_events_from(attempt: int) -> int:
+            """Metrics events recorded since the training process of `attempt` started."""
             with sessions() as session:
-                started = session.scalar(
-                    select(JobEvent.id).where(
-                        JobEvent.job_id == job_id, JobEvent.message.startswith(f"Training process {pid} started")
+                started = [
+                    event.id
+                    for event in session.scalars(
+                        select(JobEvent).where(
+                            JobEvent.job_id == job_id, JobEvent.message.startswith("Training process started")
+                        )
                     )
-                )
+                    if (event.data or {}).get("attempt") == attempt
+                ]
                 query = select(func.count()).where(
-                    JobEvent.job_id == job_id, JobEvent.type == "metrics", JobEvent.id > (started or 0)
+                    JobEvent.job_id == job_id, JobEvent.type == "metrics", JobEvent.id > (started[0] if started else 0)
                 )
                 return session.scalar(query) if started else -1
 
@@ -91,7 +95,7 @@ def test_kill_9_of_workers_at_three_points_of_a_job_succeeds_exactly_once(stack)
             kept = {record["step"] for record in reported if record["kind"] == "checkpoint"}
             kept -= {record["step"] for record in reported if record["kind"] == "checkpoint_deleted"}
             rows = {step for step, path in checkpoint_rows() if Path(path).parent == checkpoints(attempt)}
-            return metrics_events_from(child.pid) == metrics and rows == kept
+            return metrics_events_from(attempt) == metrics and rows == kept
 
         def kill_when(attempt: int, moment, what: str) -> None:
             holder = wait_for(lambda: holder_of(attempt), STEP_TIMEOUT_S, stack, f"attempt {attempt} to start")

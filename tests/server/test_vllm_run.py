@@ -59,7 +59,9 @@ class ZayaRun:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.admin_key, max_retries=0, timeout=300)
 
     def health(self) -> httpx.Response:
-        return httpx.get(f"{self.url}/health", timeout=10)
+        # With the admin key once there is one: the body's details are for keys only.
+        headers = {"Authorization": f"Bearer {self.admin_key}"} if self.admin_key else {}
+        return httpx.get(f"{self.url}/health", headers=headers, timeout=10)
 
     def wait_until_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -377,7 +377,7 @@ def test_a_worker_shutting_down_checkpoints_its_job_and_puts_it_back_in_the_queu
     with sessions() as session:
         assert session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)).first() is not None
         messages = [e.message for e in session.scalars(select(JobEvent).where(JobEvent.job_id == job_id))]
-    assert "Worker test-worker shut down; job re-queued." in messages
+    assert "The worker shut down; job re-queued." in messages
 
 
 def preference_lines(offset: int, n: int) -> bytes:

@@ -31,6 +31,23 @@ router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
 
 EVENT_ID_PREFIX = "ftevent-"
 MAX_DEVICES = 64
+# OpenAI's limits on metadata: 16 pairs, keys of at most 64 characters, values of at most 512. A listing takes at most
+# as many `metadata[key]=value` filters.
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY_LENGTH = 64
+MAX_METADATA_VALUE_LENGTH = 512
+
+
+def metadata_problem(pairs: list[tuple[object, object]], what: str) -> str | None:
+    """Why `pairs` break OpenAI's metadata limits, or None."""
+    if len(pairs) > MAX_METADATA_PAIRS:
+        return f"metadata: at most {MAX_METADATA_PAIRS} {what}, got {len(pairs)}."
+    for key, value in pairs:
+        if isinstance(key, str) and len(key) > MAX_METADATA_KEY_LENGTH:
+            return f"metadata: keys are at most {MAX_METADATA_KEY_LENGTH} characters, got one of {len(key)}."
+        if isinstance(value, str) and len(value) > MAX_METADATA_VALUE_LENGTH:
+            return f"metadata: values are at most {MAX_METADATA_VALUE_LENGTH} characters, got one of {len(value)}."
+    return None
 
 
 # --- requests -----------------------------------------------------------------------------------------------------
@@ -42,13 +59,27 @@ class JobCreate(RequestBody):
     validation_file: str | None = None
     suffix: str | None = Field(default=None, max_length=64, pattern=r"^[A-Za-z0-9_-]*$")
     seed: StrictInt | None = Field(default=None, ge=0, le=2**31 - 1)
-    metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(default=None, max_length=16)
+    metadata: (
+        dict[
+            Annotated[str, Field(max_length=MAX_METADATA_KEY_LENGTH)],
+            Annotated[str, Field(max_length=MAX_METADATA_VALUE_LENGTH)],
+        ]
+        | None
+    ) = Field(default=None, max_length=MAX_METADATA_PAIRS)
     method: FineTuneSettings | None = None
     # OpenAI's older top-level form; used when `method` is absent.
     hyperparameters: Hyperparameters | None = None
     integrations: list[dict[str, Any]] | None = None
     # Ours: processes (one per GPU) an attempt trains with, data-parallel (`torchrun --nproc-per-node`).
     devices: StrictInt = Field(default=1, ge=1, le=MAX_DEVICES)
+
+    @field_validator("metadata", mode="before")
+    @classmethod
+    def _metadata_limits(cls, metadata: Any) -> Any:
+        # Before the per-key checks, so an error names `metadata` rather than a (long, client-chosen) key.
+        if isinstance(metadata, dict) and (problem := metadata_problem(list(metadata.items()), "pairs")):
+            raise ValueError(problem)
+        return metadata
 
     def effective_method(self) -> FineTuneSettings:
         if self.method is not None:
@@ -238,11 +269,14 @@ def list_jobs(
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> ListResponse[JobObject]:
     # OpenAI filters by metadata with `metadata[key]=value` query parameters.
-    metadata = {
-        key[len("metadata[") : -1]: value
-        for key, value in request.query_params.items()
+    filters = [
+        (key[len("metadata[") : -1], value)
+        for key, value in request.query_params.multi_items()
         if key.startswith("metadata[") and key.endswith("]")
-    }
+    ]
+    if problem := metadata_problem(filters, "metadata filters"):
+        raise InvalidRequest(problem, param="metadata")
+    metadata = dict(filters)
     rows, has_more = job_service.list_jobs(session, scope, after=after, limit=limit, metadata=metadata or None)
     return ListResponse[JobObject](data=rows, has_more=has_more)
 

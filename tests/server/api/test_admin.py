@@ -82,10 +82,12 @@ def test_audit_filters_by_actor_action_and_time(client, auth, make_key):
     assert naive.status_code == 400 and naive.json()["error"]["param"] == "since"
 
 
-def test_health_needs_no_key_and_reports_the_database(client):
+def test_health_needs_no_key_and_reports_the_database_to_keys(client, auth):
     response = client.get("/health")
-    assert response.status_code == 200
-    body = response.json()
+    assert response.status_code == 200 and response.json() == {"status": "ok"}
+    body = client.get("/health", headers=auth("analyst")).json()
+    assert (body["status"], body["database"], body["engine"]) == ("ok", "ok", {"status": "ready", "kind": "local"})
+    body = client.get("/health", headers=auth("admin")).json()
     assert (body["status"], body["database"], body["engine"]["status"]) == ("ok", "ok", "ready")
 
 

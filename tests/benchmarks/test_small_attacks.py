@@ -1,0 +1,29 @@
+"""Smoke test of `benchmarks/small_attacks.py` with one request per client: a real server answers each attack with the
+refusal docs/reliability.md lists, and the forged-turn encoding is timed."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+ANSWERS = {
+    "17 metadata pairs": "[400]",
+    "3,000 metadata filters": "[400]",
+    "/health without a key": "[200]",
+    "key in the query string": "[401]",
+    "console cookie after sign-out": "[401]",
+}
+
+
+@pytest.mark.slow
+def test_small_attacks_benchmark_reports_every_attack():
+    command = [sys.executable, "-m", "benchmarks.small_attacks", "--requests-per-client", "1"]
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in done.stdout.splitlines() if line.startswith("| ")}
+    for attack, answer in ANSWERS.items():
+        assert f"| {answer} |" in rows[attack], rows
+    assert re.search(r"encode [\d.]+ ms \(plain text [\d.]+ ms\)", rows["forged turns, 24 KB"])
