@@ -20,9 +20,9 @@ if TYPE_CHECKING:
     from python_multipart.multipart import MultipartCallbacks
 
 MAX_FIELD_BYTES = 64 * 1024
-# After refusing an oversized upload (or one with an over-long line), read (and drop) up to this much more so the client sees the 413
-# instead of a reset connection; beyond it the connection is simply closed. The body limit of
-# `server.api.limits` ends the drain sooner.
+# After refusing an oversized upload (or one with an over-long line), read (and drop) up to this much more so the
+# client sees the 413 (or 400) instead of a reset connection; beyond it the connection is simply closed. The body
+# limit of `server.api.limits` ends the drain sooner.
 DRAIN_LIMIT_BYTES = 64 * 1024**2
 
 
