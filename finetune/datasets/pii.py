@@ -127,6 +127,11 @@ class PiiReport:
             "redacted_path": self.redacted_path,
         }
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], path: str | os.PathLike[str]) -> PiiReport:
+        """The report `to_dict` gave, for the file now at `path` (`total` is derived from the counts)."""
+        return cls(**{key: value for key, value in data.items() if key not in ("path", "total")}, path=os.fspath(path))
+
 
 def scan_file(
     path: str | os.PathLike[str],
