@@ -31,6 +31,20 @@ class InvalidRequest(APIError):
     status_code = 400
 
 
+class LineTooLong(InvalidRequest):
+    """An upload's line is over `Settings.max_upload_line_bytes`: refused while the body is still arriving."""
+
+    def __init__(self, line_number: int, max_line_bytes: int) -> None:
+        super().__init__(
+            f"Line {line_number} of the file is longer than the limit of {max_line_bytes} bytes per line.",
+            param="file",
+            code="line_too_long",
+            # The rest of the body is not read (beyond a short drain): close the connection after the answer.
+            headers=dict(CLOSE_CONNECTION),
+        )
+        self.line_number = line_number
+
+
 class Unauthorized(APIError):
     status_code = 401
     type = "authentication_error"

@@ -84,6 +84,9 @@ class Settings(BaseSettings):
 
     # Uploads are streamed to disk; anything larger is refused with 413.
     max_upload_bytes: int = Field(default=1024**3, gt=0)
+    # Longest line (bytes before its newline) an upload may have, checked as the bytes arrive: a longer line is
+    # refused with 400 `line_too_long` naming it before it is ever held whole (validation reads a line at a time).
+    max_upload_line_bytes: int = Field(default=2 * 1024**2, gt=0)
     # PII scan of uploads (`finetune.datasets.pii`): "report" notes the findings in the file's `status_details`,
     # "reject" refuses a file with any finding (400 `pii_detected`), "off" skips the scan.
     upload_pii_scan: Literal["off", "report", "reject"] = "off"

@@ -7,8 +7,13 @@ Detection uses maintained, offline libraries wherever they fit and patterns only
   AAA-GG-SSSS, or nine digits right after the word "SSN".
 - PHONE_NUMBER: Google's `phonenumbers` matcher at its VALID leniency (real numbering plans; `default_region` for
   numbers without a country code).
-- EMAIL: a pattern (no library adds anything for e-mail addresses).
+- EMAIL: a pattern (no library adds anything for e-mail addresses), anchored on each "@" so that a long run of
+  address-like characters is read once rather than once per starting position.
 - ACCOUNT_NUMBER: digits introduced by "account", "acct" or "a/c" (an account number has no checksum to test).
+
+Every finder and the overlap resolution take time linear in the length of the text: the patterns have no unbounded
+quantifiers that can be retried from many positions, so a hostile line of any shape costs no more than an ordinary
+line of the same length.
 
 - PERSON (optional): a spaCy NER pipeline named by `person_model` (`finetune.datasets.person_names`, extra `pii`).
   A statistical model is needed for names and spaCy's are released on GitHub, not on PyPI, so none is installed by
@@ -21,6 +26,7 @@ are not UTF-8 are read as U+FFFD (the validator reports such lines).
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import re
@@ -42,13 +48,19 @@ NOT_SCANNED = {
     "en_core_web_sm, then pass --person-model",
 }
 
-_EMAIL = re.compile(r"\b[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}\b")
+# An address is `\b[A-Za-z0-9._%+-]+@` followed by `_EMAIL_DOMAIN`. Searched as one pattern, every start inside a
+# long run of local-part characters without an "@" rescans the run (quadratic), so the local part is found from runs.
+_EMAIL_LOCAL_RUN = re.compile(r"[A-Za-z0-9._%+-]+")
+_EMAIL_LOCAL_START = re.compile(r"\b[A-Za-z0-9._%+-]")
+_EMAIL_DOMAIN = re.compile(r"[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}\b")
 # Two letters, two check digits, then groups of four (optionally space-separated) and a short tail.
 _IBAN = re.compile(r"\b[A-Z]{2}\d{2}(?: ?[A-Z0-9]{4}){2,7}(?: ?[A-Z0-9]{1,3})?\b")
 _CARD = re.compile(r"\b\d(?:[ -]?\d){12,18}\b")
 _SSN = re.compile(r"\b\d{3}-\d{2}-\d{4}\b|(?i:\bssn\W{0,3})(?P<bare>\d{9})\b")
+# Possessive whitespace: each run of spaces is taken whole once (it is always followed by a non-space), not split
+# between the adjacent quantifiers in every possible way.
 _ACCOUNT = re.compile(
-    r"(?i:\b(?:account|acct|a/c)(?:\s+(?:number|no\.?|num|#))?\s*(?:[:#]|is)?\s*)(?P<number>\d[\d-]{4,18}\d)\b"
+    r"(?i:\b(?:account|acct|a/c)(?:\s++(?:number|no\.?|num|#))?\s*+(?:[:#]|is)?\s*+)(?P<number>\d[\d-]{4,18}\d)\b"
 )
 
 
@@ -62,19 +74,31 @@ class PiiMatch:
 
 def find_pii(text: str, default_region: str = "US", person_finder: PersonFinder | None = None) -> list[PiiMatch]:
     """Non-overlapping matches sorted by position; on overlap the earlier type in `PII_TYPES` wins, then PERSON."""
-    accepted: list[PiiMatch] = []
+    accepted: list[PiiMatch] = []  # sorted by start and non-overlapping, so their ends are sorted too
     finders = {**_FINDERS, PERSON: person_finder} if person_finder is not None else _FINDERS
     for pii_type, finder in finders.items():
-        for start, end in finder(text, default_region):
-            if all(end <= other.start or start >= other.end for other in accepted):
-                accepted.append(PiiMatch(pii_type, start, end, text[start:end]))
-    return sorted(accepted, key=lambda match: match.start)
+        starts = [match.start for match in accepted]
+        added: list[PiiMatch] = []
+        for start, end in sorted(finder(text, default_region)):
+            if added and start < added[-1].end:
+                continue  # overlaps a match of this type found just before
+            before = bisect.bisect_left(starts, end) - 1  # the last earlier match starting before this one ends
+            if before >= 0 and accepted[before].end > start:
+                continue
+            added.append(PiiMatch(pii_type, start, end, text[start:end]))
+        accepted = sorted(accepted + added, key=lambda match: match.start)  # merging two sorted runs: linear
+    return accepted
 
 
 def redact_text(text: str, matches: list[PiiMatch]) -> str:
-    for match in sorted(matches, key=lambda match: match.start, reverse=True):
-        text = text[: match.start] + f"[{match.type}]" + text[match.end :]
-    return text
+    """`matches` must not overlap (as `find_pii` returns them)."""
+    pieces: list[str] = []
+    position = 0
+    for match in sorted(matches, key=lambda match: match.start):
+        pieces += (text[position : match.start], f"[{match.type}]")
+        position = match.end
+    pieces.append(text[position:])
+    return "".join(pieces)
 
 
 @dataclass
@@ -102,6 +126,11 @@ class PiiReport:
             "not_scanned": self.not_scanned,
             "redacted_path": self.redacted_path,
         }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], path: str | os.PathLike[str]) -> PiiReport:
+        """The report `to_dict` gave, for the file now at `path` (`total` is derived from the counts)."""
+        return cls(**{key: value for key, value in data.items() if key not in ("path", "total")}, path=os.fspath(path))
 
 
 def scan_file(
@@ -152,10 +181,10 @@ def _redact_line(line: str, default_region: str, person_finder: PersonFinder | N
         return redact_text(text, matches)
 
     try:
-        record = json.loads(line)
-    except json.JSONDecodeError:
+        return json.dumps(_map_strings(json.loads(line), redact), ensure_ascii=False), found
+    except (json.JSONDecodeError, RecursionError):  # not JSON, or nested too deeply to walk: scanned as raw text
+        found.clear()
         return redact(line), found
-    return json.dumps(_map_strings(record, redact), ensure_ascii=False), found
 
 
 def _map_strings(value: Any, function: Callable[[str], str]) -> Any:
@@ -188,8 +217,22 @@ def _write_atomically(path: str | os.PathLike[str], lines: Iterator[str]) -> Non
 
 
 def _find_emails(text: str, _region: str) -> Iterator[tuple[int, int]]:
-    for match in _EMAIL.finditer(text):
-        yield match.span()
+    # Same matches as `re.finditer(r"\b[A-Za-z0-9._%+-]+@" + domain)`: a local part can only end at the "@" that
+    # closes its run, so each run followed by "@" is tried once, from its leftmost word boundary at or after the end
+    # of the previous address.
+    previous_end = 0
+    for run in _EMAIL_LOCAL_RUN.finditer(text):
+        at = run.end()
+        if text[at : at + 1] != "@" or at <= previous_end:
+            continue
+        start = _EMAIL_LOCAL_START.search(text, max(run.start(), previous_end), at)
+        if start is None:
+            continue
+        domain = _EMAIL_DOMAIN.match(text, at + 1)
+        if domain is None:
+            continue
+        previous_end = domain.end()
+        yield start.start(), previous_end
 
 
 def _find_ibans(text: str, _region: str) -> Iterator[tuple[int, int]]:
@@ -200,9 +243,11 @@ def _find_ibans(text: str, _region: str) -> Iterator[tuple[int, int]]:
 
 def _find_cards(text: str, _region: str) -> Iterator[tuple[int, int]]:
     # Digits inside an IBAN-shaped string (even one failing its checksum) belong to that IBAN, not to a card.
-    iban_shaped = [match.span() for match in _IBAN.finditer(text)]
+    iban_shaped = [match.span() for match in _IBAN.finditer(text)]  # sorted, non-overlapping
+    iban_starts = [start for start, _ in iban_shaped]
     for match in _CARD.finditer(text):
-        if any(start < match.end() and match.start() < end for start, end in iban_shaped):
+        before = bisect.bisect_left(iban_starts, match.end()) - 1
+        if before >= 0 and iban_shaped[before][1] > match.start():
             continue
         digits = re.sub(r"\D", "", match.group())
         if 13 <= len(digits) <= 19 and digits[0] in "23456" and luhn.is_valid(digits):

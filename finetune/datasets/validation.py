@@ -85,6 +85,14 @@ class ValidationReport:
         data["problems_not_listed"] = self.problems_not_listed
         return data
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], path: str | os.PathLike[str]) -> ValidationReport:
+        """The report `to_dict` gave, for the file now at `path`."""
+        fields = {key: value for key, value in data.items() if key not in ("is_valid", "problems_not_listed")}
+        fields["length_histogram"] = [HistogramBucket(**bucket) for bucket in data["length_histogram"]]
+        fields["problems"] = [Problem(**problem) for problem in data["problems"]]
+        return cls(path=os.fspath(path), **fields)
+
 
 def validate_dataset(
     path: str | os.PathLike[str],

@@ -13,16 +13,16 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from server.api.limits import BodyTooLarge
-from server.errors import InsufficientStorage, InvalidRequest, PayloadTooLarge
+from server.errors import InsufficientStorage, InvalidRequest, LineTooLong, PayloadTooLarge
 from server.services.storage import StreamedFile
 
 if TYPE_CHECKING:
     from python_multipart.multipart import MultipartCallbacks
 
 MAX_FIELD_BYTES = 64 * 1024
-# After refusing an oversized upload, read (and drop) up to this much more so the client sees the 413
-# instead of a reset connection; beyond it the connection is simply closed. The body limit of
-# `server.api.limits` ends the drain sooner.
+# After refusing an oversized upload (or one with an over-long line), read (and drop) up to this much more so the
+# client sees the 413 (or 400) instead of a reset connection; beyond it the connection is simply closed. The body
+# limit of `server.api.limits` ends the drain sooner.
 DRAIN_LIMIT_BYTES = 64 * 1024**2
 
 
@@ -138,7 +138,7 @@ async def receive_multipart(
         if not receiver.complete:
             # python-multipart does not check this itself: a body cut short must not pass as a whole file.
             raise InvalidRequest("The multipart body ended before its closing boundary.", param=file_field)
-    except (PayloadTooLarge, InsufficientStorage):
+    except (PayloadTooLarge, LineTooLong, InsufficientStorage):
         _discard(receiver.upload)
         await _drain(chunks)
         raise

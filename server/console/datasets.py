@@ -12,8 +12,10 @@ from sqlalchemy.orm import Session
 
 from finetune.datasets.pii import PiiReport, scan_file
 from finetune.datasets.preview import Preview, preview_line
-from finetune.datasets.validation import ValidationReport, validate_dataset
+from finetune.datasets.validation import DEFAULT_MAX_PROBLEMS, ValidationReport, validate_dataset
+from server.db.models import File
 from server.errors import APIError
+from server.services import dataset_reports
 from server.services.access import Scope
 from server.services.model_resolution import resolve
 
@@ -39,17 +41,20 @@ def _tokenizer(path: str) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(path)
 
 
-def _tokenizer_for(session: Session, scope: Scope, model: str) -> PreTrainedTokenizerBase:
+def _tokenizer_for(session: Session, scope: Scope, model: str) -> tuple[PreTrainedTokenizerBase, tuple[str, str]]:
+    """The tokenizer and the (model version id, path) of the checkpoint it comes from."""
     # The base checkpoint holds the tokenizer, also for adapter versions (as the engines load it).
-    return _tokenizer(str(resolve(session, scope, model).base.path))
+    base = resolve(session, scope, model).base
+    return _tokenizer(str(base.path)), (base.version_id, str(base.path))
 
 
-def inspect(session: Session, scope: Scope, path: Path, *, model: str | None, line: int) -> DatasetReport:
-    """The report of the file at `path`, its preview tokenized for `model` as `scope` may use it."""
-    tokenizer, tokenizer_error = None, None
+def inspect(session: Session, scope: Scope, file: File, path: Path, *, model: str | None, line: int) -> DatasetReport:
+    """The report of `file` (content at `path`), its preview tokenized for `model` as `scope` may use it. The
+    validation and PII reports are computed on the first view and stored (`server.services.dataset_reports`)."""
+    tokenizer, tokenizer_ref, tokenizer_error = None, None, None
     if model is not None:
         try:
-            tokenizer = _tokenizer_for(session, scope, model)
+            tokenizer, tokenizer_ref = _tokenizer_for(session, scope, model)
         except (APIError, OSError, ValueError) as error:
             tokenizer_error = f"No tokenizer for {model!r}: {getattr(error, 'message', error)}"
     preview, preview_error = None, None
@@ -58,9 +63,22 @@ def inspect(session: Session, scope: Scope, path: Path, *, model: str | None, li
             preview = preview_line(path, line, tokenizer)
         except ValueError as error:  # a line past the end, or one that is not an example
             preview_error = str(error).replace(str(path), "the file")
+    parameters = dataset_reports.validation_parameters(
+        tokenizer=tokenizer_ref, max_seq_len=None, other=None, max_problems=DEFAULT_MAX_PROBLEMS
+    )
+    validation, _ = dataset_reports.stored_report(
+        session,
+        file,
+        dataset_reports.VALIDATION,
+        parameters,
+        lambda: validate_dataset(path, tokenizer, max_problems=DEFAULT_MAX_PROBLEMS).to_dict(),
+    )
+    pii, _ = dataset_reports.stored_report(
+        session, file, dataset_reports.PII, dataset_reports.PII_PARAMETERS, lambda: scan_file(path).to_dict()
+    )
     return DatasetReport(
-        validation=validate_dataset(path, tokenizer),
-        pii=scan_file(path),
+        validation=ValidationReport.from_dict(validation, path),
+        pii=PiiReport.from_dict(pii, path),
         preview=preview,
         preview_error=preview_error,
         tokenizer_error=tokenizer_error,

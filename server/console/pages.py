@@ -145,7 +145,7 @@ def dataset_page(
     if line < 1:
         raise InvalidRequest("line: line numbers start at 1", param="line")
     path = file_service.content_path(settings, file)
-    report = datasets.inspect(session, principal.scope, path, model=model, line=line)
+    report = datasets.inspect(session, principal.scope, file, path, model=model, line=line)
     return render(request, "dataset.html", principal, file=file, models=models, model=model, line=line, report=report)
 
 

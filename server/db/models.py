@@ -355,3 +355,21 @@ class ConsoleSessionEnd(Base):
     session_id: Mapped[str] = mapped_column(String(64), primary_key=True)
     ended_at: Mapped[datetime] = mapped_column(default=utcnow)
     expires_at: Mapped[datetime]
+
+
+class DatasetReport(Base):
+    """A stored file's report (the validator's, for given checks and tokenizer, or the PII scan's), computed once per
+    content and reused by the console's dataset page, job estimates and job validation
+    (`server.services.dataset_reports`). Kept per project, so one project cannot learn what another uploaded."""
+
+    __tablename__ = "dataset_reports"
+    __table_args__ = (UniqueConstraint("project_id", "sha256", "kind", "parameters_key"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id"))
+    sha256: Mapped[str] = mapped_column(String(64))  # of the file's content
+    kind: Mapped[str] = mapped_column(String(16))  # "validation" or "pii"
+    # sha256 of what else the report depends on (tokenizer, limits, the paired file), as canonical JSON.
+    parameters_key: Mapped[str] = mapped_column(String(64))
+    report: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)

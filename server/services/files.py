@@ -8,11 +8,12 @@ from pathlib import Path
 from sqlalchemy import or_, select, tuple_
 from sqlalchemy.orm import Session
 
-from finetune.datasets.pii import scan_file
-from finetune.datasets.validation import validate_dataset
+from finetune.datasets.pii import PiiReport, scan_file
+from finetune.datasets.validation import DEFAULT_MAX_PROBLEMS, ValidationReport, validate_dataset
 from server.db.base import utcnow
 from server.db.models import ACTIVE_JOB_STATUSES, File, FineTuningJob, new_id
 from server.errors import Conflict, InvalidRequest, NotFound
+from server.services import dataset_reports
 from server.services.access import Principal, Scope
 from server.services.quotas import check_storage
 from server.services.storage import StreamedFile
@@ -28,9 +29,15 @@ def content_path(settings: Settings, file: File) -> Path:
     return settings.files_dir / file.id
 
 
-def check_dataset(path: Path) -> None:
+# The checks of an upload (no tokenizer: the file is not yet tied to a model), as the console shows them too.
+UPLOAD_VALIDATION = dataset_reports.validation_parameters(
+    tokenizer=None, max_seq_len=None, other=None, max_problems=DEFAULT_MAX_PROBLEMS
+)
+
+
+def check_dataset(path: Path) -> ValidationReport:
     """The one place uploads meet the fine-tuning validator: any problem refuses the upload with line numbers."""
-    report = validate_dataset(path)
+    report = validate_dataset(path, max_problems=DEFAULT_MAX_PROBLEMS)
     if not report.is_valid:
         lines = report.problem_lines()
         raise InvalidRequest(
@@ -39,16 +46,17 @@ def check_dataset(path: Path) -> None:
             param="file",
             code="invalid_file",
         )
+    return report
 
 
-def scan_for_pii(path: Path, policy: str) -> str | None:
+def scan_for_pii(path: Path, policy: str) -> tuple[str | None, PiiReport | None]:
     """The upload's PII scan under `Settings.upload_pii_scan`: `reject` refuses a file with any finding, `report`
-    returns a summary for the file's `status_details`, `off` skips the scan."""
+    returns a summary for the file's `status_details` (and the report), `off` skips the scan."""
     if policy == "off":
-        return None
+        return None, None
     report = scan_file(path)
     if not report.total:
-        return "PII scan: nothing found."
+        return "PII scan: nothing found.", report
     found = ", ".join(
         f"{pii_type} {count} (lines {', '.join(map(str, report.example_lines[pii_type][:5]))})"
         for pii_type, count in report.counts.items()
@@ -61,7 +69,7 @@ def scan_for_pii(path: Path, policy: str) -> str | None:
             param="file",
             code="pii_detected",
         )
-    return f"PII scan: {summary}."
+    return f"PII scan: {summary}.", report
 
 
 def create_file(
@@ -87,8 +95,8 @@ def create_file(
         if upload is None:
             raise InvalidRequest("Missing required parameter: 'file'.", param="file", code="missing_required")
         upload.finish_writing()
-        check_dataset(upload.temp_path)
-        pii_summary = scan_for_pii(upload.temp_path, settings.upload_pii_scan)
+        validation = check_dataset(upload.temp_path)
+        pii_summary, pii_report = scan_for_pii(upload.temp_path, settings.upload_pii_scan)
 
         file = File(
             id=new_id("file-"),
@@ -103,6 +111,12 @@ def create_file(
         check_storage(session, owner.project_id, upload.size, settings.project_max_stored_bytes)
         session.add(file)
         session.flush()
+        # Stored with the file: the console's dataset page reads them instead of reading the file again.
+        dataset_reports.store_report(session, file, dataset_reports.VALIDATION, UPLOAD_VALIDATION, validation.to_dict())
+        if pii_report is not None:
+            dataset_reports.store_report(
+                session, file, dataset_reports.PII, dataset_reports.PII_PARAMETERS, pii_report.to_dict()
+            )
         stored = upload.commit(file.id)
         try:
             session.commit()
@@ -153,6 +167,7 @@ def delete_file(session: Session, settings: Settings, file: File) -> None:
     if in_use is not None:
         raise Conflict(f"File {file.id} is in use by fine-tuning job {in_use}.", param="file_id", code="file_in_use")
     file.deleted_at = utcnow()
+    dataset_reports.forget_reports(session, file)
     session.commit()
     try:
         content_path(settings, file).unlink(missing_ok=True)

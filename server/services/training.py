@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 
 from server.db.models import File, FineTuningJob, JobStatus, ModelVersion
 from server.errors import APIError, InvalidRequest
-from server.services import jobs
+from server.services import dataset_reports, jobs
 from server.services.access import Scope
 from server.services.files import content_path
 from server.settings import Settings
@@ -70,10 +70,8 @@ def file_error(session: Session, app_settings: Settings, job: FineTuningJob) -> 
     for param, file_id, other_id in checks:
         try:
             file = jobs.usable_file(session, Scope.everything(), file_id, param)
-            other = content_path(app_settings, session.get_one(File, other_id)) if other_id else None
-            problems = dataset_problems(
-                content_path(app_settings, file), model_dir=Path(base.path), settings=settings, other_path=other
-            )
+            other = session.get_one(File, other_id) if other_id else None
+            _, problems = validated_file(session, app_settings, file, other, base=base, settings=settings)
         except APIError as error:
             problems, file = [error.message], None
         except Exception as error:  # an unreadable file or base model: the job cannot run as it is
@@ -86,28 +84,72 @@ def file_error(session: Session, app_settings: Settings, job: FineTuningJob) -> 
     return None
 
 
+# Problems a job's file check lists (the rest are counted).
+JOB_MAX_PROBLEMS = 10
+
+
 def dataset_problems(path: Path, *, model_dir: Path, settings: FineTuneSettings, other_path: Path | None) -> list[str]:
     """The fine-tuning validator's line-numbered problems in a job's file, or why its format does not fit the job's
     method (preference data for dpo, any other format for supervised). Empty when valid."""
-    return _validated(path, model_dir=model_dir, settings=settings, other_path=other_path)[1]
+    limit = _max_seq_len(model_dir, settings)
+    return _problems(_validation_report(path, model_dir=model_dir, max_seq_len=limit, other_path=other_path), settings)
 
 
-def _validated(
-    path: Path, *, model_dir: Path, settings: FineTuneSettings, other_path: Path | None
+def validated_file(
+    session: Session,
+    app_settings: Settings,
+    file: File,
+    other: File | None,
+    *,
+    base: ModelVersion,
+    settings: FineTuneSettings,
 ) -> tuple[ValidationReport, list[str]]:
-    """The file's validation report against the base model, and its problems (see `dataset_problems`)."""
+    """`file`'s validation report against `base` (with `other` as its paired file) and its problems (see
+    `dataset_problems`). The report is computed once per content, base model and limit, then read back
+    (`server.services.dataset_reports`): an estimate, the job it leads to and the next estimate share it. Commits."""
+    from finetune.datasets.validation import ValidationReport
+
+    model_dir = Path(base.path)
+    limit = _max_seq_len(model_dir, settings)
+    path = content_path(app_settings, file)
+    other_path = content_path(app_settings, other) if other is not None else None
+    parameters = dataset_reports.validation_parameters(
+        tokenizer=(base.id, str(base.path)), max_seq_len=limit, other=other, max_problems=JOB_MAX_PROBLEMS
+    )
+    stored, _ = dataset_reports.stored_report(
+        session,
+        file,
+        dataset_reports.VALIDATION,
+        parameters,
+        lambda: _validation_report(path, model_dir=model_dir, max_seq_len=limit, other_path=other_path).to_dict(),
+    )
+    report = ValidationReport.from_dict(stored, path)
+    return report, _problems(report, settings)
+
+
+def _max_seq_len(model_dir: Path, settings: FineTuneSettings) -> int:
+    from zaya_model import ZayaConfig
+
+    return settings.hyperparameters.max_seq_len or ZayaConfig.from_pretrained(model_dir).max_position_embeddings
+
+
+def _validation_report(path: Path, *, model_dir: Path, max_seq_len: int, other_path: Path | None) -> ValidationReport:
+    """The file's validation report against the base model's tokenizer (chat template, special tokens)."""
     from transformers import AutoTokenizer
 
     from finetune.datasets.validation import validate_dataset
-    from zaya_model import ZayaConfig
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    limit = settings.hyperparameters.max_seq_len or ZayaConfig.from_pretrained(model_dir).max_position_embeddings
-    report = validate_dataset(path, tokenizer=tokenizer, max_seq_len=limit, other_path=other_path, max_problems=10)
+    return validate_dataset(
+        path, tokenizer=tokenizer, max_seq_len=max_seq_len, other_path=other_path, max_problems=JOB_MAX_PROBLEMS
+    )
+
+
+def _problems(report: ValidationReport, settings: FineTuneSettings) -> list[str]:
     if not report.is_valid:
-        return report, report.problem_lines()
+        return report.problem_lines()
     problem = settings.dataset_format_problem(report.format)
-    return report, [f"the file {problem}"] if problem else []
+    return [f"the file {problem}"] if problem else []
 
 
 # Earlier jobs whose recorded throughput an estimate reads (the newest that many on the same base model and kind).
@@ -139,10 +181,8 @@ def estimate(
     reports = {}
     for param, file_id, other_id in checks:
         file = session.get_one(File, file_id)  # `trainable_base` found both files
-        other = content_path(app_settings, session.get_one(File, other_id)) if other_id else None
-        report, problems = _validated(
-            content_path(app_settings, file), model_dir=Path(base.path), settings=settings, other_path=other
-        )
+        other = session.get_one(File, other_id) if other_id else None
+        report, problems = validated_file(session, app_settings, file, other, base=base, settings=settings)
         if problems:
             message = f"{param} {file_id} ({file.filename}) is invalid for {base.name} v{base.version}: "
             message += "; ".join(problems)

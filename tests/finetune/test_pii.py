@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 from finetune_helpers import chat
@@ -91,3 +92,63 @@ def test_failed_redaction_leaves_nothing_behind(write_jsonl, tmp_path):
         scan_file(original, redact_to=target)
     assert sorted(os.listdir(tmp_path)) == ["data.jsonl", "is_a_directory"]
     assert os.listdir(target) == []
+
+
+# Lines shaped to make a backtracking pattern retry a long run from every position (each took seconds to minutes at
+# 200 kB before the finders were made linear), plus lines with many matches for the overlap resolution.
+HOSTILE_LINES = {
+    "dotted_words": lambda n: "a." * (n // 2),
+    "hyphenated_words": lambda n: "a-" * (n // 2),
+    "digits_and_dashes": lambda n: "1-" * (n // 2),
+    "domain_without_tld": lambda n: "a@" + "b." * (n // 2),
+    "at_signs": lambda n: "@" * n,
+    "digit_run": lambda n: "1" * n,
+    "account_then_spaces": lambda n: "account number" + " " * n + "x",
+    "many_addresses": lambda n: "a@b.co " * (n // 7),
+    "ibans_beside_cards": lambda n: "DE89 3704 0044 0532 0130 00 4111111111111111 " * (n // 45),
+}
+
+
+def _fastest_scan(text: str) -> float:
+    timings = []
+    for _ in range(2):
+        started = time.perf_counter()
+        find_pii(text)
+        timings.append(time.perf_counter() - started)
+    return min(timings)
+
+
+@pytest.mark.parametrize("shape", HOSTILE_LINES)
+def test_hostile_lines_scan_in_linear_time(shape):
+    build = HOSTILE_LINES[shape]
+    small, large = _fastest_scan(build(12_500)), _fastest_scan(build(50_000))
+    # 4x the text: linear is 4x the time, the quadratic patterns were 16x; the constant absorbs timer noise.
+    assert large < 8 * small + 0.05, (shape, small, large)
+    assert large < 2.0, (shape, large)
+
+
+def test_phone_candidates_scan_in_linear_time():
+    # The phone matcher is linear but tries every inner candidate of a digit block: keep the sizes small.
+    small, large = _fastest_scan("12 " * 1_500), _fastest_scan("12 " * 6_000)
+    assert large < 8 * small + 0.05, (small, large)
+
+
+def test_line_that_took_40_seconds_scans_in_under_a_second(write_jsonl):
+    line = "a." * 100_000  # 200 kB
+    started = time.perf_counter()
+    report = scan_file(write_jsonl([chat(user=line), chat(user=line + " " + POSITIVES["EMAIL"])]))
+    assert time.perf_counter() - started < 1.0
+    assert report.counts["EMAIL"] == 1 and report.example_lines["EMAIL"] == [2]
+
+
+def test_many_matches_on_one_line_are_all_found_and_redacted():
+    text = " ".join(f"user{i}@example.com" for i in range(5_000))
+    matches = find_pii(text)
+    assert [match.text for match in matches] == [f"user{i}@example.com" for i in range(5_000)]
+    assert redact_text(text, matches) == " ".join(["[EMAIL]"] * 5_000)
+
+
+def test_line_nested_too_deeply_is_scanned_as_text(write_jsonl):
+    deep = "[" * 5_000 + json.dumps(POSITIVES["EMAIL"]) + "]" * 5_000
+    report = scan_file(write_jsonl([deep]))
+    assert report.counts["EMAIL"] == 1 and report.n_lines_with_pii == 1

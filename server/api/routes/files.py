@@ -40,7 +40,7 @@ async def create_file(request: Request, session: SessionDep, settings: SettingsD
     upload = await receive_multipart(
         request,
         file_field="file",
-        open_file=lambda: StreamedFile(settings.files_dir, settings.max_upload_bytes),
+        open_file=lambda: StreamedFile(settings.files_dir, settings.max_upload_bytes, settings.max_upload_line_bytes),
     )
     file = await run_in_threadpool(
         file_service.create_file,
