@@ -16,14 +16,13 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from zaya_model.training.atomic_io import write_json_atomic
+from zaya_model.training.atomic_io import publish_directory, write_json_atomic
 from zaya_model.training.callbacks import HooksCallback, TrainingHooks, rename_metrics
 
 from .artifacts import (
     BASE_MODEL_FILE,
     METRICS_FILE,
     TRAINED_TOKENS_FILE,
-    publish_directory,
     read_json,
     save_generation_files,
 )

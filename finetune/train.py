@@ -41,7 +41,7 @@ from transformers import (
 from zaya_model import ZayaConfig, ZayaForCausalLM
 from zaya_model.cpu.compiled_layers import enable_compiled_layers
 from zaya_model.pretrain.tokenizer import chat_template_token_ids
-from zaya_model.training.atomic_io import write_json_atomic
+from zaya_model.training.atomic_io import atomic_directory, write_json_atomic
 from zaya_model.training.callbacks import (
     COMPILING_MESSAGE,
     HooksCallback,
@@ -54,7 +54,6 @@ from .artifacts import (
     BASE_MODEL_FILE,
     EVALUATION_FILE,
     METRICS_FILE,
-    atomic_directory,
     base_model_fingerprint,
     save_generation_files,
 )

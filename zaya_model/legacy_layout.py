@@ -21,13 +21,10 @@ All conversions are pure renames, stacks and unbinds: no tensor value or dtype c
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
-import shutil
-import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +32,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .training.atomic_io import fsync_path
+from .training.atomic_io import atomic_directory
 
 CONFIG_NAME = "config.json"
 SAFE_WEIGHTS_NAME = "model.safetensors"
@@ -628,11 +625,6 @@ def _shard_files(tensors: Mapping[str, torch.Tensor], max_shard_bytes: int) -> l
     return [(f"model-{k:05d}-of-{len(shards):05d}.safetensors", names) for k, names in enumerate(shards, start=1)]
 
 
-def _write_synced(path: Path, write: Callable[[Path], object]) -> None:
-    write(path)
-    fsync_path(path)
-
-
 def save_legacy_checkpoint(
     config_dict: Mapping[str, Any],
     state_dict: Mapping[str, torch.Tensor],
@@ -659,45 +651,20 @@ def save_legacy_checkpoint(
         del tensors["lm_head.weight"]
     legacy = upstream_state_dict_to_legacy(tensors, config_dict["num_hidden_layers"])
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = _sibling(out_dir, "tmp")
-    staging.mkdir()  # not mkdtemp: that makes it owner-only, and the checkpoint keeps the directory's mode
-    try:
-        _write_synced(staging / CONFIG_NAME, lambda p: p.write_text(json.dumps(legacy_config, indent=2) + "\n"))
+    with atomic_directory(out_dir) as staging:
+        (staging / CONFIG_NAME).write_text(json.dumps(legacy_config, indent=2) + "\n")
         weight_map: dict[str, str] = {}
         total_bytes = 0
         for file_name, names in _shard_files(legacy, max_shard_bytes):
             # Copies: expert slices are views of one fused tensor, and safetensors refuses tensors sharing memory.
             shard = {name: legacy[name].detach().clone().contiguous() for name in names}
-            _write_synced(staging / file_name, functools.partial(save_file, shard, metadata={"format": "pt"}))
+            save_file(shard, staging / file_name, metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(names, file_name))
             total_bytes += sum(t.numel() * t.element_size() for t in shard.values())
         if len(set(weight_map.values())) > 1:
             index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-            _write_synced(staging / SAFE_WEIGHTS_INDEX_NAME, lambda p: p.write_text(json.dumps(index, indent=2) + "\n"))
-        fsync_path(staging)
-        _replace_directory(staging, out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+            (staging / SAFE_WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     return out_dir
-
-
-def _sibling(out_dir: Path, suffix: str) -> Path:
-    """A fresh hidden name beside `out_dir` (same file system, so renames between them are atomic)."""
-    return out_dir.parent / f".{out_dir.name}.{uuid.uuid4().hex[:12]}.{suffix}"
-
-
-def _replace_directory(staging: Path, out_dir: Path) -> None:
-    """Renames `staging` to `out_dir`; an existing `out_dir` is moved aside first and removed after."""
-    previous = None
-    if out_dir.exists():
-        previous = _sibling(out_dir, "old")
-        os.replace(out_dir, previous)
-    os.replace(staging, out_dir)
-    fsync_path(out_dir.parent)
-    if previous is not None:
-        shutil.rmtree(previous)
 
 
 __all__ = [

@@ -338,7 +338,7 @@ def write_merged_checkpoint(adapter_dir: Path, base_dir: Path) -> Path:
     """Merge an adapter that trains expert weights or token rows into its base, as the full checkpoint engines serve
     in its place (`merged_checkpoint(adapter_dir)`, written atomically); `AdapterError` when it does not fit the
     base."""
-    from finetune.artifacts import atomic_directory
+    from zaya_model.training.atomic_io import atomic_directory
     from zaya_model.vllm_plugin.adapters import merge_adapter_into_base, merged_checkpoint
 
     with atomic_directory(merged_checkpoint(adapter_dir)) as staging:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from zaya_model.training.atomic_io import write_json_atomic
+from zaya_model.training.atomic_io import write_json_atomic, write_text_atomic
 
 if TYPE_CHECKING:
     from finetune.train import TrainingHooks
@@ -70,9 +70,7 @@ class AttemptFiles:
 
 def write_control(files: AttemptFiles, action: str) -> None:
     """Ask the attempt to stop at its next step ("cancel", or "pause": checkpoint first). Atomic."""
-    staging = files.control.with_name(f".{CONTROL_FILE}.{os.getpid()}")
-    staging.write_text(action)
-    os.replace(staging, files.control)
+    write_text_atomic(files.control, action)
 
 
 class EventReader:

@@ -70,7 +70,7 @@ from transformers import PreTrainedTokenizerFast
 
 from ..cpu.compiled_layers import enable_compiled_layers, require_cpp_compiler
 from ..modeling_zaya import ZayaForCausalLM
-from ..training.atomic_io import fsync_tree
+from ..training.atomic_io import atomic_directory, fsync_tree, write_text_atomic
 from ..training.balancing import BalancingBiasUpdater
 from ..training.callbacks import COMPILING_MESSAGE, STOP_REASONS, TrainingHooks
 from ..training.checkpointing import Checkpointer, latest_checkpoint
@@ -310,9 +310,7 @@ class Pretrainer:
                 raise PretrainError(f"the corpus changed since the run in {self.output} started; use a new --output")
         if not self.dist.is_main:
             return
-        temporary = run_path.with_name(f".tmp-{RUN_FILE}")
-        temporary.write_text(json.dumps(current, indent=2))
-        temporary.replace(run_path)
+        write_text_atomic(run_path, json.dumps(current, indent=2))
 
     def _load_or_train_tokenizer(self, tokenizer_path: str | Path | None) -> PreTrainedTokenizerFast:
         saved = self.output / TOKENIZER_DIR
@@ -333,11 +331,8 @@ class Pretrainer:
         return tokenizer
 
     def _save_tokenizer(self, tokenizer: PreTrainedTokenizerFast, saved: Path) -> None:
-        temporary = self.output / f".tmp-{TOKENIZER_DIR}"
-        shutil.rmtree(temporary, ignore_errors=True)
-        tokenizer.save_pretrained(temporary)
-        fsync_tree(temporary)
-        temporary.rename(saved)
+        with atomic_directory(saved) as staging:
+            tokenizer.save_pretrained(staging)
 
     # ----- checkpoints -----
 
