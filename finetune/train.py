@@ -14,7 +14,7 @@ stay intact), `NonFiniteLossError` (the loss diverged).
 
 Full fine-tuning updates the routers' balancing biases after every optimizer step as pretraining does
 (`finetune.balancing`); LoRA leaves them as the base model has them. With `keep_checkpoints` set, only the newest
-that many checkpoints and the best by validation loss stay on disk (`finetune.rotation`).
+that many checkpoints and the best by validation loss stay on disk (`zaya_model.training.checkpoint_dirs`).
 """
 
 from __future__ import annotations

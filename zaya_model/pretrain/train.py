@@ -19,7 +19,7 @@ batch's real token count, so accumulation equals one large batch), clips the gra
 for 2-D hidden weights + AdamW for the rest) under a warmup + cosine schedule, then updates the routers' balancing
 biases and logs per-layer expert load, skip rate and load imbalance to `metrics.jsonl`.
 
-One `Checkpointer` (`training/checkpointing.py`) saves and loads the run: the model, the optimizers and every other
+One `Checkpointer` (`training/checkpointer.py`) saves and loads the run: the model, the optimizers and every other
 object with `state_dict()` / `load_state_dict()`: the schedulers, the balancing-bias updater, the data stream's
 position and the trainer itself (its step counter, the batches it skips and the RNG). The sharding setting chooses its
 backend once.
@@ -35,7 +35,7 @@ its slice of each global batch; routing counts are summed across ranks, and so a
   alone writes `save_pretrained` checkpoints.
 - `sharding="fsdp"` (FSDP2, ZeRO-3-style, `training/sharding.py`): parameters, gradients and AdamW state are sharded
   over the ranks; every rank writes its own shard of each checkpoint in parallel with `torch.distributed.checkpoint`
-  (the checkpointer's sharded backend, `training/distributed_checkpoint.py`), asynchronously, and the final model is
+  (the checkpointer's sharded backend, `training/sharded_checkpoint.py`), asynchronously, and the final model is
   gathered into a `save_pretrained` export. DCP reshards on load, so a checkpoint written by N processes resumes on
   M (1 included). Muon is refused here: it orthogonalises whole matrices and FSDP gives it row shards.
 Either way a run may resume on a different number of processes with the same global batch (batch_size x processes);
@@ -73,7 +73,8 @@ from ..modeling_zaya import ZayaForCausalLM
 from ..training.atomic_io import atomic_directory, fsync_tree, write_text_atomic
 from ..training.balancing import BalancingBiasUpdater
 from ..training.callbacks import COMPILING_MESSAGE, STOP_REASONS, TrainingHooks
-from ..training.checkpointing import Checkpointer, latest_checkpoint
+from ..training.checkpoint_dirs import latest_checkpoint
+from ..training.checkpointer import Checkpointer
 from ..training.distributed import DistributedContext
 from ..training.sharding import is_sharded, local_scalar, shard_model
 from .corpus import (
