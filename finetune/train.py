@@ -41,6 +41,7 @@ from transformers import (
 from zaya_model import ZayaConfig, ZayaForCausalLM
 from zaya_model.cpu.compiled_layers import enable_compiled_layers
 from zaya_model.pretrain.tokenizer import chat_template_token_ids
+from zaya_model.training.adapter_merge import merge_adapter
 from zaya_model.training.atomic_io import atomic_directory, write_json_atomic
 from zaya_model.training.callbacks import (
     COMPILING_MESSAGE,
@@ -290,7 +291,7 @@ def _write_outputs(
         return final_dir, kind
     merged_dir = Path(run.output_dir) / "merged"
     with atomic_directory(merged_dir) as staging:
-        merged = trainer.model.merge_and_unload()
+        merged = merge_adapter(trainer.model)
         merged.save_pretrained(staging)
         save_generation_files(staging, merged, tokenizer)
         _write_scores(staging, metrics, evaluation)

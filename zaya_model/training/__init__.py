@@ -5,6 +5,7 @@
   (standard library only);
 - `checkpointer`: pretraining's `Checkpointer` (background writes of `Stateful` objects), `sharded_checkpoint` its
   backend through `torch.distributed.checkpoint`, `staging` the CPU copies both write from;
+- `adapter_merge`: a PEFT LoRA adapter merged into its base model (`merge_adapter`, `write_merged_checkpoint`);
 - `callbacks`: the hooks a run reports to (metrics, checkpoints, pause and cancel);
 - `balancing`, `distributed`, `sharding`, `runtime`, `allocator`: the training step's own machinery.
 
