@@ -10,15 +10,11 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request, Response
 from pydantic import BeforeValidator, Field, StrictBool, computed_field
-from sqlalchemy.orm import Session
 
 from server.api.deps import AdminDep, ListingScopeDep, SessionDep, SettingsDep, set_audit_target
 from server.api.schemas import ListResponse, RequestBody, RowObject, UnixTime
 from server.db.models import AliasApproval, AliasHistory, ApprovalStatus, ModelVersionProject
 from server.services import approvals, registry
-from server.services.access import Scope
-from server.services.model_resolution import find_version
-from server.services.projects import require_project
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"])
 
@@ -137,10 +133,6 @@ class DecisionBody(RequestBody):
     reason: str | None = None
 
 
-def _project_ids_of(session: Session, references: list[str]) -> list[str]:
-    return [require_project(session, reference, param="projects").id for reference in references]
-
-
 @router.get("/models", name="admin_models.list")
 def list_versions(
     session: SessionDep, _: AdminDep, scope: ListingScopeDep, name: str | None = None
@@ -152,15 +144,14 @@ def list_versions(
 def register_version(
     body: RegisterBody, request: Request, session: SessionDep, settings: SettingsDep, principal: AdminDep
 ) -> ModelVersionObject:
-    base = find_version(session, Scope.everything(), body.base_model) if body.base_model else None
-    version = registry.register_version(
+    version = registry.register_named_version(
         session,
         name=body.name,
         path=Path(body.path),
-        base_version_id=base.id if base else None,
+        base_model=body.base_model,
         description=body.description,
         created_by=principal.key_id,
-        projects=_project_ids_of(session, body.projects or []),
+        projects=body.projects or [],
         serving=settings,
     )
     session.commit()
@@ -183,7 +174,7 @@ def get_lineage(version_id: str, session: SessionDep, _: AdminDep) -> dict[str, 
 def limit_version(version_id: str, body: ProjectsBody, session: SessionDep, _: AdminDep) -> ModelVersionObject:
     """Set the projects that may use the version (replacing the list); an empty list opens it to every project."""
     version = registry.limit_version(
-        session, registry.get_version(session, version_id), _project_ids_of(session, body.projects)
+        session, registry.get_version(session, version_id), registry.project_ids(session, body.projects)
     )
     session.commit()
     return ModelVersionObject.model_validate(version)
