@@ -1,4 +1,4 @@
-"""The `transformers.Trainer` behaviour every fine-tuning run shares, supervised (`finetune.train`) and preference
+"""The `transformers.Trainer` behaviour every fine-tuning run shares, supervised (`finetune.run`) and preference
 (`finetune.preference`): atomic checkpoints reported to the hooks and rotated, a last checkpoint when a run ends off
 the schedule, the count of trained tokens, and the run's final metrics.
 
@@ -27,7 +27,7 @@ from .artifacts import (
     read_json,
     save_generation_files,
 )
-from .balancing import BalancingBiasCallback
+from .balancing_callback import BalancingBiasCallback
 from .data import IGNORE_INDEX
 
 CHECKPOINT_METRICS = ("train_loss", "valid_loss", "valid_mean_token_accuracy")

@@ -13,8 +13,8 @@ dataset; `field` names it), `CheckpointWriteError` (disk full or unwritable; ear
 stay intact), `NonFiniteLossError` (the loss diverged).
 
 Full fine-tuning updates the routers' balancing biases after every optimizer step as pretraining does
-(`finetune.balancing`); LoRA leaves them as the base model has them. With `keep_checkpoints` set, only the newest
-that many checkpoints and the best by validation loss stay on disk (`zaya_model.training.checkpoint_dirs`).
+(`finetune.balancing_callback`); LoRA leaves them as the base model has them. With `keep_checkpoints` set, only the
+newest that many checkpoints and the best by validation loss stay on disk (`zaya_model.training.checkpoint_dirs`).
 """
 
 from __future__ import annotations
@@ -59,12 +59,12 @@ from .artifacts import (
     save_generation_files,
 )
 from .auto import ResolvedHyperparameters, resolve_hyperparameters
-from .balancing import BalancingBiasCallback
-from .checkpointed_training import CheckpointedTraining, CheckpointWriteError, FinalCheckpointCallback, final_metrics
+from .balancing_callback import BalancingBiasCallback
 from .data import IGNORE_INDEX, TokenizedDataset, make_collator, read_examples, token_statistics
 from .datasets.validation import ValidationReport, validate_dataset
 from .evaluate import describe, evaluate_file, stop_token_ids
 from .settings import DEFAULT_LORA_TARGET_MODULES, FinetuneError, FineTuneSettings
+from .trainer_mixin import CheckpointedTraining, CheckpointWriteError, FinalCheckpointCallback, final_metrics
 
 MAX_PROBLEMS_SHOWN = 10
 LORA_EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
