@@ -28,7 +28,7 @@ MERGED_DIR = "merged"
 
 def projection_shapes(config: ZayaConfig) -> dict[str, tuple[int, int]]:
     """(in, out) features of each LoRA-capable projection."""
-    query, key = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    query, key = config.query_width, config.key_width
     hidden = config.hidden_size
     return {
         "q_proj": (hidden, query),
