@@ -42,8 +42,8 @@ if str(REPO_ROOT) not in sys.path:
 from finetune.data import TokenizedDataset  # noqa: E402
 from finetune.datasets.formats import parse_record  # noqa: E402
 from finetune.datasets.synthetic import generate_chat_examples  # noqa: E402
+from finetune.run import LORA_EXPERT_PARAMETERS  # noqa: E402
 from finetune.settings import DEFAULT_LORA_TARGET_MODULES  # noqa: E402
-from finetune.train import LORA_EXPERT_PARAMETERS  # noqa: E402
 from zaya_model.cpu.compiled_layers import enable_compiled_layers  # noqa: E402
 from zaya_model.pretrain import train_tokenizer  # noqa: E402
 from zaya_model.training.balancing import BalancingBiasUpdater  # noqa: E402

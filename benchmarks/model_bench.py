@@ -18,7 +18,6 @@ import contextlib
 import datetime
 import functools
 import gc
-import json
 import multiprocessing
 import os
 import platform
@@ -951,17 +950,11 @@ def print_table(report: dict) -> None:
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
+    """The shared atomic JSON write, into a directory created if missing."""
+    from zaya_model.training.atomic_io import write_json_atomic as write
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump(data, handle, indent=2)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write(path, data)
 
 
 def quiet_transformers() -> None:

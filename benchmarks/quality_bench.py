@@ -63,8 +63,8 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
 
     from finetune.datasets.sample import write_corpus, write_sample
     from finetune.evaluate import evaluate_model
+    from finetune.run import FineTuneRun, run_finetune
     from finetune.settings import FineTuneSettings
-    from finetune.train import FineTuneRun, run_finetune
     from zaya_model.pretrain.presets import get_preset
     from zaya_model.pretrain.train import Pretrainer
     from zaya_model.training.callbacks import TrainingHooks

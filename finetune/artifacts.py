@@ -1,24 +1,15 @@
-"""What a fine-tuning run writes: directories published atomically, the generation config, the base-model fingerprint.
-
-A directory is built under a temporary name beside its destination, fsynced, then renamed into place, so a crash or
-a full disk leaves either the old directory or the new one, never half of one.
-"""
+"""What a fine-tuning run writes besides the weights: the file names, the generation config, the base-model
+fingerprint. Directories are published atomically (`zaya_model.training.atomic_io`)."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-
-from zaya_model.training.atomic_io import fsync_path, fsync_tree
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -30,33 +21,6 @@ EVALUATION_FILE = "evaluation.json"  # in a fine-tuned model dir: the task evalu
 TRAINED_TOKENS_FILE = "trained_tokens.json"  # in a checkpoint dir: tokens trained (carrying loss) up to its step
 _CONFIG_KEYS_IGNORED = {"_name_or_path", "dtype", "torch_dtype", "transformers_version", "architectures", "use_cache"}
 _FINGERPRINT_ROWS = 1024
-
-
-@contextlib.contextmanager
-def atomic_directory(destination: str | os.PathLike[str]) -> Iterator[Path]:
-    """Yield an empty staging dir; on success it replaces `destination` (fsynced), on error it is removed."""
-    destination = Path(destination)
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", suffix=".partial", dir=destination.parent))
-    try:
-        yield staging
-        publish_directory(staging, destination)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-def publish_directory(staging: Path, destination: Path) -> None:
-    """fsync every file of `staging`, then rename it to `destination` (replacing an older one)."""
-    fsync_tree(staging)
-    previous = None
-    if destination.exists():
-        previous = destination.with_name(f".{destination.name}.previous")
-        shutil.rmtree(previous, ignore_errors=True)
-        os.replace(destination, previous)
-    os.replace(staging, destination)
-    fsync_path(destination.parent)
-    if previous is not None:
-        shutil.rmtree(previous, ignore_errors=True)
 
 
 def base_model_fingerprint(model: PreTrainedModel) -> str:

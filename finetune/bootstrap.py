@@ -16,12 +16,12 @@ BOOTSTRAP_CONVERSATIONS = 90
 def build_tiny_model(output_dir: Path, *, train_steps: int | None = None, seed: int = 0) -> Path:
     """Train a tokenizer and a tiny ZAYA model (`train_steps` pretraining steps, the preset's by default) on synthetic
     bank chats; write both to `output_dir` atomically."""
-    from finetune.artifacts import atomic_directory
     from finetune.datasets.synthetic import generate_chat_examples
     from zaya_model import ZayaForCausalLM
     from zaya_model.pretrain import train_tokenizer
     from zaya_model.pretrain.presets import get_preset
     from zaya_model.pretrain.train import Pretrainer
+    from zaya_model.training.atomic_io import atomic_directory
 
     settings = get_preset(BOOTSTRAP_PRESET).replace(seed=seed)
     if train_steps is not None:

@@ -146,8 +146,8 @@ def run_finetune_command(args: argparse.Namespace) -> int:
     from transformers.utils import logging as transformers_logging
 
     from command_line.flags import FlagError
+    from finetune.run import CheckpointWriteError, FinetuneError, FineTuneRun, run_finetune
     from finetune.settings import settings_from_flags
-    from finetune.train import CheckpointWriteError, FinetuneError, FineTuneRun, run_finetune
     from zaya_model.training.callbacks import NonFiniteLossError, ProgressBarHooks
     from zaya_model.training.runtime import prepare_training_process
 
@@ -189,7 +189,7 @@ def run_finetune_command(args: argparse.Namespace) -> int:
 
 def _dry_run(run: Any, measure: bool) -> int:
     from finetune.estimate import estimate_run
-    from finetune.train import FinetuneError
+    from finetune.run import FinetuneError
 
     try:
         estimate = estimate_run(run, measure=measure)

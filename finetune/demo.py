@@ -20,8 +20,8 @@ from typing import Any
 
 from finetune.datasets.sample import write_corpus, write_sample
 from finetune.evaluate import evaluate_model
+from finetune.run import FineTuneRun, TrainingHooks, run_finetune
 from finetune.settings import FineTuneSettings
-from finetune.train import FineTuneRun, TrainingHooks, run_finetune
 
 
 class _Progress(TrainingHooks):

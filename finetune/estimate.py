@@ -1,6 +1,6 @@
 """Before a run: how many tokens it will train and, given a throughput, how long that takes.
 
-Tokens are billed as the trainer counts them (`finetune.checkpointed_training`): the dataset's trained tokens (its
+Tokens are billed as the trainer counts them (`finetune.trainer_mixin`): the dataset's trained tokens (its
 validation report's `n_trained_tokens`, the tokens that carry loss) once per epoch, with "auto" epochs resolved as
 the run will resolve them (`finetune.auto`). A `max_steps` that ends the run before its epochs scales the count by
 the share of steps run. A DPO run also trains the newline the chat template writes after each answer's end of turn
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from zaya_model import ZayaConfig
 
     from .datasets.validation import ValidationReport
-    from .train import FineTuneRun
+    from .run import FineTuneRun
 
 TIMED_PASSES = 2
 
@@ -106,7 +106,7 @@ def estimate_run(run: FineTuneRun, *, measure: bool = True) -> TrainingEstimate:
     trained tokens and, with `measure`, time the base model on the first batch."""
     from zaya_model import ZayaConfig
 
-    from .train import check_inputs_and_dataset
+    from .run import check_inputs_and_dataset
 
     tokenizer, report = check_inputs_and_dataset(run)
     config = ZayaConfig.from_pretrained(run.model_dir)
@@ -127,7 +127,7 @@ def measure_throughput(run: FineTuneRun, tokenizer: Any, batch_size: int, passes
 
     from .data import IGNORE_INDEX, TokenizedDataset, make_collator, read_examples
     from .datasets.formats import DatasetFormat, Example
-    from .train import make_lora_config
+    from .run import make_lora_config
 
     settings = run.settings
     examples: list[Example] = []

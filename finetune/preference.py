@@ -4,7 +4,7 @@ Each preference example (`input` messages, `preferred_output`, `non_preferred_ou
 conversational `prompt` / `chosen` / `rejected`. The policy is trained against the frozen starting model: for LoRA,
 the same model with its adapter switched off (TRL does this when given the LoRA config); for full fine-tuning, a
 second frozen copy loaded from the model directory. The run shares everything else with supervised fine-tuning
-(`finetune.train`): checkpoints, hooks, rotation, evaluation, outputs.
+(`finetune.run`): checkpoints, hooks, rotation, evaluation, outputs.
 
 TRL (and its `datasets` dependency) is imported here only, so supervised runs and the API never pay for it.
 """
@@ -20,8 +20,8 @@ from trl.trainer.dpo_trainer import DPOTrainer
 
 from zaya_model import ZayaForCausalLM
 
-from .checkpointed_training import CheckpointedTraining
 from .datasets.formats import Example
+from .trainer_mixin import CheckpointedTraining
 
 
 def preference_dataset(examples: list[Example]) -> Dataset:

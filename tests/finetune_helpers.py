@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from tiny_models import TINY_ZAYA, randomize_zaya
 
+from finetune.run import FineTuneRun, TrainingHooks
 from finetune.settings import FineTuneSettings
-from finetune.train import FineTuneRun, TrainingHooks
 from zaya_model import ZayaConfig, ZayaForCausalLM
 
 

@@ -6,6 +6,7 @@ wrong way or closes a circle fails here too."""
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -124,9 +125,9 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_relative_imports_are_resolved() -> None:
-    source = "from ..training import checkpointing\nfrom . import corpus\nimport server.app\n"
+    source = "from ..training import checkpointer\nfrom . import corpus\nimport server.app\n"
     names = imported_modules(source, "zaya_model.pretrain.cli")
-    assert {"zaya_model.training.checkpointing", "zaya_model.pretrain.corpus", "server.app"} <= names
+    assert {"zaya_model.training.checkpointer", "zaya_model.pretrain.corpus", "server.app"} <= names
 
 
 def test_type_checking_imports_do_not_run() -> None:
@@ -159,3 +160,22 @@ def test_imports_run_one_way(path: Path) -> None:
 
 def test_no_modules_import_each_other_in_a_circle() -> None:
     assert circles(import_graph()) == []
+
+
+# The training infrastructure every package shares sits just above the model: it never imports its users.
+TRAINING_USERS = ("zaya_model.pretrain", "zaya_model.vllm_plugin", "zaya_model.cpu", "finetune", "server", "benchmarks")
+# Modules the server and the job worker use without loading torch: the standard library only.
+STANDARD_LIBRARY_ONLY = ("zaya_model.training.atomic_io", "zaya_model.training.checkpoint_dirs")
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "zaya_model" / "training").glob("*.py")), ids=lambda path: path.name)
+def test_training_infrastructure_imports_none_of_its_users(path: Path) -> None:
+    module = module_name(path)
+    imported = imported_modules(path.read_text(encoding="utf-8"), module, is_package=path.name == "__init__.py")
+    users = sorted(name for name in imported if name.startswith(TRAINING_USERS))
+    assert not users, f"{module} imports {users}"
+    if module in STANDARD_LIBRARY_ONLY:
+        outside = sorted(
+            name for name in imported if name.split(".")[0] not in sys.stdlib_module_names | {"__future__"}
+        )
+        assert not outside, f"{module} must need the standard library only; it imports {outside}"

@@ -134,6 +134,27 @@ class ZayaConfig(PreTrainedConfig):
         """Channels of each head that RoPE rotates (the first ones); the rest pass through."""
         return int(self.head_dim * self.partial_rotary_factor)
 
+    # Widths every implementation (HF, the CPU decode steps, the vLLM plugin, adapter checks) derives from the config.
+    @property
+    def query_width(self) -> int:
+        """A layer's query channels, all heads."""
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def key_width(self) -> int:
+        """A layer's key channels, all key-value heads; the values have as many, half current and half delayed."""
+        return self.num_key_value_heads * self.head_dim
+
+    @property
+    def cca_channels(self) -> int:
+        """The channels CCA's convolutions mix: queries and keys."""
+        return self.query_width + self.key_width
+
+    @property
+    def cca_history(self) -> int:
+        """Tokens of history CCA's two convolutions read together (a kernel of size k looks k-1 steps back)."""
+        return self.cca_time0 + self.cca_time1 - 2
+
     @property
     def router_norm_eps(self) -> float:
         return self.rms_norm_eps if self.router_rms_norm_eps is None else self.router_rms_norm_eps

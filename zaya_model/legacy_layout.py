@@ -30,14 +30,12 @@ which writes `OUTPUT_DIR` atomically: `config.json`, the weights as safetensors,
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import re
 import shutil
 import sys
-import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +44,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .configuration_zaya import LEGACY_LAYERS_FIELD, ZayaConfig
-from .training.atomic_io import fsync_path
+from .training.atomic_io import atomic_directory
 
 CONFIG_NAME = "config.json"
 SAFE_WEIGHTS_NAME = "model.safetensors"
@@ -640,11 +638,6 @@ def _shard_files(tensors: Mapping[str, torch.Tensor], max_shard_bytes: int) -> l
     return [(f"model-{k:05d}-of-{len(shards):05d}.safetensors", names) for k, names in enumerate(shards, start=1)]
 
 
-def _write_synced(path: Path, write: Callable[[Path], object]) -> None:
-    write(path)
-    fsync_path(path)
-
-
 def save_legacy_checkpoint(
     config_dict: Mapping[str, Any],
     state_dict: Mapping[str, torch.Tensor],
@@ -714,52 +707,27 @@ def _write_checkpoint(
     max_shard_bytes: int,
     copied: Sequence[Path] = (),
 ) -> Path:
-    """`config.json`, the tensors as (sharded) safetensors and copies of `copied` in a staging directory beside
-    `out_dir`, each synced, then renamed into place (an existing `out_dir` is replaced)."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = _sibling(out_dir, "tmp")
-    staging.mkdir()  # not mkdtemp: that makes it owner-only, and the checkpoint keeps the directory's mode
-    try:
-        _write_synced(staging / CONFIG_NAME, lambda p: p.write_text(config_json))
+    """`config.json`, the tensors as (sharded) safetensors and copies of `copied`, published atomically as `out_dir`
+    (an existing `out_dir` is replaced)."""
+    with atomic_directory(out_dir) as staging:
+        (staging / CONFIG_NAME).write_text(config_json)
         weight_map: dict[str, str] = {}
         total_bytes = 0
         for file_name, names in _shard_files(tensors, max_shard_bytes):
             # Copies: expert slices are views of one fused tensor, and safetensors refuses tensors sharing memory.
             shard = {name: tensors[name].detach().clone().contiguous() for name in names}
-            _write_synced(staging / file_name, functools.partial(save_file, shard, metadata={"format": "pt"}))
+            save_file(shard, staging / file_name, metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(names, file_name))
             total_bytes += sum(t.numel() * t.element_size() for t in shard.values())
         if len(set(weight_map.values())) > 1:
             index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-            _write_synced(staging / SAFE_WEIGHTS_INDEX_NAME, lambda p: p.write_text(json.dumps(index, indent=2) + "\n"))
+            (staging / SAFE_WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
         for source in copied:
             if source.is_dir():
                 shutil.copytree(source, staging / source.name)
             else:
-                _write_synced(staging / source.name, functools.partial(shutil.copy2, source))
-        fsync_path(staging)
-        _replace_directory(staging, out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+                shutil.copy2(source, staging / source.name)
     return out_dir
-
-
-def _sibling(out_dir: Path, suffix: str) -> Path:
-    """A fresh hidden name beside `out_dir` (same file system, so renames between them are atomic)."""
-    return out_dir.parent / f".{out_dir.name}.{uuid.uuid4().hex[:12]}.{suffix}"
-
-
-def _replace_directory(staging: Path, out_dir: Path) -> None:
-    """Renames `staging` to `out_dir`; an existing `out_dir` is moved aside first and removed after."""
-    previous = None
-    if out_dir.exists():
-        previous = _sibling(out_dir, "old")
-        os.replace(out_dir, previous)
-    os.replace(staging, out_dir)
-    fsync_path(out_dir.parent)
-    if previous is not None:
-        shutil.rmtree(previous)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -30,7 +30,6 @@ import bisect
 import json
 import os
 import re
-import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +37,8 @@ from typing import Any
 import phonenumbers
 from stdnum import iban, luhn
 from stdnum.us import ssn
+
+from zaya_model.training.atomic_io import write_lines_atomic
 
 from .person_names import PersonFinder, load_person_finder
 
@@ -167,7 +168,7 @@ def scan_file(
         for _ in redacted_lines():
             pass
     else:
-        _write_atomically(redact_to, redacted_lines())
+        write_lines_atomic(redact_to, redacted_lines())
         report.redacted_path = os.fspath(redact_to)
     return report
 
@@ -195,25 +196,6 @@ def _map_strings(value: Any, function: Callable[[str], str]) -> Any:
     if isinstance(value, dict):
         return {key: _map_strings(item, function) for key, item in value.items()}
     return value
-
-
-def _write_atomically(path: str | os.PathLike[str], lines: Iterator[str]) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    descriptor, temp_path = tempfile.mkstemp(dir=directory, prefix=".redacting-", suffix=".tmp")
-    try:
-        with os.fdopen(descriptor, "w", encoding="utf-8") as file:
-            file.writelines(lines)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temp_path, path)
-    except BaseException:
-        os.unlink(temp_path)
-        raise
-    directory_descriptor = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(directory_descriptor)  # make the rename itself durable
-    finally:
-        os.close(directory_descriptor)
 
 
 def _find_emails(text: str, _region: str) -> Iterator[tuple[int, int]]:

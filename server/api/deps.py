@@ -4,8 +4,10 @@ the objects a request names, looked up within the caller's project (`server.serv
 Authentication itself runs in `server.api.middleware` before routing (so even a malformed body without a key gets
 401); these dependencies read its result and enforce the role each route needs. A route that takes a file or a job by
 id declares `OwnedFile` / `OwnedJob`: the role check, then the lookup in the caller's scope (404 for another project's
-object, as for a missing one). Dependencies that do no I/O are `async def`: FastAPI runs a plain `def` dependency in
-its thread pool, a thread hop per dependency per request.
+object, as for a missing one); an admin route that takes a model version, an approval request, a project or a key by
+id declares `AdminVersion` / `AdminApproval` / `AdminProject` / `AdminKey`: the admin role check, then the lookup (404
+for a missing one). Dependencies that do no I/O are `async def`: FastAPI runs a plain `def` dependency in its thread
+pool, a thread hop per dependency per request.
 """
 
 from __future__ import annotations
@@ -20,10 +22,14 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from server.db.models import File, FineTuningJob, Role
+from server.db.models import AliasApproval, ApiKey, File, FineTuningJob, ModelVersion, Project, Role
 from server.errors import Forbidden, InvalidRequest, Unauthorized
+from server.services import approvals as approval_service
 from server.services import files as file_service
 from server.services import jobs as job_service
+from server.services import keys as key_service
+from server.services import projects as project_service
+from server.services import registry as registry_service
 from server.services.access import Principal, Scope
 from server.services.inference import InferenceService
 from server.services.projects import find_project
@@ -114,8 +120,29 @@ def owned_job(fine_tuning_job_id: str, session: SessionDep, principal: DataDep) 
     return job_service.get_job(session, principal.scope, fine_tuning_job_id)
 
 
+def admin_version(version_id: str, session: SessionDep, _: AdminDep) -> ModelVersion:
+    return registry_service.get_version(session, version_id)
+
+
+def admin_approval(approval_id: str, session: SessionDep, _: AdminDep) -> AliasApproval:
+    return approval_service.get_approval(session, approval_id)
+
+
+def admin_project(project_id: str, session: SessionDep, _: AdminDep) -> Project:
+    return project_service.get_project(session, project_id)
+
+
+def admin_key(key_id: str, session: SessionDep, _: AdminDep) -> ApiKey:
+    return key_service.get_key(session, key_id)
+
+
 OwnedFile = Annotated[File, Depends(owned_file)]
 OwnedJob = Annotated[FineTuningJob, Depends(owned_job)]
+# The registry, projects and keys are the admins': looked up after the admin role check, in every project.
+AdminVersion = Annotated[ModelVersion, Depends(admin_version)]
+AdminApproval = Annotated[AliasApproval, Depends(admin_approval)]
+AdminProject = Annotated[Project, Depends(admin_project)]
+AdminKey = Annotated[ApiKey, Depends(admin_key)]
 
 
 def set_audit_target(request: Request, target: str) -> None:

@@ -156,8 +156,6 @@ def _models_register(args: argparse.Namespace) -> int:
     from server.db.session import make_engine, make_sessionmaker, session_scope
     from server.errors import APIError
     from server.services import audit, registry
-    from server.services.access import Scope
-    from server.services.model_resolution import find_version
 
     settings = Settings()
     engine = make_engine(settings.database_url)
@@ -165,13 +163,14 @@ def _models_register(args: argparse.Namespace) -> int:
         _require_current_schema(engine)
         with session_scope(make_sessionmaker(engine)) as session:
             try:
-                base = find_version(session, Scope.everything(), args.base) if args.base else None
-                version = registry.register_version(
+                version = registry.register_named_version(
                     session,
                     name=args.name,
                     path=Path(args.dir),
-                    base_version_id=base.id if base else None,
+                    base_model=args.base,
                     description=args.description,
+                    created_by=None,
+                    projects=[],
                     serving=settings,
                 )
             except APIError as error:

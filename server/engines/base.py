@@ -338,9 +338,8 @@ def write_merged_checkpoint(adapter_dir: Path, base_dir: Path) -> Path:
     """Merge an adapter that trains expert weights or token rows into its base, as the full checkpoint engines serve
     in its place (`merged_checkpoint(adapter_dir)`, written atomically); `AdapterError` when it does not fit the
     base."""
-    from finetune.artifacts import atomic_directory
-    from zaya_model.vllm_plugin.adapters import merge_adapter_into_base, merged_checkpoint
+    from zaya_model.training.adapter_merge import write_merged_checkpoint as write
+    from zaya_model.vllm_plugin.adapters import merged_checkpoint, read_adapter_config
 
-    with atomic_directory(merged_checkpoint(adapter_dir)) as staging:
-        merge_adapter_into_base(adapter_dir, base_dir, staging)
-    return merged_checkpoint(adapter_dir)
+    read_adapter_config(adapter_dir)
+    return write(adapter_dir, base_dir, merged_checkpoint(adapter_dir))

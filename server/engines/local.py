@@ -14,10 +14,10 @@ and until a bucket is ready its batches decode eagerly, so no request waits for 
 "warming" until every bucket is compiled. Without a working C++ compiler the engine logs a warning and stays eager;
 `ZAYA_LOCAL_ENGINE_COMPILE=false` turns compilation off. Prefill stays eager.
 
-Adapters: an adapter version is merged into its own copy of the base weights when it is loaded (PEFT
-`merge_and_unload`) and served as a separate model; requests on the same adapter batch together. Merging keeps the
-decode path identical for base and adapter requests and supports LoRA on attention and experts alike, at the cost of
-one copy of the weights per loaded adapter (fine for the small models this engine is for; at most
+Adapters: an adapter version is merged into its own copy of the base weights when it is loaded
+(`zaya_model.training.adapter_merge`) and served as a separate model; requests on the same adapter batch together.
+Merging keeps the decode path identical for base and adapter requests and supports LoRA on attention and experts
+alike, at the cost of one copy of the weights per loaded adapter (fine for the small models this engine is for; at most
 `max_loaded_models` versions stay in memory, least recently used idle ones are unloaded first).
 """
 
@@ -631,13 +631,13 @@ def _load_weights(base: ModelRef, adapter: ModelRef | None) -> ZayaForCausalLM:
 
 
 def _merge_adapter(model: ZayaForCausalLM, adapter: ModelRef) -> ZayaForCausalLM:
-    from peft import PeftModel
+    from zaya_model.training.adapter_merge import merge_adapter
 
     config_path = adapter.path / "adapter_config.json"
     if not config_path.is_file():
         raise ModelLoadError(f"Adapter version {adapter.version_id} has no adapter_config.json.")
     try:
-        merged = PeftModel.from_pretrained(model, adapter.path).merge_and_unload()
+        merged = merge_adapter(model, adapter.path)
     except Exception as error:
         raise ModelLoadError(
             f"Adapter version {adapter.version_id} cannot be applied to its base model: {error}"

@@ -57,7 +57,8 @@ from server.engines.sampling import choice_seed
 from server.settings import VLLMEngineSettings
 from zaya_model import ZayaConfig
 from zaya_model.pretrain.tokenizer import decode_text
-from zaya_model.vllm_plugin.adapters import AdapterError, check_adapter, merged_checkpoint, served_merged
+from zaya_model.training.adapter_merge import AdapterError
+from zaya_model.vllm_plugin.adapters import check_adapter, merged_checkpoint, served_merged
 from zaya_model.vllm_plugin.support import unsupported_features
 
 logger = logging.getLogger(__name__)

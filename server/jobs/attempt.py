@@ -35,10 +35,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from zaya_model.training.atomic_io import write_json_atomic
+from zaya_model.training.atomic_io import write_json_atomic, write_text_atomic
 
 if TYPE_CHECKING:
-    from finetune.train import TrainingHooks
+    from finetune.run import TrainingHooks
 
 SPEC_FILE = "attempt.json"
 EVENTS_FILE = "events.jsonl"
@@ -70,9 +70,7 @@ class AttemptFiles:
 
 def write_control(files: AttemptFiles, action: str) -> None:
     """Ask the attempt to stop at its next step ("cancel", or "pause": checkpoint first). Atomic."""
-    staging = files.control.with_name(f".{CONTROL_FILE}.{os.getpid()}")
-    staging.write_text(action)
-    os.replace(staging, files.control)
+    write_text_atomic(files.control, action)
 
 
 class EventReader:
@@ -132,7 +130,7 @@ def _alive(pid: int) -> bool:
 
 
 def _hooks(files: AttemptFiles, worker_pid: int, writes_events: bool) -> TrainingHooks:
-    from finetune.train import TrainingHooks
+    from finetune.run import TrainingHooks
 
     events = open(files.events, "a", encoding="utf-8") if writes_events else None  # noqa: SIM115 (open for the run)
 
@@ -185,8 +183,8 @@ def _world_size() -> int:
 
 
 def run_attempt(spec_path: Path) -> int:
+    from finetune.run import FinetuneError, FineTuneRun, run_finetune
     from finetune.settings import FineTuneSettings
-    from finetune.train import FinetuneError, FineTuneRun, run_finetune
     from zaya_model.training.runtime import prepare_training_process
 
     spec = json.loads(spec_path.read_text())

@@ -51,7 +51,7 @@ from server.settings import Settings
 from zaya_model.training.atomic_io import write_json_atomic
 
 if TYPE_CHECKING:
-    from finetune.train import FineTuneRun
+    from finetune.run import FineTuneRun
 
 P = ParamSpec("P")
 T = TypeVar("T")

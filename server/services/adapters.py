@@ -18,7 +18,8 @@ from server.errors import InvalidRequest
 
 def prepare_adapter(adapter_dir: Path, base_dir: Path) -> None:
     from server.engines.base import write_merged_checkpoint
-    from zaya_model.vllm_plugin.adapters import AdapterError, check_adapter, served_merged
+    from zaya_model.training.adapter_merge import AdapterError
+    from zaya_model.vllm_plugin.adapters import check_adapter, served_merged
 
     try:
         if not served_merged(adapter_dir):

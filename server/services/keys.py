@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 
 from server.db.base import utcnow
 from server.db.models import DEFAULT_PROJECT_ID, ApiKey, Role
+from server.errors import NotFound
 from server.services.access import Scope
 
 SECRET_MARKER = "zk-"
@@ -90,6 +91,14 @@ def authenticate(session: Session, secret: str, *, last_used_resolution: timedel
 
 def list_keys(session: Session, scope: Scope) -> list[ApiKey]:
     return list(session.scalars(scope.owned(select(ApiKey), ApiKey.project_id).order_by(ApiKey.created_at, ApiKey.id)))
+
+
+def get_key(session: Session, key_id: str) -> ApiKey:
+    """The key with this id (any project's: keys are the admins'); 404 naming `key_id` if none."""
+    key = session.get(ApiKey, key_id)
+    if key is None:
+        raise NotFound(f"No such API key: {key_id}", param="key_id")
+    return key
 
 
 def revoke_key(session: Session, key: ApiKey) -> ApiKey:

@@ -33,6 +33,8 @@ from server.engines import serving_problems
 from server.errors import Conflict, InvalidRequest, NotFound
 from server.services.access import Scope
 from server.services.adapters import prepare_adapter
+from server.services.model_resolution import find_version
+from server.services.projects import require_project
 from server.settings import Settings
 from zaya_model.legacy_layout import is_legacy_config
 
@@ -192,6 +194,38 @@ def register_version(
     session.add(version)
     session.flush()
     return version
+
+
+def register_named_version(
+    session: Session,
+    *,
+    name: str,
+    path: Path,
+    base_model: str | None,
+    description: str | None,
+    created_by: str | None,
+    projects: list[str],
+    serving: Settings,
+) -> ModelVersion:
+    """Register a version as an admin asks for one (`POST /v1/admin/models`, `zaya models register`): the base
+    named as a request names a model (404 naming `model` if none), the projects by id or name (400 naming
+    `projects`), the directory checked against the configured engine. Flushes; the caller commits."""
+    base = find_version(session, Scope.everything(), base_model) if base_model else None
+    return register_version(
+        session,
+        name=name,
+        path=path,
+        base_version_id=base.id if base else None,
+        description=description,
+        created_by=created_by,
+        projects=project_ids(session, projects),
+        serving=serving,
+    )
+
+
+def project_ids(session: Session, references: list[str]) -> list[str]:
+    """The ids of the projects named by id or name; a 400 naming `projects` for one that does not exist."""
+    return [require_project(session, reference, param="projects").id for reference in references]
 
 
 def limit_version(session: Session, version: ModelVersion, project_ids: list[str]) -> ModelVersion:

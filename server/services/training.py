@@ -1,7 +1,7 @@
 """What a fine-tuning job does, without the worker's queue and leases: its settings, its files' validation, its run.
 
 A job stores OpenAI's `method` object; `finetune.settings.FineTuneSettings` reads it back (the same model the API
-validated the request with). `finetune.train` imports torch and transformers, so it is imported inside the
+validated the request with). `finetune.run` imports torch and transformers, so it is imported inside the
 functions: the API server pays for it on the first job it validates, `zaya --help` never.
 """
 
@@ -25,8 +25,8 @@ from server.settings import Settings
 if TYPE_CHECKING:
     from finetune.datasets.validation import ValidationReport
     from finetune.estimate import TrainingEstimate
+    from finetune.run import FineTuneRun
     from finetune.settings import FineTuneSettings
-    from finetune.train import FineTuneRun
 
 logger = logging.getLogger(__name__)
 
@@ -229,7 +229,7 @@ def recorded_throughput(
 def job_run(session: Session, app_settings: Settings, job_id: str, attempt: int) -> tuple[FineTuneRun, str | None]:
     """The run an attempt of a job makes, and the checkpoint it resumes from (None: from the start). Each attempt
     trains into its own directory (`<data dir>/jobs/<job-id>/attempt-<n>/`)."""
-    from finetune.train import FineTuneRun
+    from finetune.run import FineTuneRun
 
     job = session.get_one(FineTuningJob, job_id)
     base = session.get_one(ModelVersion, job.base_version_id)
@@ -253,6 +253,6 @@ def job_run(session: Session, app_settings: Settings, job_id: str, attempt: int)
 
 def is_training_error(error: Exception) -> bool:
     """True for a bad setting or dataset (the job's fault: fail it, do not retry)."""
-    from finetune.train import FinetuneError
+    from finetune.run import FinetuneError
 
     return isinstance(error, FinetuneError)

@@ -13,7 +13,7 @@ from finetune_helpers import LABELS, Recorder, bank_chats, preference, save_tiny
 from finetune.data import read_examples
 from finetune.datasets.validation import validate_dataset
 from finetune.evaluate import evaluate_file, load_model, preference_margins
-from finetune.train import FinetuneError, run_finetune
+from finetune.run import FinetuneError, run_finetune
 from zaya_cli.main import main
 
 

@@ -16,7 +16,7 @@ from finetune.datasets import tokenize_example, validate_dataset
 from finetune.datasets.formats import parse_record
 from finetune.datasets.rendering import TemplateError
 from finetune.evaluate import task_examples
-from finetune.train import run_finetune
+from finetune.run import run_finetune
 from server.engines.base import ModelRef, SamplingParams
 from server.engines.grammar import OutputGrammar
 from server.engines.local import LocalEngine

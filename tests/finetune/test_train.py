@@ -17,8 +17,8 @@ from finetune.auto import resolve_hyperparameters
 from finetune.data import IGNORE_INDEX, TokenizedDataset, make_collator, read_examples
 from finetune.datasets.rendering import tokenize_example
 from finetune.evaluate import evaluate_model
+from finetune.run import FinetuneError, check_run, run_finetune
 from finetune.settings import BASE_LEARNING_RATE, FineTuneSettings
-from finetune.train import FinetuneError, check_run, run_finetune
 from zaya_model import ZayaForCausalLM
 from zaya_model.pretrain import END_OF_TURN_TOKEN
 from zaya_model.pretrain.tokenizer import chat_template_token_ids

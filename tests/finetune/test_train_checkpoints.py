@@ -9,10 +9,10 @@ import pytest
 import torch
 from finetune_helpers import Recorder, chat, save_tiny_model, spec, write_data
 
-from finetune.balancing import BALANCING_STATE_FILE, BalancingBiasCallback
-from finetune.rotation import rotate_checkpoints
-from finetune.train import run_finetune
+from finetune.balancing_callback import BALANCING_STATE_FILE, BalancingBiasCallback
+from finetune.run import run_finetune
 from zaya_model import ZayaForCausalLM
+from zaya_model.training.checkpoint_dirs import rotate_checkpoints
 
 
 @pytest.fixture(scope="module")

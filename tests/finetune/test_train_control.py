@@ -14,7 +14,7 @@ from finetune_helpers import Recorder, chat, save_tiny_model, spec, write_data
 
 from finetune.data import read_examples
 from finetune.datasets.rendering import tokenize_example
-from finetune.train import CheckpointWriteError, run_finetune
+from finetune.run import CheckpointWriteError, run_finetune
 from zaya_model import ZayaForCausalLM
 
 

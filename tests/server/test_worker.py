@@ -14,7 +14,7 @@ import torch
 from sqlalchemy import select
 from transformers import AutoTokenizer
 
-from finetune.balancing import BALANCING_STATE_FILE
+from finetune.balancing_callback import BALANCING_STATE_FILE
 from finetune.datasets.formats import parse_record
 from finetune.datasets.rendering import tokenize_example
 from server.db.base import utcnow

@@ -22,7 +22,8 @@ from zaya_model.pretrain.plot import read_losses
 from zaya_model.pretrain.tokenizer import train_tokenizer
 from zaya_model.pretrain.train import Pretrainer, PretrainError
 from zaya_model.training.callbacks import TrainingHooks
-from zaya_model.training.checkpointing import Checkpointer, latest_checkpoint, load_training_state
+from zaya_model.training.checkpoint_dirs import latest_checkpoint
+from zaya_model.training.checkpointer import Checkpointer, load_training_state
 
 
 @pytest.mark.parametrize("sharding", ["none", "fsdp"])  # save_pretrained + torch.save, or DCP checkpoints

@@ -199,12 +199,10 @@ class CompiledDecoder:
         cache = ZayaCache(config)
         dtype = self.model.dtype
         template = torch.zeros(1, config.num_key_value_heads, 1, config.head_dim, dtype=dtype)
-        channels = (config.num_attention_heads + config.num_key_value_heads) * config.head_dim
-        history = config.cca_time0 + config.cca_time1 - 2
         for layer in cache.layers:
             layer.update(template, template)
-            layer.conv_state = torch.zeros(1, history, channels, dtype=dtype)
-            layer.shift_state = torch.zeros(1, config.num_key_value_heads * config.head_dim // 2, dtype=dtype)
+            layer.conv_state = torch.zeros(1, config.cca_history, config.cca_channels, dtype=dtype)
+            layer.shift_state = torch.zeros(1, config.key_width // 2, dtype=dtype)
         buffers = StaticDecodeCache.adopt(cache, batch, capacity)
         attend = torch.zeros(batch, capacity, dtype=torch.bool)
         attend[:, :2] = True

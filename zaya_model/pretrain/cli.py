@@ -38,7 +38,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def run(args: argparse.Namespace) -> int:
     from command_line import CommandError
 
-    from ..training.checkpointing import CheckpointWriteError
+    from ..training.checkpoint_dirs import CheckpointWriteError
     from ..training.runtime import prepare_training_process
     from .corpus import CorpusError
     from .presets import get_preset

@@ -7,8 +7,9 @@ checkpoint writer thread. The PNG is written to a temporary name and renamed, so
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
+
+from ..training.atomic_io import atomic_file
 
 
 def read_losses(metrics_path: Path) -> tuple[dict[int, float], dict[int, float]]:
@@ -46,6 +47,5 @@ def write_loss_plot(metrics_path: Path, png_path: Path) -> None:
     axes.grid(alpha=0.3)
     axes.legend()
     figure.tight_layout()
-    temporary = png_path.with_name(f".tmp-{png_path.name}")
-    figure.savefig(temporary, format="png")
-    os.replace(temporary, png_path)
+    with atomic_file(png_path) as temporary:
+        figure.savefig(temporary, format="png")

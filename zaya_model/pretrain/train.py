@@ -19,7 +19,7 @@ batch's real token count, so accumulation equals one large batch), clips the gra
 for 2-D hidden weights + AdamW for the rest) under a warmup + cosine schedule, then updates the routers' balancing
 biases and logs per-layer expert load, skip rate and load imbalance to `metrics.jsonl`.
 
-One `Checkpointer` (`training/checkpointing.py`) saves and loads the run: the model, the optimizers and every other
+One `Checkpointer` (`training/checkpointer.py`) saves and loads the run: the model, the optimizers and every other
 object with `state_dict()` / `load_state_dict()`: the schedulers, the balancing-bias updater, the data stream's
 position and the trainer itself (its step counter, the batches it skips and the RNG). The sharding setting chooses its
 backend once.
@@ -35,7 +35,7 @@ its slice of each global batch; routing counts are summed across ranks, and so a
   alone writes `save_pretrained` checkpoints.
 - `sharding="fsdp"` (FSDP2, ZeRO-3-style, `training/sharding.py`): parameters, gradients and AdamW state are sharded
   over the ranks; every rank writes its own shard of each checkpoint in parallel with `torch.distributed.checkpoint`
-  (the checkpointer's sharded backend, `training/distributed_checkpoint.py`), asynchronously, and the final model is
+  (the checkpointer's sharded backend, `training/sharded_checkpoint.py`), asynchronously, and the final model is
   gathered into a `save_pretrained` export. DCP reshards on load, so a checkpoint written by N processes resumes on
   M (1 included). Muon is refused here: it orthogonalises whole matrices and FSDP gives it row shards.
 Either way a run may resume on a different number of processes with the same global batch (batch_size x processes);
@@ -70,10 +70,11 @@ from transformers import PreTrainedTokenizerFast
 
 from ..cpu.compiled_layers import enable_compiled_layers, require_cpp_compiler
 from ..modeling_zaya import ZayaForCausalLM
-from ..training.atomic_io import fsync_tree
+from ..training.atomic_io import atomic_directory, fsync_tree, write_text_atomic
 from ..training.balancing import BalancingBiasUpdater
 from ..training.callbacks import COMPILING_MESSAGE, STOP_REASONS, TrainingHooks
-from ..training.checkpointing import Checkpointer, latest_checkpoint
+from ..training.checkpoint_dirs import latest_checkpoint
+from ..training.checkpointer import Checkpointer
 from ..training.distributed import DistributedContext
 from ..training.sharding import is_sharded, local_scalar, shard_model
 from .corpus import (
@@ -310,9 +311,7 @@ class Pretrainer:
                 raise PretrainError(f"the corpus changed since the run in {self.output} started; use a new --output")
         if not self.dist.is_main:
             return
-        temporary = run_path.with_name(f".tmp-{RUN_FILE}")
-        temporary.write_text(json.dumps(current, indent=2))
-        temporary.replace(run_path)
+        write_text_atomic(run_path, json.dumps(current, indent=2))
 
     def _load_or_train_tokenizer(self, tokenizer_path: str | Path | None) -> PreTrainedTokenizerFast:
         saved = self.output / TOKENIZER_DIR
@@ -335,11 +334,8 @@ class Pretrainer:
         return tokenizer
 
     def _save_tokenizer(self, tokenizer: PreTrainedTokenizerFast, saved: Path) -> None:
-        temporary = self.output / f".tmp-{TOKENIZER_DIR}"
-        shutil.rmtree(temporary, ignore_errors=True)
-        tokenizer.save_pretrained(temporary)
-        fsync_tree(temporary)
-        temporary.rename(saved)
+        with atomic_directory(saved) as staging:
+            tokenizer.save_pretrained(staging)
 
     # ----- checkpoints -----
 

@@ -1,6 +1,6 @@
 """A checkpoint save staged in CPU memory: what a background writer may read while training goes on.
 
-A backend (`checkpointing.SingleFileBackend`, `distributed_checkpoint.ShardedBackend`) stages its part of a save as a
+A backend (`checkpointer.SingleFileBackend`, `sharded_checkpoint.ShardedBackend`) stages its part of a save as a
 `Staged`; `cpu_copy` takes the copy, refilling the previous save's where it can.
 """
 

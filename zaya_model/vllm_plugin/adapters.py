@@ -8,9 +8,8 @@ only the adapter's config and tensor shapes, so callers can refuse an adapter wi
 Adapters that vLLM's per-request LoRA cannot apply are merged at registration (`served_merged`): those that train
 expert weights (PEFT `target_parameters`, the fine-tuning default) and those that train token embedding rows (PEFT
 `trainable_token_indices`: the chat template's tokens, which fine-tuning trains by default; vLLM's LoRA has no
-per-request embedding rows). `merge_adapter_into_base` writes the base with the adapter merged (`merge_and_unload`,
-the tied LM head's rows included) to `merged_checkpoint(adapter)`, a full checkpoint that engines serve as its own
-model.
+per-request embedding rows): `zaya_model.training.adapter_merge.write_merged_checkpoint` writes the base with the
+adapter merged to `merged_checkpoint(adapter)`, a full checkpoint that engines serve as its own model.
 """
 
 from __future__ import annotations
@@ -21,18 +20,15 @@ from pathlib import Path
 from safetensors import safe_open
 
 from ..configuration_zaya import ZayaConfig
+from ..training.adapter_merge import AdapterError
 
 SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj_current", "v_proj_delayed", "o_proj")
 MERGED_DIR = "merged"
 
 
-class AdapterError(ValueError):
-    """The adapter cannot be served per request on this base model."""
-
-
 def projection_shapes(config: ZayaConfig) -> dict[str, tuple[int, int]]:
     """(in, out) features of each LoRA-capable projection."""
-    query, key = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    query, key = config.query_width, config.key_width
     hidden = config.hidden_size
     return {
         "q_proj": (hidden, query),
@@ -46,7 +42,7 @@ def projection_shapes(config: ZayaConfig) -> dict[str, tuple[int, int]]:
 def check_adapter(adapter_dir: str | Path, model_dir: str | Path) -> None:
     """Raise `AdapterError` unless the adapter in `adapter_dir` is a LoRA on `model_dir`'s attention projections."""
     adapter_dir = Path(adapter_dir)
-    adapter_config = _read_config(adapter_dir)
+    adapter_config = read_adapter_config(adapter_dir)
     weights_path = adapter_dir / "adapter_model.safetensors"
     if adapter_config.get("target_parameters"):
         raise AdapterError(
@@ -98,7 +94,8 @@ def _layer_index(module: str) -> int | None:
     return None
 
 
-def _read_config(adapter_dir: Path) -> dict:
+def read_adapter_config(adapter_dir: Path) -> dict:
+    """The adapter's `adapter_config.json`; `AdapterError` unless it is a PEFT LoRA adapter in safetensors."""
     config_path, weights_path = adapter_dir / "adapter_config.json", adapter_dir / "adapter_model.safetensors"
     if not config_path.is_file() or not weights_path.is_file():
         raise AdapterError(
@@ -127,24 +124,3 @@ def served_merged(adapter_dir: str | Path) -> bool:
 def merged_checkpoint(adapter_dir: str | Path) -> Path:
     """Where registration writes the full checkpoint of an adapter merged into its base (`served_merged`)."""
     return Path(adapter_dir) / MERGED_DIR
-
-
-def merge_adapter_into_base(adapter_dir: str | Path, model_dir: str | Path, staging: Path) -> None:
-    """Write `model_dir` with the adapter merged into it (weights, tokenizer) to `staging`; `AdapterError` if the
-    adapter does not fit this base (another base's shapes, unknown modules)."""
-    from peft import PeftModel
-    from transformers import AutoTokenizer
-
-    from ..modeling_zaya import ZayaForCausalLM
-
-    adapter_dir, model_dir = Path(adapter_dir), Path(model_dir)
-    _read_config(adapter_dir)
-    model = ZayaForCausalLM.from_pretrained(model_dir, dtype="auto")
-    try:
-        merged = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
-    except (RuntimeError, ValueError, KeyError) as error:
-        raise AdapterError(
-            f"{adapter_dir}: cannot be applied to {model_dir} (adapter for another base model?): {error}"
-        ) from error
-    merged.save_pretrained(staging)
-    AutoTokenizer.from_pretrained(model_dir).save_pretrained(staging)

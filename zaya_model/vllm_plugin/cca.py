@@ -33,12 +33,11 @@ from ..modeling_zaya import convolve_receptive_fields
 
 def cca_state_shapes(config: ZayaConfig) -> tuple[tuple[int, int]]:
     """The state's shape for one layer and request: `history` rows of q‖k and the delayed value."""
-    channels = (config.num_attention_heads + config.num_key_value_heads) * config.head_dim
-    return ((cca_history(config), channels + config.num_key_value_heads * config.head_dim // 2),)
+    return ((cca_history(config), config.cca_channels + config.key_width // 2),)
 
 
 def cca_history(config: ZayaConfig) -> int:
-    history = config.cca_time0 + config.cca_time1 - 2
+    history = config.cca_history
     if history < 1:
         raise ValueError("the vLLM plugin needs cca_time0 + cca_time1 >= 3 (a convolution that reads history)")
     return history
@@ -83,9 +82,9 @@ class ZayaCCAProjection(MambaBase, nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         ((self.history, self.state_width),) = cca_state_shapes(config)  # a state row: q‖k‖delayed value
-        self.query_width = self.num_heads * self.head_dim
-        self.key_width = self.num_kv_heads * self.head_dim
-        self.channels = self.query_width + self.key_width
+        self.query_width = config.query_width
+        self.key_width = config.key_width
+        self.channels = config.cca_channels
         half_value = self.key_width // 2
         self.output_widths = (self.query_width, self.key_width, half_value, half_value)
         self.fused_proj = MergedColumnParallelLinear(

@@ -10,15 +10,19 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request, Response
 from pydantic import BeforeValidator, Field, StrictBool, computed_field
-from sqlalchemy.orm import Session
 
-from server.api.deps import AdminDep, ListingScopeDep, SessionDep, SettingsDep, set_audit_target
+from server.api.deps import (
+    AdminApproval,
+    AdminDep,
+    AdminVersion,
+    ListingScopeDep,
+    SessionDep,
+    SettingsDep,
+    set_audit_target,
+)
 from server.api.schemas import ListResponse, RequestBody, RowObject, UnixTime
 from server.db.models import AliasApproval, AliasHistory, ApprovalStatus, ModelVersionProject
 from server.services import approvals, registry
-from server.services.access import Scope
-from server.services.model_resolution import find_version
-from server.services.projects import require_project
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"])
 
@@ -137,10 +141,6 @@ class DecisionBody(RequestBody):
     reason: str | None = None
 
 
-def _project_ids_of(session: Session, references: list[str]) -> list[str]:
-    return [require_project(session, reference, param="projects").id for reference in references]
-
-
 @router.get("/models", name="admin_models.list")
 def list_versions(
     session: SessionDep, _: AdminDep, scope: ListingScopeDep, name: str | None = None
@@ -152,15 +152,14 @@ def list_versions(
 def register_version(
     body: RegisterBody, request: Request, session: SessionDep, settings: SettingsDep, principal: AdminDep
 ) -> ModelVersionObject:
-    base = find_version(session, Scope.everything(), body.base_model) if body.base_model else None
-    version = registry.register_version(
+    version = registry.register_named_version(
         session,
         name=body.name,
         path=Path(body.path),
-        base_version_id=base.id if base else None,
+        base_model=body.base_model,
         description=body.description,
         created_by=principal.key_id,
-        projects=_project_ids_of(session, body.projects or []),
+        projects=body.projects or [],
         serving=settings,
     )
     session.commit()
@@ -169,29 +168,26 @@ def register_version(
 
 
 @router.get("/models/{version_id}", name="admin_models.get")
-def get_version(version_id: str, session: SessionDep, _: AdminDep) -> ModelVersionObject:
-    return ModelVersionObject.model_validate(registry.get_version(session, version_id))
+def get_version(version: AdminVersion) -> ModelVersionObject:
+    return ModelVersionObject.model_validate(version)
 
 
 @router.get("/models/{version_id}/lineage", name="admin_models.lineage")
-def get_lineage(version_id: str, session: SessionDep, _: AdminDep) -> dict[str, Any]:
-    version = registry.get_version(session, version_id)
+def get_lineage(version: AdminVersion, session: SessionDep) -> dict[str, Any]:
     return {"object": "model_version.lineage", "version_id": version.id, "chain": registry.lineage(session, version)}
 
 
 @router.post("/models/{version_id}/projects", name="admin_models.projects")
-def limit_version(version_id: str, body: ProjectsBody, session: SessionDep, _: AdminDep) -> ModelVersionObject:
+def limit_version(version: AdminVersion, body: ProjectsBody, session: SessionDep) -> ModelVersionObject:
     """Set the projects that may use the version (replacing the list); an empty list opens it to every project."""
-    version = registry.limit_version(
-        session, registry.get_version(session, version_id), _project_ids_of(session, body.projects)
-    )
+    version = registry.limit_version(session, version, registry.project_ids(session, body.projects))
     session.commit()
     return ModelVersionObject.model_validate(version)
 
 
 @router.post("/models/{version_id}/archive", name="admin_models.archive")
-def archive_version(version_id: str, session: SessionDep, _: AdminDep) -> ModelVersionObject:
-    version = registry.archive_version(session, registry.get_version(session, version_id))
+def archive_version(version: AdminVersion, session: SessionDep) -> ModelVersionObject:
+    version = registry.archive_version(session, version)
     session.commit()
     return ModelVersionObject.model_validate(version)
 
@@ -216,7 +212,7 @@ FILED_FOR_APPROVAL: dict[int | str, dict[str, Any]] = {
 
 @router.post("/models/{version_id}/promote", name="admin_models.promote", responses=FILED_FOR_APPROVAL)
 def promote_version(
-    version_id: str,
+    version: AdminVersion,
     body: PromoteBody,
     request: Request,
     response: Response,
@@ -224,7 +220,6 @@ def promote_version(
     settings: SettingsDep,
     principal: AdminDep,
 ) -> AliasMoveObject | ApprovalObject:
-    version = registry.get_version(session, version_id)
     registry.require_reason(body.reason)
     move = registry.plan_promotion(session, version, alias=body.alias, gate=settings.evaluation_gate, force=body.force)
     outcome = approvals.move_or_request(
@@ -274,16 +269,18 @@ def list_approvals(
 
 
 @router.get("/model_aliases/approvals/{approval_id}", name="admin_models.approval")
-def get_approval(approval_id: str, session: SessionDep, _: AdminDep) -> ApprovalObject:
-    approval = approvals.get_approval(session, approval_id)
+def get_approval(approval: AdminApproval, session: SessionDep) -> ApprovalObject:
     return ApprovalObject.of(approval, approvals.history_entry(session, approval))
 
 
 @router.post("/model_aliases/approvals/{approval_id}/approve", name="admin_models.approve")
 def approve(
-    approval_id: str, session: SessionDep, settings: SettingsDep, principal: AdminDep, body: DecisionBody | None = None
+    approval: AdminApproval,
+    session: SessionDep,
+    settings: SettingsDep,
+    principal: AdminDep,
+    body: DecisionBody | None = None,
 ) -> ApprovalObject:
-    approval = approvals.get_approval(session, approval_id)
     entry = approvals.approve(
         session,
         approval,
@@ -297,11 +294,11 @@ def approve(
 
 @router.post("/model_aliases/approvals/{approval_id}/reject", name="admin_models.reject")
 def reject(
-    approval_id: str, session: SessionDep, principal: AdminDep, body: DecisionBody | None = None
+    approval: AdminApproval, session: SessionDep, principal: AdminDep, body: DecisionBody | None = None
 ) -> ApprovalObject:
     approval = approvals.reject(
         session,
-        approvals.get_approval(session, approval_id),
+        approval,
         decider=principal.key_id,
         reason=body.reason if body else None,
     )

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from server.api.deps import AdminDep, ListingScopeDep, SessionDep, set_audit_target
+from server.api.deps import AdminDep, AdminKey, ListingScopeDep, SessionDep, set_audit_target
 from server.api.schemas import ApiKeyCreate, ApiKeyCreated, ApiKeyObject, ListResponse
-from server.db.models import DEFAULT_PROJECT_ID, ApiKey
-from server.errors import NotFound
+from server.db.models import DEFAULT_PROJECT_ID
 from server.services import keys as key_service
 from server.services.projects import require_project
 
@@ -31,10 +30,7 @@ def list_keys(session: SessionDep, _: AdminDep, scope: ListingScopeDep) -> ListR
 
 
 @router.post("/{key_id}/revoke", name="keys.revoke")
-def revoke_key(key_id: str, session: SessionDep, _: AdminDep) -> ApiKeyObject:
-    key = session.get(ApiKey, key_id)
-    if key is None:
-        raise NotFound(f"No such API key: {key_id}", param="key_id")
+def revoke_key(key: AdminKey, session: SessionDep) -> ApiKeyObject:
     key_service.revoke_key(session, key)
     session.commit()
     return ApiKeyObject.model_validate(key)

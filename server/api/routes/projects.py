@@ -5,10 +5,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from server.api.deps import AdminDep, SessionDep, set_audit_target
+from server.api.deps import AdminDep, AdminProject, SessionDep, set_audit_target
 from server.api.schemas import ListResponse, ProjectCreate, ProjectObject
-from server.db.models import Project
-from server.errors import NotFound
 from server.services import projects as project_service
 
 router = APIRouter(prefix="/v1/admin/projects", tags=["admin"])
@@ -27,8 +25,5 @@ def list_projects(session: SessionDep, _: AdminDep) -> ListResponse[ProjectObjec
 
 
 @router.get("/{project_id}", name="projects.get")
-def get_project(project_id: str, session: SessionDep, _: AdminDep) -> ProjectObject:
-    project = session.get(Project, project_id)
-    if project is None:
-        raise NotFound(f"No such project: {project_id}", param="project_id", code="project_not_found")
+def get_project(project: AdminProject) -> ProjectObject:
     return ProjectObject.model_validate(project)

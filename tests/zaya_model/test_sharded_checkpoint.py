@@ -116,7 +116,7 @@ def test_each_sharded_save_holds_its_own_step_though_the_staging_copy_is_reused(
     from transformers import AutoTokenizer
 
     from zaya_model import ZayaConfig
-    from zaya_model.training.checkpointing import Checkpointer
+    from zaya_model.training.checkpointer import Checkpointer
 
     def build():
         torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""The `transformers.Trainer` behaviour every fine-tuning run shares, supervised (`finetune.train`) and preference
+"""The `transformers.Trainer` behaviour every fine-tuning run shares, supervised (`finetune.run`) and preference
 (`finetune.preference`): atomic checkpoints reported to the hooks and rotated, a last checkpoint when a run ends off
 the schedule, the count of trained tokens, and the run's final metrics.
 
@@ -16,26 +16,21 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from zaya_model.training.atomic_io import write_json_atomic
+from zaya_model.training.atomic_io import publish_directory, write_json_atomic
 from zaya_model.training.callbacks import HooksCallback, TrainingHooks, rename_metrics
+from zaya_model.training.checkpoint_dirs import CheckpointWriteError, checkpoint_name, rotate_checkpoints
 
 from .artifacts import (
     BASE_MODEL_FILE,
     METRICS_FILE,
     TRAINED_TOKENS_FILE,
-    publish_directory,
     read_json,
     save_generation_files,
 )
-from .balancing import BalancingBiasCallback
+from .balancing_callback import BalancingBiasCallback
 from .data import IGNORE_INDEX
-from .rotation import rotate_checkpoints
 
 CHECKPOINT_METRICS = ("train_loss", "valid_loss", "valid_mean_token_accuracy")
-
-
-class CheckpointWriteError(OSError):
-    """A checkpoint could not be written (full disk, permissions); earlier checkpoints are intact."""
 
 
 class CheckpointedTraining:
@@ -92,7 +87,7 @@ class CheckpointedTraining:
         """Data-parallel: every process writes its RNG state into the staging directory, the first one the rest,
         publishes it and reports it; none goes on before it is published."""
         run_dir = super()._get_output_dir(trial)
-        name = f"checkpoint-{self.state.global_step}"
+        name = checkpoint_name(self.state.global_step)
         first = self.is_world_process_zero()
         os.makedirs(run_dir, exist_ok=True)
         self._staging_root = os.path.join(run_dir, f".{name}.partial")
@@ -109,7 +104,7 @@ class CheckpointedTraining:
                 shutil.rmtree(self._staging_root, ignore_errors=True)
             self._staging_root = None
         self.accelerator.wait_for_everyone()
-        best = os.path.join(run_dir, f"checkpoint-{self.state.best_global_step}")
+        best = os.path.join(run_dir, checkpoint_name(self.state.best_global_step))
         if self.state.best_global_step and os.path.isdir(best):
             self.state.best_model_checkpoint = best
         if not first:
@@ -125,7 +120,7 @@ class CheckpointedTraining:
         staging = Path(self._staging_root) / name
         # The Trainer looked for the best checkpoint in the staging root; point it at the published one.
         best_step = self.state.best_global_step
-        best = os.path.join(run_dir, f"checkpoint-{best_step}")
+        best = os.path.join(run_dir, checkpoint_name(best_step))
         if best_step and (best_step == self.state.global_step or os.path.isdir(best)):
             self.state.best_model_checkpoint = best
         self.state.save_to_json(str(staging / "trainer_state.json"))
@@ -144,7 +139,7 @@ class CheckpointedTraining:
         for step in rotate_checkpoints(run_dir, self.keep_checkpoints, self.state.best_global_step or None):
             record = self.checkpoints.pop(step, None)
             self.hooks.on_checkpoint_deleted(
-                step, record["path"] if record else os.path.join(run_dir, f"checkpoint-{step}")
+                step, record["path"] if record else os.path.join(run_dir, checkpoint_name(step))
             )
 
     def checkpoint_metrics(self) -> dict:

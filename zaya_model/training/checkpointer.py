@@ -7,7 +7,7 @@ schedulers, the balancing-bias updater, the data stream's position, the trainer'
 of the model and optimizers is chosen once, by the backend:
 - `SingleFileBackend`: the model as `save_pretrained` writes it (the upstream `zaya` layout, so `from_pretrained` and
   stock transformers read a checkpoint), the optimizers' state in `training_state.pt`; one process writes;
-- `ShardedBackend` (`distributed_checkpoint.py`): model and optimizers through `torch.distributed.checkpoint`, every
+- `ShardedBackend` (`sharded_checkpoint.py`): model and optimizers through `torch.distributed.checkpoint`, every
   rank writing its own shard; a checkpoint written by N processes loads into M.
 Either way `checkpoint-<step>/` also holds the tokenizer and `training_state.pt`, where every other object's state
 sits under its name.
@@ -27,7 +27,6 @@ whole background write).
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import threading
 import time
@@ -39,16 +38,19 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.stateful import Stateful
 
-from .atomic_io import fsync_path, fsync_tree, write_json_atomic
+from .atomic_io import publish_directory, write_json_atomic
+from .checkpoint_dirs import (
+    CHECKPOINT_PREFIX,
+    CheckpointWriteError,
+    checkpoint_name,
+    checkpoint_steps,
+    latest_checkpoint,
+    rotate_checkpoints,
+)
 from .staging import Staged, cpu_copy
 
-CHECKPOINT_PREFIX = "checkpoint-"
 TRAINING_STATE_FILE = "training_state.pt"
 INDEX_FILE = "index.json"
-
-
-class CheckpointWriteError(RuntimeError):
-    """A background checkpoint write failed (disk full, permissions, ...)."""
 
 
 def load_model_weights(model: torch.nn.Module, directory: Path) -> None:
@@ -65,21 +67,6 @@ def load_model_weights(model: torch.nn.Module, directory: Path) -> None:
     tied = set(getattr(model, "_tied_weights_keys", None) or {})
     if unexpected or set(missing) - tied:
         raise ValueError(f"checkpoint {directory} does not match the model: missing {missing}, unexpected {unexpected}")
-
-
-def checkpoint_steps(directory: Path) -> list[int]:
-    """The steps of the finished checkpoints in `directory`, in order."""
-    return sorted(
-        int(path.name.removeprefix(CHECKPOINT_PREFIX))
-        for path in directory.glob(f"{CHECKPOINT_PREFIX}*")
-        if path.is_dir() and path.name.removeprefix(CHECKPOINT_PREFIX).isdigit()
-    )
-
-
-def latest_checkpoint(directory: Path) -> Path | None:
-    """The newest finished checkpoint in `directory`, if any."""
-    steps = checkpoint_steps(directory) if directory.is_dir() else []
-    return directory / f"{CHECKPOINT_PREFIX}{steps[-1]}" if steps else None
 
 
 class SingleFileBackend:
@@ -139,7 +126,7 @@ class Checkpointer:
         self.keep_last = keep_last
         self.is_main = is_main
         if sharded:
-            from .distributed_checkpoint import ShardedBackend  # torch.distributed.checkpoint only where used
+            from .sharded_checkpoint import ShardedBackend  # torch.distributed.checkpoint only where used
 
             self.backend: SingleFileBackend | ShardedBackend = ShardedBackend()
         else:
@@ -161,7 +148,7 @@ class Checkpointer:
         return checkpoint_steps(self.directory)
 
     def path(self, step: int) -> Path:
-        return self.directory / f"{CHECKPOINT_PREFIX}{step}"
+        return self.directory / checkpoint_name(step)
 
     def latest(self) -> Path | None:
         return latest_checkpoint(self.directory)
@@ -236,16 +223,8 @@ class Checkpointer:
             return
         self.tokenizer.save_pretrained(temporary)
         torch.save(training_state, temporary / TRAINING_STATE_FILE)
-        fsync_tree(temporary)
-        final = self.path(step)
-        if final.exists():  # the same step saved again after a rollback: swap, never leave the step missing
-            previous = self.directory / f".tmp-old-{CHECKPOINT_PREFIX}{step}"
-            os.rename(final, previous)
-            os.rename(temporary, final)
-            shutil.rmtree(previous)
-        else:
-            os.rename(temporary, final)
-        fsync_path(self.directory)
+        # The same step saved again after a rollback replaces the older one, never leaving the step missing.
+        publish_directory(temporary, self.path(step))
         self._record(step, val_loss)
         self.completed_writes.append({**timing, "write_s": time.perf_counter() - started})
         if self.after_write is not None:
@@ -257,11 +236,7 @@ class Checkpointer:
             best = self.index["best_step"]
             if best is None or val_loss < self.index["val_loss"].get(str(best), float("inf")):
                 self.index["best_step"] = step
-        keep = set(self.steps()[-self.keep_last :])
-        if self.index["best_step"] is not None:
-            keep.add(self.index["best_step"])
-        for old in set(self.steps()) - keep:
-            shutil.rmtree(self.path(old))
+        for old in rotate_checkpoints(self.directory, self.keep_last, self.index["best_step"]):
             self.index["val_loss"].pop(str(old), None)
         write_json_atomic(self.directory / INDEX_FILE, self.index)
 

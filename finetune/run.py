@@ -13,8 +13,8 @@ dataset; `field` names it), `CheckpointWriteError` (disk full or unwritable; ear
 stay intact), `NonFiniteLossError` (the loss diverged).
 
 Full fine-tuning updates the routers' balancing biases after every optimizer step as pretraining does
-(`finetune.balancing`); LoRA leaves them as the base model has them. With `keep_checkpoints` set, only the newest
-that many checkpoints and the best by validation loss stay on disk (`finetune.rotation`).
+(`finetune.balancing_callback`); LoRA leaves them as the base model has them. With `keep_checkpoints` set, only the
+newest that many checkpoints and the best by validation loss stay on disk (`zaya_model.training.checkpoint_dirs`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ from transformers import (
 from zaya_model import ZayaConfig, ZayaForCausalLM
 from zaya_model.cpu.compiled_layers import enable_compiled_layers
 from zaya_model.pretrain.tokenizer import chat_template_token_ids
-from zaya_model.training.atomic_io import write_json_atomic
+from zaya_model.training.adapter_merge import merge_adapter
+from zaya_model.training.atomic_io import atomic_directory, write_json_atomic
 from zaya_model.training.callbacks import (
     COMPILING_MESSAGE,
     HooksCallback,
@@ -54,17 +55,16 @@ from .artifacts import (
     BASE_MODEL_FILE,
     EVALUATION_FILE,
     METRICS_FILE,
-    atomic_directory,
     base_model_fingerprint,
     save_generation_files,
 )
 from .auto import ResolvedHyperparameters, resolve_hyperparameters
-from .balancing import BalancingBiasCallback
-from .checkpointed_training import CheckpointedTraining, CheckpointWriteError, FinalCheckpointCallback, final_metrics
+from .balancing_callback import BalancingBiasCallback
 from .data import IGNORE_INDEX, TokenizedDataset, make_collator, read_examples, token_statistics
 from .datasets.validation import ValidationReport, validate_dataset
 from .evaluate import describe, evaluate_file, stop_token_ids
 from .settings import DEFAULT_LORA_TARGET_MODULES, FinetuneError, FineTuneSettings
+from .trainer_mixin import CheckpointedTraining, CheckpointWriteError, FinalCheckpointCallback, final_metrics
 
 MAX_PROBLEMS_SHOWN = 10
 LORA_EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -291,7 +291,7 @@ def _write_outputs(
         return final_dir, kind
     merged_dir = Path(run.output_dir) / "merged"
     with atomic_directory(merged_dir) as staging:
-        merged = trainer.model.merge_and_unload()
+        merged = merge_adapter(trainer.model)
         merged.save_pretrained(staging)
         save_generation_files(staging, merged, tokenizer)
         _write_scores(staging, metrics, evaluation)
