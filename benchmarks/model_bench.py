@@ -1,6 +1,6 @@
 """Side-by-side speed of our ZAYA1 (`zaya_model`) against upstream `transformers`' `zaya`, on CPU.
 
-Run: `python benchmarks/model_bench.py [--quick] [--out benchmarks/results/model_bench.json]`
+Run: `python -m benchmarks.model_bench [--quick] [--out benchmarks/results/model_bench.json]`
 
 One process holds both models with the same random weights (ours is built, saved with `save_pretrained`, and
 upstream loads that checkpoint) and times them interleaved (A B, then B A, ...) so that load from other processes
@@ -18,10 +18,8 @@ import contextlib
 import datetime
 import functools
 import gc
-import json
 import multiprocessing
 import os
-import platform
 import resource
 import statistics
 import sys
@@ -32,20 +30,14 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-DEFAULT_THREADS = 2
-# Must be set before torch is imported: it sizes OpenMP's thread pool (also inherited by the worker subprocesses).
-os.environ["OMP_NUM_THREADS"] = str(DEFAULT_THREADS)
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+import torch
+import transformers
 
-import torch  # noqa: E402
-import transformers  # noqa: E402
+from benchmarks import environment
+from benchmarks.environment import fmt, fmt_ratio, timed_stage
+from zaya_model.training.runtime import prepare_training_process
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "model_bench.json"
+DEFAULT_OUT = environment.default_out("model_bench")
 LOGITS_TOLERANCE = 1e-4
 BF16_PROBE_SIZE = 512
 PHASES = ("train_step", "prefill", "decode_b1", "decode_b8")
@@ -152,9 +144,7 @@ def model_config_kwargs(sizes: BenchSizes) -> dict:
 
 
 def ours_classes(source: str):
-    """Our (config, model) classes; `source="transformers"` stands in upstream's (to develop the script before ours)."""
-    if source == "auto":
-        source = "zaya_model" if (REPO_ROOT / "zaya_model" / "modeling_zaya.py").exists() else "transformers"
+    """Our (config, model) classes; `source="transformers"` stands in upstream's (to check the harness itself)."""
     if source == "zaya_model":
         from zaya_model import ZayaConfig, ZayaForCausalLM
 
@@ -342,14 +332,14 @@ def time_interleaved(runners: dict[str, Callable[[], int]], warmup: int, repeats
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _proc_status_kib(field_name: str) -> int:
+def proc_status_kib(field_name: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field_name + ":"):
             return int(line.split()[1])
     raise RuntimeError(f"{field_name} not in /proc/self/status")
 
 
-def _reset_peak_rss() -> bool:
+def reset_peak_rss() -> bool:
     """Linux: writing 5 to clear_refs resets the peak RSS (VmHWM) to the current RSS."""
     try:
         Path("/proc/self/clear_refs").write_text("5")
@@ -369,12 +359,12 @@ def measure_phase_memory(impl: str, phase: str, model_dir: str, sizes: BenchSize
         for tensor in [*model.parameters(), *model.buffers()]:
             tensor.sum()
     gc.collect()
-    if _reset_peak_rss():
+    if reset_peak_rss():
         method = "VmHWM after phase - VmRSS before (peak reset via /proc/self/clear_refs)"
-        baseline_kib = _proc_status_kib("VmRSS")
+        baseline_kib = proc_status_kib("VmRSS")
         run()
         run()
-        peak_kib = _proc_status_kib("VmHWM")
+        peak_kib = proc_status_kib("VmHWM")
     else:
         method = "ru_maxrss after phase - ru_maxrss after load"
         baseline_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -408,7 +398,7 @@ def run_isolated(target: Callable[..., dict], *args, timeout_s: int) -> dict:
 def _isolated_entry(sender, num_threads: int, target: Callable[..., dict], args: tuple) -> None:
     torch.set_num_threads(num_threads)
     init_amx()
-    prepare_process()
+    prepare_training_process()
     quiet_transformers()
     try:
         result = target(*args)
@@ -578,16 +568,6 @@ def bf16_matmul_probe() -> dict:
     return result
 
 
-def prepare_process() -> dict:
-    """Run as our training processes do (`zaya_model.training.runtime`): freed memory kept for reuse, subnormal
-    floats flushed to zero. Process-wide, so both implementations get the same."""
-    if (REPO_ROOT / "zaya_model" / "training" / "runtime.py").exists():
-        from zaya_model.training.runtime import prepare_training_process
-
-        return prepare_training_process()
-    return {}
-
-
 def measure_bf16(model_dir: str, sizes: BenchSizes, ours_source: str) -> dict:
     """Matmul and train-step speed under bf16 autocast (run in a subprocess with a timeout by the main process);
     ours with compiled layers, and eager as `ours_eager`, as in fp32.
@@ -626,11 +606,9 @@ def machine_info() -> dict:
     cpu = next((ln.split(":", 1)[1].strip() for ln in _cpuinfo_lines() if ln.startswith("model name")), "unknown")
     flags = next((ln.split(":", 1)[1].split() for ln in _cpuinfo_lines() if ln.startswith("flags")), [])
     return {
+        **environment.machine_summary(),
         "cpu": cpu,
-        "cpu_count": os.cpu_count(),
         "cpu_flags_of_note": sorted(f for f in flags if f.startswith(("amx", "avx512_bf16", "avx512f"))),
-        "load_average_at_start": os.getloadavg(),
-        "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "torch_threads": torch.get_num_threads(),
@@ -653,18 +631,10 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
     return numerator / denominator if numerator is not None and denominator else None
 
 
-@contextlib.contextmanager
-def timed_stage(stage_seconds: dict, name: str):
-    print(f"{name} ...", flush=True)
-    start = time.perf_counter()
-    yield
-    stage_seconds[name] = round(time.perf_counter() - start, 2)
-
-
 def run_benchmark(sizes: BenchSizes, mode: str, ours_source_arg: str) -> dict:
     ours_source, _, _ = ours_classes(ours_source_arg)
     if ours_source == "transformers":
-        print("WARNING: zaya_model is not available; 'ours' is upstream transformers (ratios are ~1 by design)")
+        print("WARNING: --ours transformers: 'ours' is upstream transformers (ratios are ~1 by design)")
     report: dict = {
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "mode": mode,
@@ -840,14 +810,6 @@ def measure_gflops(report: dict, flops: dict, model_dir: str, sizes: BenchSizes,
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _fmt(value: float | None, spec: str = ",.0f") -> str:
-    return "n/a" if value is None else format(value, spec)
-
-
-def _fmt_ratio(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.2f}x"
-
-
 def print_table(report: dict) -> None:
     medians, ratios = report["medians"], report["ratios"]
     rows = [("metric", "ours", "upstream", "ours/upstream", "target")]
@@ -863,9 +825,9 @@ def print_table(report: dict) -> None:
         rows.append(
             (
                 labels[phase],
-                _fmt(medians[phase]["ours"]),
-                _fmt(medians[phase]["upstream"]),
-                _fmt_ratio(ratios[phase]),
+                fmt(medians[phase]["ours"]),
+                fmt(medians[phase]["upstream"]),
+                fmt_ratio(ratios[phase]),
                 target_text,
             )
         )
@@ -873,9 +835,9 @@ def print_table(report: dict) -> None:
         rows.append(
             (
                 f"{labels[phase]}, ours eager",
-                _fmt(medians[phase]["ours_eager"]),
-                _fmt(medians[phase]["upstream"]),
-                _fmt_ratio(eager_ratio),
+                fmt(medians[phase]["ours_eager"]),
+                fmt(medians[phase]["upstream"]),
+                fmt_ratio(eager_ratio),
                 f"ours above: {COMPILED_PATHS[phase]}, compiled first ({report['compile_seconds'][phase]:,.0f} s)",
             )
         )
@@ -885,9 +847,9 @@ def print_table(report: dict) -> None:
         rows.append(
             (
                 f"peak memory {phase} MiB" + (" (eager)" if phase.startswith("decode") else ""),
-                _fmt(ours_mib, ",.1f"),
-                _fmt(up_mib, ",.1f"),
-                _fmt_ratio(ratio(ours_mib, up_mib)),
+                fmt(ours_mib, ",.1f"),
+                fmt(up_mib, ",.1f"),
+                fmt_ratio(ratio(ours_mib, up_mib)),
                 "",
             )
         )
@@ -895,9 +857,9 @@ def print_table(report: dict) -> None:
     rows.append(
         (
             "KV+state bytes/token",
-            _fmt(kv["ours"]["bytes_per_token"]),
-            _fmt(kv["upstream"]["bytes_per_token"]),
-            _fmt_ratio(kv["ratios"]["ours/upstream"]),
+            fmt(kv["ours"]["bytes_per_token"]),
+            fmt(kv["upstream"]["bytes_per_token"]),
+            fmt_ratio(kv["ratios"]["ours/upstream"]),
             f"GQA {kv['gqa_transformer']['bytes_per_token']:,.0f}, MHA {kv['mha_transformer']['bytes_per_token']:,.0f}",
         )
     )
@@ -915,9 +877,9 @@ def print_table(report: dict) -> None:
         rows.append(
             (
                 f"train GFLOP/s {precision}",
-                _fmt(ours_gflops, ",.1f"),
-                _fmt(up_gflops, ",.1f"),
-                _fmt_ratio(ratio(ours_gflops, up_gflops)),
+                fmt(ours_gflops, ",.1f"),
+                fmt(up_gflops, ",.1f"),
+                fmt_ratio(ratio(ours_gflops, up_gflops)),
                 note,
             )
         )
@@ -926,17 +888,13 @@ def print_table(report: dict) -> None:
             rows.append(
                 (
                     f"train GFLOP/s {precision}, ours eager",
-                    _fmt(eager_gflops, ",.1f"),
-                    _fmt(up_gflops, ",.1f"),
-                    _fmt_ratio(ratio(eager_gflops, up_gflops)),
+                    fmt(eager_gflops, ",.1f"),
+                    fmt(up_gflops, ",.1f"),
+                    fmt_ratio(ratio(eager_gflops, up_gflops)),
                     "",
                 )
             )
-    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
-    for index, row in enumerate(rows):
-        print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
-        if index == 0:
-            print("  ".join("-" * width for width in widths))
+    print(environment.format_rows(rows))
     print(
         f"ours = {report['ours_source']}; max |diff logits| {report['max_abs_logits_diff']:.1e}; "
         f"greedy tokens identical: {report['greedy_tokens_identical']}; "
@@ -948,20 +906,6 @@ def print_table(report: dict) -> None:
         "zaya lacks (_can_compile_fullgraph = False); a torch.compile'd upstream train step and prefill is not "
         "measured here (gpu_check's upstream_compiled rows)."
     )
-
-
-def write_json_atomic(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump(data, handle, indent=2)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def quiet_transformers() -> None:
@@ -976,13 +920,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--threads",
         type=int,
-        default=DEFAULT_THREADS,
+        default=environment.DEFAULT_THREADS,
         help="torch threads (default 2, the benchmark's setting; the smoke test uses 1)",
     )
     parser.add_argument(
         "--ours",
-        choices=("auto", "zaya_model", "transformers"),
-        default="auto",
+        choices=("zaya_model", "transformers"),
+        default="zaya_model",
         help="where 'ours' comes from; 'transformers' benchmarks upstream against itself",
     )
     return parser.parse_args(argv)
@@ -990,17 +934,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.threads < 1:
-        raise SystemExit("--threads must be at least 1")
-    torch.set_num_threads(args.threads)
+    environment.use_threads(args.threads)
     init_amx()
-    process = prepare_process()
+    process = prepare_training_process()
     quiet_transformers()
     mode = "quick" if args.quick else "full"
     report = run_benchmark(QUICK if args.quick else FULL, mode, args.ours)
     report["process"] = process
     print_table(report)
-    write_json_atomic(args.out, report)
+    environment.write_report(args.out, report)
     print(f"wrote {args.out}")
     return 0
 
