@@ -10,7 +10,8 @@ compiling upstream on 2 cores takes minutes; compiled in the warm-up step), ours
 the LM head on every position, then the assistant-only cross-entropy. `zaya finetune` itself runs our model with
 `skip_logits=True` (the LM head on the trained positions only): measured as `ours_full+skip_logits` and
 `ours_lora+skip_logits`, reported apart. A step is forward + backward + AdamW on the trainable parameters; LoRA is
-PEFT with the settings `zaya finetune` uses by default (r 8, alpha 16, attention projections and the fused experts).
+PEFT with the settings `zaya finetune` uses by default (r 8, alpha 16, attention projections and the fused experts),
+its config built by `zaya finetune`'s `make_lora_config`.
 Ours' full step also runs the balancing-bias update, as our full fine-tuning does. All are timed in one process by
 one clock around each step (`time.perf_counter()`), interleaved (A B C ..., then ... C B A), so load from other
 processes hits them alike; ratios are stated eager against eager and best against best (each side's faster of eager
@@ -40,8 +41,8 @@ from benchmarks.environment import fmt, fmt_ratio
 from finetune.data import TokenizedDataset
 from finetune.datasets.formats import parse_record
 from finetune.datasets.synthetic import generate_chat_examples
-from finetune.settings import DEFAULT_LORA_TARGET_MODULES
-from finetune.train import LORA_EXPERT_PARAMETERS
+from finetune.settings import FineTuneSettings
+from finetune.train import make_lora_config
 from zaya_model.cpu.compiled_layers import enable_compiled_layers
 from zaya_model.pretrain import train_tokenizer
 from zaya_model.training.balancing import BalancingBiasUpdater
@@ -171,16 +172,9 @@ def prepare_variant(variant: str, model_dir: str, sizes: FinetuneSizes):
     if "compile" in options and impl == "ours":
         enable_compiled_layers(model)
     if method == "lora":
-        from peft import LoraConfig, get_peft_model
+        from peft import get_peft_model
 
-        config = LoraConfig(
-            r=sizes.lora_r,
-            lora_alpha=sizes.lora_alpha,
-            target_modules=list(DEFAULT_LORA_TARGET_MODULES),
-            target_parameters=list(LORA_EXPERT_PARAMETERS),
-            task_type="CAUSAL_LM",
-        )
-        model = get_peft_model(model, config)
+        model = get_peft_model(model, make_lora_config(model, lora_settings(sizes), tokenizer=None))
     # Upstream compiled as `Trainer(torch_compile=True)` compiles the model it trains (PEFT's wrapper included).
     forward = torch.compile(model) if "compile" in options and impl == "upstream" else model
     balancing = BalancingBiasUpdater(model) if impl == "ours" and method == "full" else None
@@ -204,6 +198,15 @@ def prepare_variant(variant: str, model_dir: str, sizes: FinetuneSizes):
         return batch["input_ids"].numel()
 
     return model, step, first_loss
+
+
+def lora_settings(sizes: FinetuneSizes) -> FineTuneSettings:
+    """`zaya finetune`'s LoRA settings at the benchmark's rank and alpha (`make_lora_config` turns them into PEFT's
+    config, as a run does). The chat template's token rows are left out: they need the run's tokenizer, and the
+    adapted modules and experts are what a step's speed and memory depend on."""
+    return FineTuneSettings.from_options(
+        method="lora", lora_r=sizes.lora_r, lora_alpha=sizes.lora_alpha, lora_train_template_tokens=False
+    )
 
 
 def trainable_parameters(model: torch.nn.Module) -> int:
