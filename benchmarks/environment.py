@@ -24,7 +24,9 @@ DEFAULT_THREADS = 2  # the CPU benchmarks' torch threads unless `--threads` says
 PROCESS_DEFAULTS = {
     "HF_HUB_OFFLINE": "1",  # every model is built locally; nothing is downloaded
     "TOKENIZERS_PARALLELISM": "false",
-    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB: the tiny models' KV cache on CPU
+}
+VLLM_DEFAULTS = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB: the benchmarks' small models' KV cache on CPU
     "VLLM_NO_USAGE_STATS": "1",
 }
 
@@ -32,6 +34,13 @@ PROCESS_DEFAULTS = {
 def set_process_defaults() -> None:
     """The environment every benchmark and the processes it starts run with; variables already set are kept."""
     for name, value in PROCESS_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+
+
+def set_vllm_defaults() -> None:
+    """What the vLLM engines a serving benchmark starts run with (vLLM reads it when an engine starts, so the
+    benchmark's `main` sets it); variables already set are kept."""
+    for name, value in VLLM_DEFAULTS.items():
         os.environ.setdefault(name, value)
 
 

@@ -183,6 +183,7 @@ def table(report: dict, args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    environment.set_vllm_defaults()
     args = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="prefix-bench-") as workdir:
         measured = asyncio.run(run(args, Path(workdir)))

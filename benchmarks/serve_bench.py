@@ -1012,6 +1012,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     from server.engines.threads import run_on_own_thread
 
+    environment.set_vllm_defaults()
     args = parse_args(argv)
     sizes = SMOKE if args.smoke else FULL
     if args.requests:
