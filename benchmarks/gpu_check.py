@@ -330,18 +330,6 @@ def matmul_tflops(device: torch.device, size: int) -> float:
     return statistics.median(samples)
 
 
-def flops_per_token(model: torch.nn.Module, seq_len: int, passes: int) -> float:
-    """model_bench's analytic count (`train_step_flops`) per token: `passes` * (active parameters + layers *
-    query width * seq), with passes 6 for a train step (forward + backward) and 2 for a forward; active parameters are
-    all but the E - 1 experts a top-1 token does not use (the tied LM head counted once)."""
-    config = model.config
-    total = sum(p.numel() for p in model.parameters())
-    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
-    active = total - experts * (config.num_experts - 1) / config.num_experts
-    attention = config.num_hidden_layers * config.num_attention_heads * config.head_dim * seq_len
-    return passes * (active + attention)
-
-
 class ShapeModels:
     """Ours and upstream with the same weights on the device, converted to bf16 once the fp32 rows are done."""
 
@@ -550,7 +538,7 @@ def measure_row(models: ShapeModels, phase: str, precision: str, sizes: Sizes, p
     for impl, samples in time_interleaved(steps, sizes.repeats, device).items():
         row["impls"][impl] |= {"tokens_per_s": samples, "median_tokens_per_s": statistics.median(samples)}
     if passes is not None:
-        flops = flops_per_token(models.ours, shape.seq_len, passes)
+        flops = mb.flops_per_token(models.ours, shape.seq_len, passes)
         row["flops_per_token"] = flops
         for result in row["impls"].values():
             if "median_tokens_per_s" in result:

@@ -507,30 +507,38 @@ def train_step_flops(model: torch.nn.Module, sizes: BenchSizes) -> dict:
     """Analytic FLOPs of one train step (forward + backward; the AdamW update is O(params), ignored).
 
     FLOPs = 6 * N_active * T + 6 * L * (H * d) * S * T, with T = batch * seq tokens, where
-    - N_active = parameters one token multiplies with: all parameters, minus the (E - 1) unused experts of each layer
-      (top-1 routing; tokens sent to the skip class make this a slight overestimate). The tied embedding counts once,
+    - N_active = parameters one token multiplies with (`active_parameters`, from the product's `count_parameters`):
+      all parameters, minus the (E - 1) unused experts of each layer (top-1 routing; tokens sent to the skip class
+      make this a slight overestimate). The tied embedding counts once,
       for the LM head matmul (the embedding lookup costs no FLOPs). 6 = 2 (multiply-add) * 3 (forward + 2 backward).
     - the attention term: QK^T and PV each cost 2 * (H * d) FLOPs per (query, key) pair; with a causal mask a query
       sees S / 2 keys on average, so 2 * 2 * H * d * S / 2 = 2 * H * d * S per token per layer forward, times 3 for
       training.
     """
-    m = sizes.model
-    total_params = sum(p.numel() for p in model.parameters())
-    expert_params = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
-    if not expert_params:
-        raise RuntimeError("no parameters named '*.experts.*': cannot count the active parameters")
-    active_params = total_params - expert_params * (m["num_experts"] - 1) / m["num_experts"]
     tokens = sizes.train_batch * sizes.seq_len
-    q_width = m["num_attention_heads"] * m["head_dim"]
-    dense = 6 * active_params * tokens
-    attention = 6 * m["num_hidden_layers"] * q_width * sizes.seq_len * tokens
     return {
-        "total_params": total_params,
-        "active_params_per_token": active_params,
+        "total_params": sum(p.numel() for p in model.parameters()),
+        "active_params_per_token": active_parameters(model),
         "tokens_per_step": tokens,
-        "flops_per_step": dense + attention,
+        "flops_per_step": flops_per_token(model, sizes.seq_len) * tokens,
         "formula": "6 * active_params * tokens + 6 * layers * (heads * head_dim) * seq * tokens",
     }
+
+
+def active_parameters(model: torch.nn.Module) -> int:
+    """Parameters one token multiplies with, as the product counts them (`zaya_model.count_parameters`: the experts
+    a top-1 token does not use left out), plus the tied embedding once, for the LM head matmul."""
+    from zaya_model import count_parameters
+
+    return count_parameters(model)["active_non_embedding"] + model.config.vocab_size * model.config.hidden_size
+
+
+def flops_per_token(model: torch.nn.Module, seq_len: int, passes: int = 6) -> float:
+    """`passes` * (active parameters + layers * query width * seq): multiply-adds (2) x forward + backward (3) for a
+    train step (`passes` 6; 2 for a forward), plus causal attention (QK^T and PV over seq / 2 keys on average)."""
+    config = model.config
+    attention = config.num_hidden_layers * config.num_attention_heads * config.head_dim * seq_len
+    return passes * (active_parameters(model) + attention)
 
 
 def matmul_gflops(size: int, repeats: int, bf16_autocast: bool) -> list[float]:

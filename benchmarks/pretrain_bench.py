@@ -30,8 +30,8 @@ ZAYA1-ratio model; quick: a micro model) and dtype
 - **our loop on 2 processes** (fp32, forked gloo ranks with half the batch and half the threads each, so the same
   global batch and cores): replicated (`--sharding none`) and FSDP2 (`--sharding fsdp`);
 - **GFLOP/s and MFU**: analytic FLOPs per token (`6 * active params + 6 * layers * query width * seq`, see
-  `train_flops_per_token`) times tokens/s, against a plain matmul's GFLOP/s in the same dtype on this machine
-  (issue 3's target: our loop >= 50%);
+  `benchmarks.model_bench.flops_per_token`) times tokens/s, against a plain matmul's GFLOP/s in the same dtype on
+  this machine (issue 3's target: our loop >= 50%);
 - **checkpoint stall** (fp32): how long training paused per checkpoint (the CPU copy; the write runs in the
   background) next to what a synchronous `save_pretrained` of the same model takes in the training thread, for the
   replicated format and for the sharded (DCP) format of `--sharding fsdp` (1 process).
@@ -117,17 +117,6 @@ def selected_shapes(args: argparse.Namespace) -> list[dict]:
     if unknown:
         raise SystemExit(f"--shapes: unknown {sorted(unknown)}; choose from {[s['name'] for s in available]}")
     return [shape for shape in available if shape["name"] in args.shapes]
-
-
-def train_flops_per_token(model, seq_len: int) -> float:
-    """6 * N_active + 6 * L * (H * d) * S: multiply-adds (2) x forward + backward (3) over the parameters a token
-    uses (top-1 expert, the tied LM head once), plus causal attention (QK^T and PV over S / 2 keys on average)."""
-    from zaya_model.modeling_zaya import count_parameters
-
-    config = model.config
-    active = count_parameters(model)["active_non_embedding"] + config.vocab_size * config.hidden_size
-    attention = config.num_hidden_layers * config.num_attention_heads * config.head_dim * seq_len
-    return 6 * active + 6 * attention
 
 
 def bf16_available() -> str | None:
@@ -339,6 +328,7 @@ def run(args: argparse.Namespace) -> dict:
     import transformers
     from transformers import PreTrainedTokenizerFast
 
+    from benchmarks.model_bench import flops_per_token
     from zaya_model import ZayaForCausalLM
     from zaya_model.pretrain.presets import PretrainSettings
 
@@ -403,7 +393,7 @@ def run(args: argparse.Namespace) -> dict:
                                 compiled=impl == "upstream_compiled",
                             )
                 model = ZayaForCausalLM(settings.zaya_config(PreTrainedTokenizerFast.from_pretrained(tokenizer)))
-                flops = train_flops_per_token(model, settings.seq_len)
+                flops = flops_per_token(model, settings.seq_len)
                 entry = {
                     "shape": shape["name"],
                     "dtype": dtype,
