@@ -96,7 +96,7 @@ run: $(RUN_STAMP)
 	$(RUN_BIN)/python -m zaya_cli run
 
 bench: install
-	$(BIN)/python benchmarks/model_bench.py
+	$(BIN)/python -m benchmarks.model_bench
 
 # LoRA fine-tuning of `zaya run`'s tiny model on the disposition task; prints held-out scores before and after.
 demo: install

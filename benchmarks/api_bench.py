@@ -1,7 +1,7 @@
 """Throughput of the API server and the job queue: authenticated `GET /v1/models`, the cost of authentication
 itself, job creation, and jobs claimed per second by 1 and 4 worker processes.
 
-Run: `python benchmarks/api_bench.py [--quick] [--database-url URL] [--out benchmarks/results/api_bench.json]`
+Run: `python -m benchmarks.api_bench [--quick] [--database-url URL] [--out benchmarks/results/api_bench.json]`
 
 The server runs as a real `uvicorn` process on 127.0.0.1 (a fresh data dir, the database migrated first); clients
 are threads with keep-alive connections. With a PostgreSQL URL (`--database-url`, else `ZAYA_BENCH_DATABASE_URL`)
@@ -16,7 +16,6 @@ import datetime
 import json
 import multiprocessing
 import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -33,19 +32,16 @@ import httpx
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+from benchmarks import environment
+from benchmarks.environment import REPO_ROOT, timed_stage
+from server.db.migrations import upgrade
+from server.db.models import DEFAULT_PROJECT_ID, File, FineTuningJob, JobStatus, Role, new_id
+from server.db.scratch import scratch_database
+from server.db.session import make_autocommit_sessionmaker, make_engine, make_sessionmaker, session_scope
+from server.services import jobs, keys, registry
+from server.services.access import Scope
 
-from server.db.migrations import upgrade  # noqa: E402
-from server.db.models import DEFAULT_PROJECT_ID, File, FineTuningJob, JobStatus, Role, new_id  # noqa: E402
-from server.db.scratch import scratch_database  # noqa: E402
-from server.db.session import make_autocommit_sessionmaker, make_engine, make_sessionmaker, session_scope  # noqa: E402
-from server.services import jobs, keys, registry  # noqa: E402
-from server.services.access import Scope  # noqa: E402
-from zaya_model.training.atomic_io import write_json_atomic  # noqa: E402
-
-DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "api_bench.json"
+DEFAULT_OUT = environment.default_out("api_bench")
 DATABASE_URL_ENV = "ZAYA_BENCH_DATABASE_URL"
 AUTH_TARGET_MS = 1.0  # issue 5: authentication adds at most 1 ms per request
 CLAIMS_TARGET_PER_S = 200.0  # issue 5: at least 200 claims/s with 4 workers on PostgreSQL
@@ -333,24 +329,7 @@ def bench_claims(database_url: str, workers: int, n_jobs: int) -> dict:
     }
 
 
-@contextmanager
-def timed_stage(stages: dict, name: str) -> Iterator[None]:
-    print(f"{name} ...", flush=True)
-    started = time.perf_counter()
-    yield
-    stages[name] = round(time.perf_counter() - started, 2)
-
-
 # --- the report -----------------------------------------------------------------------------------------------------
-
-
-def machine_info() -> dict:
-    return {
-        "cpu_count": os.cpu_count(),
-        "load_average_at_start": os.getloadavg(),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-    }
 
 
 def run_benchmark(sizes: BenchSizes, mode: str, server_url: str | None) -> dict:
@@ -360,7 +339,7 @@ def run_benchmark(sizes: BenchSizes, mode: str, server_url: str | None) -> dict:
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "mode": mode,
         "database": backend,
-        "machine": machine_info(),
+        "machine": environment.machine_summary(),
         "sizes": asdict(sizes),
     }
     stages = report["stage_seconds"] = {}
@@ -418,12 +397,8 @@ def print_table(report: dict) -> None:
         if workers == str(max(CLAIM_WORKERS)):
             target = f">= {CLAIMS_TARGET_PER_S:.0f}/s: {met(report['targets']['claims_per_s_4_workers'])}"
         rows.append((f"jobs claimed/s, {workers} worker process(es)", f"{claims['claims_per_s']:,.0f}", target))
-    widths = [max(len(row[column]) for row in rows) for column in range(3)]
     print(f"\napi_bench ({report['mode']}, {report['database']}, {report['list_models']['requests']} list requests)")
-    for index, row in enumerate(rows):
-        print(" | ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
-        if index == 0:
-            print("-+-".join("-" * width for width in widths))
+    print(environment.format_rows(rows, separator=" | "))
 
 
 def _latency(section: dict) -> str:
@@ -448,8 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     mode = "quick" if args.quick else "full"
     report = run_benchmark(QUICK if args.quick else FULL, mode, args.database_url)
     print_table(report)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(args.out, report)
+    environment.write_report(args.out, report)
     print(f"wrote {args.out}")
     failures = [c for c in report["claims"].values() if c["claimed_twice"] or c["missed"]]
     if failures:

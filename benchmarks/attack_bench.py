@@ -2,7 +2,7 @@
 answer takes, the worst `/health` latency while it runs (polled every 50 ms from another thread, a fresh connection
 each time) and how much the server's resident memory grew.
 
-Run: `python benchmarks/attack_bench.py [--out benchmarks/results/attack_bench.json]` (about a minute). It prints
+Run: `python -m benchmarks.attack_bench [--out benchmarks/results/attack_bench.json]` (about a minute). It prints
 the rows of docs/reliability.md's table. `tests/security/test_stall.py` runs the same attacks with assertions.
 """
 
@@ -11,10 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import select
 import socket
-import sys
 import tempfile
 import threading
 import time
@@ -25,11 +23,8 @@ from pathlib import Path
 
 import httpx
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from benchmarks.load_test.stack import MODEL_NAME, Stack  # noqa: E402
+from benchmarks import environment
+from benchmarks.load_test.stack import MODEL_NAME, Stack
 
 PROMPT_CHARS = 8_000_000  # just under the default 8 MiB body limit once in JSON
 HEADER_BYTES = 100 * 1024**2
@@ -201,7 +196,7 @@ def audit_paths(stack: Stack) -> tuple[int, int]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "attack_bench.json")
+    parser.add_argument("--out", type=Path, default=environment.default_out("attack_bench"))
     args = parser.parse_args()
     with (
         tempfile.TemporaryDirectory(prefix="attack-bench-") as directory,
@@ -220,15 +215,14 @@ def main() -> int:
             f"| {row.memory_growth_mib:+.1f} MiB |"
         )
     print(f"audit rows of keyless requests: {audited}, longest path stored: {longest_path} characters")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
-        "machine": f"{platform.node()} {platform.machine()}",
+        "machine": environment.machine_summary(),
         "rows": [asdict(row) for row in rows],
         "keyless_audit_rows": audited,
         "longest_audited_path": longest_path,
     }
-    args.out.write_text(json.dumps(report, indent=2))
+    environment.write_report(args.out, report)
     return 0
 
 

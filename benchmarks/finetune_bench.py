@@ -1,7 +1,7 @@
 """LoRA against full fine-tuning, and ours against upstream `transformers`' `zaya` + PEFT: train-step speed and
 peak memory on CPU, side by side on the same weights and the same batch of bank-investigation chats.
 
-Run: `python benchmarks/finetune_bench.py [--quick] [--out benchmarks/results/finetune_bench.json]`
+Run: `python -m benchmarks.finetune_bench [--quick] [--out benchmarks/results/finetune_bench.json]`
 
 Variants: {ours, upstream} x {full, lora}, eager and compiled (`+compile`: ours with compiled layers, as `zaya
 finetune --compile`; upstream through `torch.compile`, as `Trainer(torch_compile=True)` runs it, full runs only:
@@ -10,14 +10,15 @@ compiling upstream on 2 cores takes minutes; compiled in the warm-up step), ours
 the LM head on every position, then the assistant-only cross-entropy. `zaya finetune` itself runs our model with
 `skip_logits=True` (the LM head on the trained positions only): measured as `ours_full+skip_logits` and
 `ours_lora+skip_logits`, reported apart. A step is forward + backward + AdamW on the trainable parameters; LoRA is
-PEFT with the settings `zaya finetune` uses by default (r 8, alpha 16, attention projections and the fused experts).
+PEFT with the settings `zaya finetune` uses by default (r 8, alpha 16, attention projections and the fused experts),
+its config built by `zaya finetune`'s `make_lora_config`.
 Ours' full step also runs the balancing-bias update, as our full fine-tuning does. All are timed in one process by
 one clock around each step (`time.perf_counter()`), interleaved (A B C ..., then ... C B A), so load from other
 processes hits them alike; ratios are stated eager against eager and best against best (each side's faster of eager
 and compiled). Peak memory is measured in a fresh process per variant (see `measure_variant_memory`). Every process
 is prepared as `zaya finetune`'s is (`zaya_model.training.runtime`: freed memory kept for reuse, subnormal floats
 flushed to zero).
-The harness (interleaved timing, fresh-process memory, machine info) is `model_bench.py`'s.
+The harness (interleaved timing, fresh-process memory, machine info) is `benchmarks.model_bench`'s.
 """
 
 from __future__ import annotations
@@ -32,24 +33,22 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import model_bench as mb  # benchmarks/ is on sys.path when this file runs as a script; sets OMP_NUM_THREADS
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+from benchmarks import environment
+from benchmarks import model_bench as mb
+from benchmarks.environment import fmt, fmt_ratio
+from finetune.data import TokenizedDataset
+from finetune.datasets.formats import parse_record
+from finetune.datasets.synthetic import generate_chat_examples
+from finetune.run import make_lora_config
+from finetune.settings import FineTuneSettings
+from zaya_model.cpu.compiled_layers import enable_compiled_layers
+from zaya_model.pretrain import train_tokenizer
+from zaya_model.training.balancing import BalancingBiasUpdater
+from zaya_model.training.runtime import prepare_training_process
 
-from finetune.data import TokenizedDataset  # noqa: E402
-from finetune.datasets.formats import parse_record  # noqa: E402
-from finetune.datasets.synthetic import generate_chat_examples  # noqa: E402
-from finetune.run import LORA_EXPERT_PARAMETERS  # noqa: E402
-from finetune.settings import DEFAULT_LORA_TARGET_MODULES  # noqa: E402
-from zaya_model.cpu.compiled_layers import enable_compiled_layers  # noqa: E402
-from zaya_model.pretrain import train_tokenizer  # noqa: E402
-from zaya_model.training.balancing import BalancingBiasUpdater  # noqa: E402
-from zaya_model.training.runtime import prepare_training_process  # noqa: E402
-
-DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "finetune_bench.json"
+DEFAULT_OUT = environment.default_out("finetune_bench")
 # "+gc": the same LoRA with gradient checkpointing (`zaya finetune --gradient-checkpointing`): memory for time.
 # "+compile": ours' compiled layers (`zaya finetune --compile`), upstream through `torch.compile`.
 # "+skip_logits": ours' LM head on the trained positions only, as `zaya finetune` runs it (a different computation of
@@ -173,16 +172,9 @@ def prepare_variant(variant: str, model_dir: str, sizes: FinetuneSizes):
     if "compile" in options and impl == "ours":
         enable_compiled_layers(model)
     if method == "lora":
-        from peft import LoraConfig, get_peft_model
+        from peft import get_peft_model
 
-        config = LoraConfig(
-            r=sizes.lora_r,
-            lora_alpha=sizes.lora_alpha,
-            target_modules=list(DEFAULT_LORA_TARGET_MODULES),
-            target_parameters=list(LORA_EXPERT_PARAMETERS),
-            task_type="CAUSAL_LM",
-        )
-        model = get_peft_model(model, config)
+        model = get_peft_model(model, make_lora_config(model, lora_settings(sizes), tokenizer=None))
     # Upstream compiled as `Trainer(torch_compile=True)` compiles the model it trains (PEFT's wrapper included).
     forward = torch.compile(model) if "compile" in options and impl == "upstream" else model
     balancing = BalancingBiasUpdater(model) if impl == "ours" and method == "full" else None
@@ -208,6 +200,15 @@ def prepare_variant(variant: str, model_dir: str, sizes: FinetuneSizes):
     return model, step, first_loss
 
 
+def lora_settings(sizes: FinetuneSizes) -> FineTuneSettings:
+    """`zaya finetune`'s LoRA settings at the benchmark's rank and alpha (`make_lora_config` turns them into PEFT's
+    config, as a run does). The chat template's token rows are left out: they need the run's tokenizer, and the
+    adapted modules and experts are what a step's speed and memory depend on."""
+    return FineTuneSettings.from_options(
+        method="lora", lora_r=sizes.lora_r, lora_alpha=sizes.lora_alpha, lora_train_template_tokens=False
+    )
+
+
 def trainable_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
@@ -220,12 +221,12 @@ def measure_variant_memory(variant: str, model_dir: str, sizes: FinetuneSizes) -
         for tensor in [*model.parameters(), *model.buffers()]:
             tensor.sum()
     gc.collect()
-    if not mb._reset_peak_rss():
+    if not mb.reset_peak_rss():
         return {"error": "cannot reset the peak RSS (/proc/self/clear_refs is not writable)"}
-    baseline_kib = mb._proc_status_kib("VmRSS")
+    baseline_kib = mb.proc_status_kib("VmRSS")
     step()
     step()
-    peak_kib = mb._proc_status_kib("VmHWM")
+    peak_kib = mb.proc_status_kib("VmHWM")
     return {
         "peak_rss_mib": peak_kib / 1024,
         "peak_delta_mib": (peak_kib - baseline_kib) / 1024,
@@ -254,7 +255,7 @@ def run_benchmark(sizes: FinetuneSizes, mode: str, variants: tuple[str, ...]) ->
         "memory_method": MEMORY_METHOD,
         "stage_seconds": {},
     }
-    stage = functools.partial(mb.timed_stage, report["stage_seconds"])
+    stage = functools.partial(environment.timed_stage, report["stage_seconds"])
     fork_server_ready = mb.start_fork_server("zaya_model")
     with tempfile.TemporaryDirectory(prefix="zaya-ft-bench-") as model_dir:
         with stage("build the model and the batch"):
@@ -364,16 +365,16 @@ def print_table(report: dict) -> None:
         rows.append(
             (
                 variant,
-                mb._fmt(medians["step_s"], ".3f"),
-                mb._fmt(medians["tokens_per_s"]),
-                mb._fmt(memory.get("peak_rss_mib"), ",.1f") if problem is None else problem[:40],
-                mb._fmt(memory.get("peak_delta_mib"), ",.1f"),
+                fmt(medians["step_s"], ".3f"),
+                fmt(medians["tokens_per_s"]),
+                fmt(memory.get("peak_rss_mib"), ",.1f") if problem is None else problem[:40],
+                fmt(memory.get("peak_delta_mib"), ",.1f"),
                 f"{report['parameters']['trainable'][variant]:,}",
             )
         )
     for variant, reason in report["not_measured"].items():
         rows.append((variant, "not measured", reason, "", "", ""))
-    _print_rows(rows)
+    print(environment.format_rows(rows))
     print()
     rows = [("ratio", "value", "target")]
     for name, value in report["ratios"].items():
@@ -382,8 +383,8 @@ def print_table(report: dict) -> None:
         if target is not None:
             sign = "<=" if target["kind"] == "max" else ">="
             text = f"{sign} {target['bound']}x {'met' if target['met'] else 'NOT met'}"
-        rows.append((name, mb._fmt_ratio(value), text))
-    _print_rows(rows)
+        rows.append((name, fmt_ratio(value), text))
+    print(environment.format_rows(rows))
     print(
         f"batch {report['batch']['shape']} ({report['batch']['trained_tokens']} trained tokens), "
         f"{report['parameters']['total'] / 1e6:.1f}M params; same loss in every variant's first step "
@@ -393,34 +394,24 @@ def print_table(report: dict) -> None:
     print(f"memory: {report['memory_method']}")
 
 
-def _print_rows(rows: list[tuple]) -> None:
-    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
-    for index, row in enumerate(rows):
-        print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
-        if index == 0:
-            print("  ".join("-" * width for width in widths))
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny config and few repeats (a smoke test, seconds)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON report path (default {DEFAULT_OUT})")
-    parser.add_argument("--threads", type=int, default=mb.DEFAULT_THREADS, help="torch threads (default 2)")
+    parser.add_argument("--threads", type=int, default=environment.DEFAULT_THREADS, help="torch threads (default 2)")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.threads < 1:
-        raise SystemExit("--threads must be at least 1")
-    torch.set_num_threads(args.threads)
+    environment.use_threads(args.threads)
     mb.quiet_transformers()
     process = prepare_training_process()
     sizes, mode, variants = (QUICK, "quick", QUICK_VARIANTS) if args.quick else (FULL, "full", VARIANTS)
     report = run_benchmark(sizes, mode, variants)
     report["process"] = process
     print_table(report)
-    mb.write_json_atomic(args.out, report)
+    environment.write_report(args.out, report)
     print(f"wrote {args.out}")
     return 0
 

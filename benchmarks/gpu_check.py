@@ -1,6 +1,6 @@
 """Our ZAYA1 on a GPU (CUDA or ROCm): checked against the CPU reference, timed beside upstream `transformers`' `zaya`.
 
-Run: `python benchmarks/gpu_check.py [--quick] [--device D] [--compile auto|on|off] [--budget-s S] [--only PART..]`
+Run: `python -m benchmarks.gpu_check [--quick] [--device D] [--compile auto|on|off] [--budget-s S] [--only PART..]`
 (`--quick`: tiny shapes, a smoke test that also runs on CPU; CI runs it there. `--compile auto` compiles on a GPU
 only: on 2 CPU cores compiling both models takes many minutes, and the compiled rows are then not measured.)
 
@@ -58,21 +58,18 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-for _path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
+import torch
+import transformers
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import model_bench as mb  # noqa: E402  (sets OMP_NUM_THREADS before torch loads; --threads overrides it)
-import torch  # noqa: E402
-import transformers  # noqa: E402
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+from benchmarks import environment
+from benchmarks import model_bench as mb
+from benchmarks.environment import fmt
+from zaya_model import ZayaConfig, ZayaForCausalLM
+from zaya_model.cpu.compiled_layers import enable_compiled_layers
+from zaya_model.kernels.grouped_mm_experts import use_grouped_mm_experts
 
-from zaya_model import ZayaConfig, ZayaForCausalLM  # noqa: E402
-from zaya_model.cpu.compiled_layers import enable_compiled_layers  # noqa: E402
-from zaya_model.kernels.grouped_mm_experts import use_grouped_mm_experts  # noqa: E402
-
-DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "gpu_check.json"
+DEFAULT_OUT = environment.default_out("gpu_check")
 FP32_TOLERANCE = 1e-4  # relative error of fp32 logits, device against CPU
 NEAR_TIE = 1e-3  # largest routing margin (biased probability) that fp32 rounding may flip
 BF16_TOLERANCE = 3e-2  # relative error of bf16 logits against the fp32 reference
@@ -333,18 +330,6 @@ def matmul_tflops(device: torch.device, size: int) -> float:
     return statistics.median(samples)
 
 
-def flops_per_token(model: torch.nn.Module, seq_len: int, passes: int) -> float:
-    """model_bench's analytic count (`train_step_flops`) per token: `passes` * (active parameters + layers *
-    query width * seq), with passes 6 for a train step (forward + backward) and 2 for a forward; active parameters are
-    all but the E - 1 experts a top-1 token does not use (the tied LM head counted once)."""
-    config = model.config
-    total = sum(p.numel() for p in model.parameters())
-    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
-    active = total - experts * (config.num_experts - 1) / config.num_experts
-    attention = config.num_hidden_layers * config.num_attention_heads * config.head_dim * seq_len
-    return passes * (active + attention)
-
-
 class ShapeModels:
     """Ours and upstream with the same weights on the device, converted to bf16 once the fp32 rows are done."""
 
@@ -553,7 +538,7 @@ def measure_row(models: ShapeModels, phase: str, precision: str, sizes: Sizes, p
     for impl, samples in time_interleaved(steps, sizes.repeats, device).items():
         row["impls"][impl] |= {"tokens_per_s": samples, "median_tokens_per_s": statistics.median(samples)}
     if passes is not None:
-        flops = flops_per_token(models.ours, shape.seq_len, passes)
+        flops = mb.flops_per_token(models.ours, shape.seq_len, passes)
         row["flops_per_token"] = flops
         for result in row["impls"].values():
             if "median_tokens_per_s" in result:
@@ -653,11 +638,10 @@ def measure_speed(
 
 def device_info(device: torch.device) -> dict:
     info = {
+        **environment.machine_summary(),
         "device": device.type,
-        "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "cpu_count": os.cpu_count(),
     }
     if device.type == "cuda":
         properties = torch.cuda.get_device_properties(device)
@@ -686,10 +670,6 @@ def targets(report: dict) -> dict:
     return {}
 
 
-def _fmt(value, spec: str = ",.0f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def table(report: dict) -> str:
     checks = report["checks"]
     lines = [
@@ -704,7 +684,7 @@ def table(report: dict) -> str:
         lines.append(
             "checks against the CPU reference: fp32 logits relative error "
             + ", ".join(
-                f"{path} {_fmt(r['relative_error'], '.1e')} ({r['compared_positions']}/{r['positions']} positions, "
+                f"{path} {fmt(r['relative_error'], '.1e')} ({r['compared_positions']}/{r['positions']} positions, "
                 f"{r['routing_flips']} near-tie routing flips)"
                 for path, r in checks["fp32_logits"].items()
             )
@@ -728,14 +708,14 @@ def table(report: dict) -> str:
         for impl in IMPLS:
             result = row["impls"].get(impl, {})
             if "median_tokens_per_s" in result:
-                cells.append(_fmt(result["median_tokens_per_s"]))
+                cells.append(fmt(result["median_tokens_per_s"]))
             else:
                 cells.append("error" if "error" in result else "n/a: " + str(result.get("not_measured", "-")))
         best = row.get("best", {})
         mfu = [row["impls"].get(best.get(side), {}).get("mfu") for side in ("ours", "upstream")]
         lines.append(
-            f"{head} {' | '.join(cells)} | {_fmt(row.get('eager_over_eager'), '.2f')} | "
-            f"{_fmt(row.get('best_over_best'), '.2f')} | {_fmt(mfu[0], '.1%')} | {_fmt(mfu[1], '.1%')} |"
+            f"{head} {' | '.join(cells)} | {fmt(row.get('eager_over_eager'), '.2f')} | "
+            f"{fmt(row.get('best_over_best'), '.2f')} | {fmt(mfu[0], '.1%')} | {fmt(mfu[1], '.1%')} |"
         )
     lines.append("\n(tokens/s; decode rows: generated tokens/s; best = each side's faster path)")
     for row in report["rows"]:
@@ -758,7 +738,7 @@ def table(report: dict) -> str:
                 lines.append(f"- {row['shape']} {row['phase']} {impl}: {result['error']}")
     for name, target in report["targets"].items():
         verdict = "not measured" if target["value"] is None else "met" if target["met"] else "NOT met"
-        lines.append(f"- target {name}: {_fmt(target['value'], '.2f')} (>= {target['min']}) {verdict}")
+        lines.append(f"- target {name}: {fmt(target['value'], '.2f')} (>= {target['min']}) {verdict}")
     return "\n".join(lines)
 
 
@@ -788,7 +768,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.monotonic()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    environment.use_threads(args.threads or os.cpu_count() or 1)
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 stays fp32 (the fp32 check; upstream's fp32 experts)
     torch.backends.cudnn.allow_tf32 = False
     mb.init_amx()
@@ -797,7 +777,7 @@ def main(argv: list[str] | None = None) -> int:
     compile_models = args.compile == "on" or (args.compile == "auto" and device.type != "cpu")
     report: dict = {
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+        "command": " ".join(["python -m benchmarks.gpu_check", *(argv if argv is not None else sys.argv[1:])]),
         "mode": "quick" if args.quick else "full",
         "machine": device_info(device),
         "sizes": asdict(sizes),
@@ -808,7 +788,7 @@ def main(argv: list[str] | None = None) -> int:
     }
 
     def save() -> None:
-        mb.write_json_atomic(args.out, report)
+        environment.write_report(args.out, report)
 
     report["matmul_tflops"] = matmul_tflops(device, sizes.matmul_size)
     print("checks against the CPU reference ...", flush=True)

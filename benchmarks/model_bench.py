@@ -1,6 +1,6 @@
 """Side-by-side speed of our ZAYA1 (`zaya_model`) against upstream `transformers`' `zaya`, on CPU.
 
-Run: `python benchmarks/model_bench.py [--quick] [--out benchmarks/results/model_bench.json]`
+Run: `python -m benchmarks.model_bench [--quick] [--out benchmarks/results/model_bench.json]`
 
 One process holds both models with the same random weights (ours is built, saved with `save_pretrained`, and
 upstream loads that checkpoint) and times them interleaved (A B, then B A, ...) so that load from other processes
@@ -20,7 +20,6 @@ import functools
 import gc
 import multiprocessing
 import os
-import platform
 import resource
 import statistics
 import sys
@@ -31,20 +30,14 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-DEFAULT_THREADS = 2
-# Must be set before torch is imported: it sizes OpenMP's thread pool (also inherited by the worker subprocesses).
-os.environ["OMP_NUM_THREADS"] = str(DEFAULT_THREADS)
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+import torch
+import transformers
 
-import torch  # noqa: E402
-import transformers  # noqa: E402
+from benchmarks import environment
+from benchmarks.environment import fmt, fmt_ratio, timed_stage
+from zaya_model.training.runtime import prepare_training_process
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "model_bench.json"
+DEFAULT_OUT = environment.default_out("model_bench")
 LOGITS_TOLERANCE = 1e-4
 BF16_PROBE_SIZE = 512
 PHASES = ("train_step", "prefill", "decode_b1", "decode_b8")
@@ -151,9 +144,7 @@ def model_config_kwargs(sizes: BenchSizes) -> dict:
 
 
 def ours_classes(source: str):
-    """Our (config, model) classes; `source="transformers"` stands in upstream's (to develop the script before ours)."""
-    if source == "auto":
-        source = "zaya_model" if (REPO_ROOT / "zaya_model" / "modeling_zaya.py").exists() else "transformers"
+    """Our (config, model) classes; `source="transformers"` stands in upstream's (to check the harness itself)."""
     if source == "zaya_model":
         from zaya_model import ZayaConfig, ZayaForCausalLM
 
@@ -341,14 +332,14 @@ def time_interleaved(runners: dict[str, Callable[[], int]], warmup: int, repeats
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _proc_status_kib(field_name: str) -> int:
+def proc_status_kib(field_name: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field_name + ":"):
             return int(line.split()[1])
     raise RuntimeError(f"{field_name} not in /proc/self/status")
 
 
-def _reset_peak_rss() -> bool:
+def reset_peak_rss() -> bool:
     """Linux: writing 5 to clear_refs resets the peak RSS (VmHWM) to the current RSS."""
     try:
         Path("/proc/self/clear_refs").write_text("5")
@@ -368,12 +359,12 @@ def measure_phase_memory(impl: str, phase: str, model_dir: str, sizes: BenchSize
         for tensor in [*model.parameters(), *model.buffers()]:
             tensor.sum()
     gc.collect()
-    if _reset_peak_rss():
+    if reset_peak_rss():
         method = "VmHWM after phase - VmRSS before (peak reset via /proc/self/clear_refs)"
-        baseline_kib = _proc_status_kib("VmRSS")
+        baseline_kib = proc_status_kib("VmRSS")
         run()
         run()
-        peak_kib = _proc_status_kib("VmHWM")
+        peak_kib = proc_status_kib("VmHWM")
     else:
         method = "ru_maxrss after phase - ru_maxrss after load"
         baseline_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -407,7 +398,7 @@ def run_isolated(target: Callable[..., dict], *args, timeout_s: int) -> dict:
 def _isolated_entry(sender, num_threads: int, target: Callable[..., dict], args: tuple) -> None:
     torch.set_num_threads(num_threads)
     init_amx()
-    prepare_process()
+    prepare_training_process()
     quiet_transformers()
     try:
         result = target(*args)
@@ -516,30 +507,38 @@ def train_step_flops(model: torch.nn.Module, sizes: BenchSizes) -> dict:
     """Analytic FLOPs of one train step (forward + backward; the AdamW update is O(params), ignored).
 
     FLOPs = 6 * N_active * T + 6 * L * (H * d) * S * T, with T = batch * seq tokens, where
-    - N_active = parameters one token multiplies with: all parameters, minus the (E - 1) unused experts of each layer
-      (top-1 routing; tokens sent to the skip class make this a slight overestimate). The tied embedding counts once,
+    - N_active = parameters one token multiplies with (`active_parameters`, from the product's `count_parameters`):
+      all parameters, minus the (E - 1) unused experts of each layer (top-1 routing; tokens sent to the skip class
+      make this a slight overestimate). The tied embedding counts once,
       for the LM head matmul (the embedding lookup costs no FLOPs). 6 = 2 (multiply-add) * 3 (forward + 2 backward).
     - the attention term: QK^T and PV each cost 2 * (H * d) FLOPs per (query, key) pair; with a causal mask a query
       sees S / 2 keys on average, so 2 * 2 * H * d * S / 2 = 2 * H * d * S per token per layer forward, times 3 for
       training.
     """
-    m = sizes.model
-    total_params = sum(p.numel() for p in model.parameters())
-    expert_params = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
-    if not expert_params:
-        raise RuntimeError("no parameters named '*.experts.*': cannot count the active parameters")
-    active_params = total_params - expert_params * (m["num_experts"] - 1) / m["num_experts"]
     tokens = sizes.train_batch * sizes.seq_len
-    q_width = m["num_attention_heads"] * m["head_dim"]
-    dense = 6 * active_params * tokens
-    attention = 6 * m["num_hidden_layers"] * q_width * sizes.seq_len * tokens
     return {
-        "total_params": total_params,
-        "active_params_per_token": active_params,
+        "total_params": sum(p.numel() for p in model.parameters()),
+        "active_params_per_token": active_parameters(model),
         "tokens_per_step": tokens,
-        "flops_per_step": dense + attention,
+        "flops_per_step": flops_per_token(model, sizes.seq_len) * tokens,
         "formula": "6 * active_params * tokens + 6 * layers * (heads * head_dim) * seq * tokens",
     }
+
+
+def active_parameters(model: torch.nn.Module) -> int:
+    """Parameters one token multiplies with, as the product counts them (`zaya_model.count_parameters`: the experts
+    a top-1 token does not use left out), plus the tied embedding once, for the LM head matmul."""
+    from zaya_model import count_parameters
+
+    return count_parameters(model)["active_non_embedding"] + model.config.vocab_size * model.config.hidden_size
+
+
+def flops_per_token(model: torch.nn.Module, seq_len: int, passes: int = 6) -> float:
+    """`passes` * (active parameters + layers * query width * seq): multiply-adds (2) x forward + backward (3) for a
+    train step (`passes` 6; 2 for a forward), plus causal attention (QK^T and PV over seq / 2 keys on average)."""
+    config = model.config
+    attention = config.num_hidden_layers * config.num_attention_heads * config.head_dim * seq_len
+    return passes * (active_parameters(model) + attention)
 
 
 def matmul_gflops(size: int, repeats: int, bf16_autocast: bool) -> list[float]:
@@ -575,16 +574,6 @@ def bf16_matmul_probe() -> dict:
             samples.append(2 * BF16_PROBE_SIZE**3 / (time.perf_counter() - start) / 1e9)
         result[name] = median(samples)
     return result
-
-
-def prepare_process() -> dict:
-    """Run as our training processes do (`zaya_model.training.runtime`): freed memory kept for reuse, subnormal
-    floats flushed to zero. Process-wide, so both implementations get the same."""
-    if (REPO_ROOT / "zaya_model" / "training" / "runtime.py").exists():
-        from zaya_model.training.runtime import prepare_training_process
-
-        return prepare_training_process()
-    return {}
 
 
 def measure_bf16(model_dir: str, sizes: BenchSizes, ours_source: str) -> dict:
@@ -625,11 +614,9 @@ def machine_info() -> dict:
     cpu = next((ln.split(":", 1)[1].strip() for ln in _cpuinfo_lines() if ln.startswith("model name")), "unknown")
     flags = next((ln.split(":", 1)[1].split() for ln in _cpuinfo_lines() if ln.startswith("flags")), [])
     return {
+        **environment.machine_summary(),
         "cpu": cpu,
-        "cpu_count": os.cpu_count(),
         "cpu_flags_of_note": sorted(f for f in flags if f.startswith(("amx", "avx512_bf16", "avx512f"))),
-        "load_average_at_start": os.getloadavg(),
-        "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "torch_threads": torch.get_num_threads(),
@@ -652,18 +639,10 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
     return numerator / denominator if numerator is not None and denominator else None
 
 
-@contextlib.contextmanager
-def timed_stage(stage_seconds: dict, name: str):
-    print(f"{name} ...", flush=True)
-    start = time.perf_counter()
-    yield
-    stage_seconds[name] = round(time.perf_counter() - start, 2)
-
-
 def run_benchmark(sizes: BenchSizes, mode: str, ours_source_arg: str) -> dict:
     ours_source, _, _ = ours_classes(ours_source_arg)
     if ours_source == "transformers":
-        print("WARNING: zaya_model is not available; 'ours' is upstream transformers (ratios are ~1 by design)")
+        print("WARNING: --ours transformers: 'ours' is upstream transformers (ratios are ~1 by design)")
     report: dict = {
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "mode": mode,
@@ -839,14 +818,6 @@ def measure_gflops(report: dict, flops: dict, model_dir: str, sizes: BenchSizes,
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _fmt(value: float | None, spec: str = ",.0f") -> str:
-    return "n/a" if value is None else format(value, spec)
-
-
-def _fmt_ratio(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.2f}x"
-
-
 def print_table(report: dict) -> None:
     medians, ratios = report["medians"], report["ratios"]
     rows = [("metric", "ours", "upstream", "ours/upstream", "target")]
@@ -862,9 +833,9 @@ def print_table(report: dict) -> None:
         rows.append(
             (
                 labels[phase],
-                _fmt(medians[phase]["ours"]),
-                _fmt(medians[phase]["upstream"]),
-                _fmt_ratio(ratios[phase]),
+                fmt(medians[phase]["ours"]),
+                fmt(medians[phase]["upstream"]),
+                fmt_ratio(ratios[phase]),
                 target_text,
             )
         )
@@ -872,9 +843,9 @@ def print_table(report: dict) -> None:
         rows.append(
             (
                 f"{labels[phase]}, ours eager",
-                _fmt(medians[phase]["ours_eager"]),
-                _fmt(medians[phase]["upstream"]),
-                _fmt_ratio(eager_ratio),
+                fmt(medians[phase]["ours_eager"]),
+                fmt(medians[phase]["upstream"]),
+                fmt_ratio(eager_ratio),
                 f"ours above: {COMPILED_PATHS[phase]}, compiled first ({report['compile_seconds'][phase]:,.0f} s)",
             )
         )
@@ -884,9 +855,9 @@ def print_table(report: dict) -> None:
         rows.append(
             (
                 f"peak memory {phase} MiB" + (" (eager)" if phase.startswith("decode") else ""),
-                _fmt(ours_mib, ",.1f"),
-                _fmt(up_mib, ",.1f"),
-                _fmt_ratio(ratio(ours_mib, up_mib)),
+                fmt(ours_mib, ",.1f"),
+                fmt(up_mib, ",.1f"),
+                fmt_ratio(ratio(ours_mib, up_mib)),
                 "",
             )
         )
@@ -894,9 +865,9 @@ def print_table(report: dict) -> None:
     rows.append(
         (
             "KV+state bytes/token",
-            _fmt(kv["ours"]["bytes_per_token"]),
-            _fmt(kv["upstream"]["bytes_per_token"]),
-            _fmt_ratio(kv["ratios"]["ours/upstream"]),
+            fmt(kv["ours"]["bytes_per_token"]),
+            fmt(kv["upstream"]["bytes_per_token"]),
+            fmt_ratio(kv["ratios"]["ours/upstream"]),
             f"GQA {kv['gqa_transformer']['bytes_per_token']:,.0f}, MHA {kv['mha_transformer']['bytes_per_token']:,.0f}",
         )
     )
@@ -914,9 +885,9 @@ def print_table(report: dict) -> None:
         rows.append(
             (
                 f"train GFLOP/s {precision}",
-                _fmt(ours_gflops, ",.1f"),
-                _fmt(up_gflops, ",.1f"),
-                _fmt_ratio(ratio(ours_gflops, up_gflops)),
+                fmt(ours_gflops, ",.1f"),
+                fmt(up_gflops, ",.1f"),
+                fmt_ratio(ratio(ours_gflops, up_gflops)),
                 note,
             )
         )
@@ -925,17 +896,13 @@ def print_table(report: dict) -> None:
             rows.append(
                 (
                     f"train GFLOP/s {precision}, ours eager",
-                    _fmt(eager_gflops, ",.1f"),
-                    _fmt(up_gflops, ",.1f"),
-                    _fmt_ratio(ratio(eager_gflops, up_gflops)),
+                    fmt(eager_gflops, ",.1f"),
+                    fmt(up_gflops, ",.1f"),
+                    fmt_ratio(ratio(eager_gflops, up_gflops)),
                     "",
                 )
             )
-    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
-    for index, row in enumerate(rows):
-        print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
-        if index == 0:
-            print("  ".join("-" * width for width in widths))
+    print(environment.format_rows(rows))
     print(
         f"ours = {report['ours_source']}; max |diff logits| {report['max_abs_logits_diff']:.1e}; "
         f"greedy tokens identical: {report['greedy_tokens_identical']}; "
@@ -947,14 +914,6 @@ def print_table(report: dict) -> None:
         "zaya lacks (_can_compile_fullgraph = False); a torch.compile'd upstream train step and prefill is not "
         "measured here (gpu_check's upstream_compiled rows)."
     )
-
-
-def write_json_atomic(path: Path, data: dict) -> None:
-    """The shared atomic JSON write, into a directory created if missing."""
-    from zaya_model.training.atomic_io import write_json_atomic as write
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write(path, data)
 
 
 def quiet_transformers() -> None:
@@ -969,13 +928,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--threads",
         type=int,
-        default=DEFAULT_THREADS,
+        default=environment.DEFAULT_THREADS,
         help="torch threads (default 2, the benchmark's setting; the smoke test uses 1)",
     )
     parser.add_argument(
         "--ours",
-        choices=("auto", "zaya_model", "transformers"),
-        default="auto",
+        choices=("zaya_model", "transformers"),
+        default="zaya_model",
         help="where 'ours' comes from; 'transformers' benchmarks upstream against itself",
     )
     return parser.parse_args(argv)
@@ -983,17 +942,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.threads < 1:
-        raise SystemExit("--threads must be at least 1")
-    torch.set_num_threads(args.threads)
+    environment.use_threads(args.threads)
     init_amx()
-    process = prepare_process()
+    process = prepare_training_process()
     quiet_transformers()
     mode = "quick" if args.quick else "full"
     report = run_benchmark(QUICK if args.quick else FULL, mode, args.ours)
     report["process"] = process
     print_table(report)
-    write_json_atomic(args.out, report)
+    environment.write_report(args.out, report)
     print(f"wrote {args.out}")
     return 0
 

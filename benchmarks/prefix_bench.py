@@ -2,7 +2,7 @@
 and off.
 
 Run (needs `make install-vllm`):
-    .venv-vllm/bin/python benchmarks/prefix_bench.py [--smoke] [--out benchmarks/results/prefix_bench.json]
+    .venv-vllm/bin/python -m benchmarks.prefix_bench [--smoke] [--out benchmarks/results/prefix_bench.json]
 
 The load the issue names: `--clients` (8) streaming clients at once, each sending one completion whose prompt is a
 shared `--prefix-tokens` (1,000) system prompt followed by its own `--question-tokens` (32) question, greedy,
@@ -25,8 +25,6 @@ import asyncio
 import contextlib
 import datetime
 import json
-import os
-import platform
 import random
 import statistics
 import sys
@@ -35,19 +33,11 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+from benchmarks import environment
+from benchmarks.load_test.stack import MODEL_NAME, Stack
+from benchmarks.serve_bench import FULL, SMOKE, build_checkpoints
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from benchmarks.load_test.stack import MODEL_NAME, Stack  # noqa: E402
-from benchmarks.serve_bench import FULL, SMOKE  # noqa: E402
-
-DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "prefix_bench.json"
+DEFAULT_OUT = environment.default_out("prefix_bench")
 START_TIMEOUT_S = 600
 TARGET_TTFT_RATIO = 4.0
 
@@ -72,8 +62,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build_model(directory: Path, smoke: bool, positions: int) -> Path:
     """serve_bench's ZAYA (random weights, routing spread over experts and skip), long enough for the prompts."""
-    from benchmarks.serve_bench import build_checkpoints
-
     zaya_dir, _ = build_checkpoints(directory, SMOKE if smoke else FULL, max_positions=positions)
     return zaya_dir
 
@@ -195,21 +183,19 @@ def table(report: dict, args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from zaya_model.training.atomic_io import write_json_atomic
-
+    environment.set_vllm_defaults()
     args = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="prefix-bench-") as workdir:
         measured = asyncio.run(run(args, Path(workdir)))
     report = {
         "mode": "smoke" if args.smoke else "full",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_average": os.getloadavg()},
+        "machine": environment.machine_summary(),
         "load": {name: getattr(args, name) for name in ("clients", "prefix_tokens", "question_tokens", "max_tokens")}
         | {"rounds": args.rounds},
         **measured,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(args.out, report)
+    environment.write_report(args.out, report)
     print(table(report, args))
     print(f"report: {args.out}")
     return 0

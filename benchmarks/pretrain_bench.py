@@ -1,6 +1,6 @@
 """Pretraining speed on CPU: our training loop against transformers' `Trainer` and upstream `zaya`, MFU, checkpoints.
 
-Run: `python benchmarks/pretrain_bench.py [--quick] [--threads N] [--clock wall|cpu] [--shapes NAME ...]
+Run: `python -m benchmarks.pretrain_bench [--quick] [--threads N] [--clock wall|cpu] [--shapes NAME ...]
 [--out benchmarks/results/pretrain_bench.json]`
 
 For each model shape (full: the `tiny` and `cpu` presets (`cpu` is the CPU fine-tuning recipe's base) and a 512-wide
@@ -12,7 +12,7 @@ ZAYA1-ratio model; quick: a micro model) and dtype
 - **Trainer**: the same model, initial weights, packed rows, batch, optimizer settings and schedule under
   `transformers.Trainer` (rows pre-packed in memory, no balancing update);
 - **upstream**: the same `Trainer` run with upstream `transformers.ZayaForCausalLM` (`grouped_mm` experts, sdpa;
-  loaded as `model_bench.py` loads it) from a checkpoint of the same initial weights, on the same rows (the run
+  loaded as `benchmarks.model_bench` loads it) from a checkpoint of the same initial weights, on the same rows (the run
   aborts if its logits differ from ours), eager (`upstream`) and compiled as transformers compiles a model for
   training (`upstream_compiled`: `TrainingArguments(torch_compile=True)`; full runs only: compiling upstream on 2
   cores takes minutes);
@@ -30,8 +30,8 @@ ZAYA1-ratio model; quick: a micro model) and dtype
 - **our loop on 2 processes** (fp32, forked gloo ranks with half the batch and half the threads each, so the same
   global batch and cores): replicated (`--sharding none`) and FSDP2 (`--sharding fsdp`);
 - **GFLOP/s and MFU**: analytic FLOPs per token (`6 * active params + 6 * layers * query width * seq`, see
-  `train_flops_per_token`) times tokens/s, against a plain matmul's GFLOP/s in the same dtype on this machine
-  (issue 3's target: our loop >= 50%);
+  `benchmarks.model_bench.flops_per_token`) times tokens/s, against a plain matmul's GFLOP/s in the same dtype on
+  this machine (issue 3's target: our loop >= 50%);
 - **checkpoint stall** (fp32): how long training paused per checkpoint (the CPU copy; the write runs in the
   background) next to what a synchronous `save_pretrained` of the same model takes in the training thread, for the
   replicated format and for the sharded (DCP) format of `--sharding fsdp` (1 process).
@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import platform
 import statistics
 import sys
@@ -53,14 +52,9 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from benchmarks import environment
 
-DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "pretrain_bench.json"
+DEFAULT_OUT = environment.default_out("pretrain_bench")
 # Our loop (eager, and with compiled layers); our model under Trainer; upstream's model under Trainer (eager, and
 # compiled by Trainer in full runs).
 IMPLS = ("ours", "ours_compiled", "trainer", "upstream", "upstream_compiled")
@@ -76,7 +70,7 @@ clock = CLOCKS["wall"]  # set from --clock
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="micro model, 3 timed steps: a smoke run")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    parser.add_argument("--threads", type=int, default=environment.DEFAULT_THREADS, help="torch threads (default 2)")
     parser.add_argument(
         "--clock",
         choices=sorted(CLOCKS),
@@ -92,13 +86,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def shapes(quick: bool) -> list[dict]:
-    from model_bench import FULL
-
+    from benchmarks.model_bench import FULL
     from zaya_model.pretrain.presets import MICRO_MODEL, PRESETS
 
     if quick:
         return [dict(name="micro", model=MICRO_MODEL, seq_len=32, batch_size=4, vocab=320, steps=3, rounds=1)]
-    # model_bench.py's 512-wide model (ZAYA1's ratios), with the vocabulary of the tokenizer trained here.
+    # model_bench's 512-wide model (ZAYA1's ratios), with the vocabulary of the tokenizer trained here.
     wide = {key: value for key, value in FULL.model.items() if key != "vocab_size"} | {"max_position_embeddings": 1024}
     recipe = PRESETS["cpu"]
     return [
@@ -124,17 +117,6 @@ def selected_shapes(args: argparse.Namespace) -> list[dict]:
     if unknown:
         raise SystemExit(f"--shapes: unknown {sorted(unknown)}; choose from {[s['name'] for s in available]}")
     return [shape for shape in available if shape["name"] in args.shapes]
-
-
-def train_flops_per_token(model, seq_len: int) -> float:
-    """6 * N_active + 6 * L * (H * d) * S: multiply-adds (2) x forward + backward (3) over the parameters a token
-    uses (top-1 expert, the tied LM head once), plus causal attention (QK^T and PV over S / 2 keys on average)."""
-    from zaya_model.modeling_zaya import count_parameters
-
-    config = model.config
-    active = count_parameters(model)["active_non_embedding"] + config.vocab_size * config.hidden_size
-    attention = config.num_hidden_layers * config.num_attention_heads * config.head_dim * seq_len
-    return 6 * active + 6 * attention
 
 
 def bf16_available() -> str | None:
@@ -218,10 +200,10 @@ def measure_two_processes(corpus, tokenizer, directory: Path, settings, threads:
 
 
 def upstream_copy(model, directory: Path, seq_len: int):
-    """Upstream `transformers.ZayaForCausalLM` with `model`'s weights, loaded as model_bench.py loads it."""
+    """Upstream `transformers.ZayaForCausalLM` with `model`'s weights, loaded as `benchmarks.model_bench` loads it."""
     import dataclasses
 
-    from model_bench import FULL, check_same_logits, load_model
+    from benchmarks.model_bench import FULL, check_same_logits, load_model
 
     model.save_pretrained(directory)
     upstream = load_model("upstream", str(directory), "zaya_model")
@@ -346,12 +328,13 @@ def run(args: argparse.Namespace) -> dict:
     import transformers
     from transformers import PreTrainedTokenizerFast
 
+    from benchmarks.model_bench import flops_per_token
     from zaya_model import ZayaForCausalLM
     from zaya_model.pretrain.presets import PretrainSettings
 
     global clock
     clock = CLOCKS[args.clock]
-    torch.set_num_threads(args.threads)
+    environment.use_threads(args.threads)
     bf16_reason = bf16_available()
     dtypes = ["fp32"] if bf16_reason else ["fp32", "bf16"]
     matmul_size = 512 if args.quick else 2048
@@ -360,9 +343,8 @@ def run(args: argparse.Namespace) -> dict:
         "mode": "quick" if args.quick else "full",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": {
+            **environment.machine_summary(),
             "processor": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(),
-            "load_average": os.getloadavg(),
             "threads": args.threads,
             "clock": args.clock,
             "torch": torch.__version__,
@@ -411,7 +393,7 @@ def run(args: argparse.Namespace) -> dict:
                                 compiled=impl == "upstream_compiled",
                             )
                 model = ZayaForCausalLM(settings.zaya_config(PreTrainedTokenizerFast.from_pretrained(tokenizer)))
-                flops = train_flops_per_token(model, settings.seq_len)
+                flops = flops_per_token(model, settings.seq_len)
                 entry = {
                     "shape": shape["name"],
                     "dtype": dtype,
@@ -531,10 +513,7 @@ def main(argv=None) -> int:
     process = prepare_training_process()  # first, so torch's threads take it; inherited by the forked ranks
     report = run(args)
     report["process"] = process
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    temporary = args.out.with_name(f".tmp-{args.out.name}")
-    temporary.write_text(json.dumps(report, indent=2))
-    temporary.replace(args.out)
+    environment.write_report(args.out, report)
     print(table(report))
     print(f"\nreport: {args.out}")
     return 0

@@ -1,6 +1,6 @@
 """Does the CPU recipe learn the bank task? Pretrain, fine-tune with default settings, score base and fine-tunes.
 
-Run: `python benchmarks/quality_bench.py [--smoke] [--out benchmarks/results/quality_bench.json]`
+Run: `python -m benchmarks.quality_bench [--smoke] [--out benchmarks/results/quality_bench.json]`
 
 1. `zaya data sample`'s corpus: `--corpus` synthetic closed bank cases (each case file ends with its closing note,
    the disposition and its reason; `--bare-corpus`: without it);
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import resource
 import sys
@@ -34,12 +33,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-os.environ.setdefault("OMP_NUM_THREADS", "2")
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+from benchmarks import environment
 
-DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "quality_bench.json"
+DEFAULT_OUT = environment.default_out("quality_bench")
 METHODS = ("lora", "full")
 
 
@@ -69,10 +65,9 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
     from zaya_model.pretrain.train import Pretrainer
     from zaya_model.training.callbacks import TrainingHooks
 
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     report: dict = {
         "date": datetime.date.today().isoformat(),
-        "command": " ".join(["python", "benchmarks/quality_bench.py", *sys.argv[1:]]),
+        "command": " ".join(["python -m benchmarks.quality_bench", *sys.argv[1:]]),
         "threads": torch.get_num_threads(),
         "preset": args.preset,
         "corpus_cases": args.corpus,
@@ -176,11 +171,7 @@ def print_table(report: dict) -> None:
                 f"{hyper['learning_rate']:.2e}" if "learning_rate" in hyper else "",
             )
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for index, row in enumerate(rows):
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
-        if index == 0:
-            print("  ".join("-" * width for width in widths))
+    print(environment.format_rows(rows))
     seconds = ", ".join(f"{name} {value} s" for name, value in report["seconds"].items())
     idle = ", ".join(f"{name} {value} s" for name, value in report["seconds_idle_estimate"].items())
     print(
@@ -228,14 +219,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from zaya_model.training.runtime import prepare_training_process
 
+    # OMP_NUM_THREADS, when set, says how many threads; the processes this one starts inherit the count.
+    environment.use_threads(int(os.environ.get("OMP_NUM_THREADS", environment.DEFAULT_THREADS)))
     prepare_training_process()
     with tempfile.TemporaryDirectory(prefix="zaya-quality-") as scratch:
         workdir = args.workdir or Path(scratch)
         workdir.mkdir(parents=True, exist_ok=True)
         report = run(args, workdir)
     print_table(report)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    environment.write_report(args.out, report)
     print(f"wrote {args.out}")
     return 0
 

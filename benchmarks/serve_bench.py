@@ -3,10 +3,10 @@ directly, beside batched `generate()` (ours and upstream `transformers`' `zaya`)
 same active size as the speed reference.
 
 Run (the vLLM rows need `make install-vllm`; without vLLM they say "not run (no vLLM environment)"):
-    .venv-vllm/bin/python benchmarks/serve_bench.py [--smoke] [--out benchmarks/results/serve_bench.json]
+    .venv-vllm/bin/python -m benchmarks.serve_bench [--smoke] [--out benchmarks/results/serve_bench.json]
         [--postgres-url postgresql+psycopg://postgres@127.0.0.1:5432/test]
-    .venv/bin/python benchmarks/serve_bench.py --systems local
-    .venv/bin/python benchmarks/serve_bench.py --systems local --client guidellm   # guidellm sends the API loads
+    .venv/bin/python -m benchmarks.serve_bench --systems local
+    .venv/bin/python -m benchmarks.serve_bench --systems local --client guidellm   # guidellm sends the API loads
 
 Fair by construction: every request sends `ignore_eos` (engines directly: `SamplingParams(ignore_eos=True)`) and every
 `generate()` runs with no end-of-sequence token, and each answer must be exactly `max_tokens` long or the run fails.
@@ -56,7 +56,6 @@ import datetime
 import functools
 import json
 import os
-import platform
 import secrets
 import statistics
 import subprocess
@@ -67,18 +66,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+from benchmarks import environment
+from benchmarks.environment import REPO_ROOT
+from benchmarks.load_test.stack import MODEL_NAME, Stack, free_port
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from benchmarks.load_test.stack import MODEL_NAME, Stack, free_port  # noqa: E402
-
-DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "serve_bench.json"
+DEFAULT_OUT = environment.default_out("serve_bench")
 SERVER_START_TIMEOUT_S = 600
 
 
@@ -1020,6 +1012,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     from server.engines.threads import run_on_own_thread
 
+    environment.set_vllm_defaults()
     args = parse_args(argv)
     sizes = SMOKE if args.smoke else FULL
     if args.requests:
@@ -1081,12 +1074,7 @@ def main(argv: list[str] | None = None) -> int:
         "mode": "smoke" if args.smoke else "full",
         "client": args.client,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "load_average": os.getloadavg(),
-            "python": platform.python_version(),
-        },
+        "machine": environment.machine_summary(),
         "vllm_cpu_placement": _placement_summary(),
         "sizes": asdict(sizes),
         "upstream_generate": upstream_generate_setup(),
@@ -1096,10 +1084,7 @@ def main(argv: list[str] | None = None) -> int:
         "ratios": ratios(loads, sizes),
         "stage_seconds": stages,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    from zaya_model.training.atomic_io import write_json_atomic
-
-    write_json_atomic(args.out, report)
+    environment.write_report(args.out, report)
     print(table(loads))
     print(json.dumps(report["ratios"], indent=2))
     print()

@@ -1,5 +1,6 @@
-"""Shared by the smoke tests of `benchmarks/serve_bench.py --smoke` (the vLLM suite's two run parts of the benchmark,
-so that CI's two pytest workers run them side by side): the run itself and the checks every load must pass."""
+"""Shared by the smoke tests of `python -m benchmarks.serve_bench --smoke` (the vLLM suite's two run parts of the
+benchmark, so that CI's two pytest workers run them side by side): the run itself and the checks every load must
+pass."""
 
 import json
 import math
@@ -16,7 +17,7 @@ SHORT_CLIENTS = 4
 
 def run_quick_serve_bench(out: Path, *args: str) -> tuple[dict, str]:
     done = subprocess.run(
-        [sys.executable, "benchmarks/serve_bench.py", "--smoke", "--out", str(out), *args],
+        [sys.executable, "-m", "benchmarks.serve_bench", "--smoke", "--out", str(out), *args],
         cwd=REPO_ROOT,
         env={**os.environ, "ZAYA_VLLM_CPU_RESERVED_CORES": "1"},  # the vLLM engines on their own core(s)
         capture_output=True,

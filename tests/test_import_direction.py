@@ -24,6 +24,8 @@ FORBIDDEN = {
     # The dispatcher names the command modules by string: it imports only the leaf.
     "zaya_cli": {"zaya_model", "finetune", "server"},
 }
+# The benchmarks measure the packages and are not shipped with them: no package imports them.
+FORBIDDEN = {package: forbidden | {"benchmarks"} for package, forbidden in FORBIDDEN.items()}
 # Engines share helpers through `server.engines.base` and modules of their own, never through each other.
 ENGINE_MODULES = {"server.engines.local", "server.engines.vllm"}
 

@@ -32,11 +32,13 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks import environment
+from benchmarks.environment import REPO_ROOT
 from benchmarks.load_test.report import summarize, table
-from benchmarks.load_test.stack import MODEL_NAME, REPO_ROOT, Stack
+from benchmarks.load_test.stack import MODEL_NAME, Stack
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
-DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "load_test.json"
+DEFAULT_OUT = environment.default_out("load_test")
 RECOVERY_TIMEOUT_S = 60
 
 
@@ -171,8 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     ok = errors == 0 and report["verdict"]["recovered"] and (args.no_overload or shed > 0)
     report["verdict"]["ok"] = ok
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
+    environment.write_report(args.out, report)
     print(f"errors {errors}, shed under overload {shed}, recovered after {report['recovered_after_s']} s, ")
     print(f"jobs {report['job_states']}; report: {args.out}; {'OK' if ok else 'FAILED'}")
     return 0 if ok else 1

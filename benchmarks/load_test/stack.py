@@ -22,7 +22,8 @@ from pathlib import Path
 import httpx
 from sqlalchemy.orm import Session, sessionmaker
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from benchmarks.environment import REPO_ROOT
+
 MODEL_NAME = "zaya-tiny"
 START_TIMEOUT_S = 180
 

@@ -1,5 +1,5 @@
-"""Smoke test of `benchmarks/api_bench.py --quick`: a real server, real claims by worker processes, and a JSON report
-with every metric. On SQLite, or on the PostgreSQL pass's server (in a scratch schema the benchmark makes)."""
+"""Smoke test of `python -m benchmarks.api_bench --quick`: a real server, real claims by worker processes, and a JSON
+report with every metric. On SQLite, or on the PostgreSQL pass's server (in a scratch schema the benchmark makes)."""
 
 import json
 import math
@@ -25,7 +25,7 @@ def _throughput(section: dict, requests: int) -> None:
 @pytest.mark.slow
 def test_quick_api_benchmark_reports_every_metric(tmp_path, database_server_url):
     out = tmp_path / "results" / "api_bench.json"
-    command = [sys.executable, "benchmarks/api_bench.py", "--quick", "--out", str(out)]
+    command = [sys.executable, "-m", "benchmarks.api_bench", "--quick", "--out", str(out)]
     database_url = database_server_url
     if database_url:
         command += ["--database-url", database_url]

@@ -1,4 +1,5 @@
-"""Smoke test of `benchmarks/finetune_bench.py --quick`: it runs end to end and its JSON report holds every metric."""
+"""Smoke test of `python -m benchmarks.finetune_bench --quick`: it runs end to end and its JSON report holds every
+metric."""
 
 import json
 import math
@@ -31,7 +32,7 @@ def _positive(value) -> bool:
 def test_quick_finetune_benchmark_reports_every_metric(tmp_path):
     out = tmp_path / "results" / "finetune_bench.json"
     done = subprocess.run(
-        [sys.executable, "benchmarks/finetune_bench.py", "--quick", "--threads", "1", "--out", str(out)],
+        [sys.executable, "-m", "benchmarks.finetune_bench", "--quick", "--threads", "1", "--out", str(out)],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,

@@ -1,5 +1,5 @@
-"""Smoke test of `benchmarks/gpu_check.py --quick` on CPU: the checks against the CPU reference pass and every row of
-the report is measured (the compiled rows say why not: compiling is off on a CPU by default)."""
+"""Smoke test of `python -m benchmarks.gpu_check --quick` on CPU: the checks against the CPU reference pass and every
+row of the report is measured (the compiled rows say why not: compiling is off on a CPU by default)."""
 
 import json
 import math
@@ -14,8 +14,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 def test_quick_run_checks_and_measures_every_row(tmp_path):
     out = tmp_path / "gpu_check.json"
     start = time.monotonic()
+    arguments = ["--quick", "--device", "cpu", "--threads", "1", "--out", str(out)]
     done = subprocess.run(
-        [sys.executable, "benchmarks/gpu_check.py", "--quick", "--device", "cpu", "--threads", "1", "--out", str(out)],
+        [sys.executable, "-m", "benchmarks.gpu_check", *arguments],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,

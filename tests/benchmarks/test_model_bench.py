@@ -1,4 +1,4 @@
-"""Smoke test of `benchmarks/model_bench.py --quick`: it runs end to end and its JSON report holds every metric."""
+"""Smoke test of `python -m benchmarks.model_bench --quick`: it runs end to end; its JSON report holds every metric."""
 
 import json
 import math
@@ -19,7 +19,7 @@ def _positive(value) -> bool:
 def run_quick_benchmark(out: Path) -> tuple[dict, str, float]:
     start = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "benchmarks/model_bench.py", "--quick", "--threads", "1", "--out", str(out)],
+        [sys.executable, "-m", "benchmarks.model_bench", "--quick", "--threads", "1", "--out", str(out)],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -95,8 +95,9 @@ def test_quick_benchmark_reports_every_metric(tmp_path):
 
 
 def test_rejects_bad_thread_count(tmp_path):
+    arguments = ["--quick", "--threads", "0", "--out", str(tmp_path / "x.json")]
     done = subprocess.run(
-        [sys.executable, "benchmarks/model_bench.py", "--quick", "--threads", "0", "--out", str(tmp_path / "x.json")],
+        [sys.executable, "-m", "benchmarks.model_bench", *arguments],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,

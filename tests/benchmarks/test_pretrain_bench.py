@@ -1,4 +1,4 @@
-"""Smoke test of `benchmarks/pretrain_bench.py --quick`: it runs end to end and reports every metric, upstream
+"""Smoke test of `python -m benchmarks.pretrain_bench --quick`: it runs end to end and reports every metric, upstream
 `transformers` `zaya` under the same Trainer, eager/eager and best/best ratios and the targets included."""
 
 import json
@@ -21,7 +21,7 @@ def _positive(value) -> bool:
 def test_quick_pretrain_benchmark_reports_speed_mfu_and_checkpoint_stall(tmp_path):
     out = tmp_path / "results" / "pretrain.json"
     done = subprocess.run(
-        [sys.executable, "benchmarks/pretrain_bench.py", "--quick", "--threads", "1", "--out", str(out)],
+        [sys.executable, "-m", "benchmarks.pretrain_bench", "--quick", "--threads", "1", "--out", str(out)],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -74,9 +74,7 @@ def test_quick_pretrain_benchmark_reports_speed_mfu_and_checkpoint_stall(tmp_pat
 
 
 def test_full_shapes_include_the_recipe_preset_and_are_selectable():
-    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-    import pretrain_bench
-
+    from benchmarks import pretrain_bench
     from zaya_model.pretrain.presets import PRESETS
 
     assert [shape["name"] for shape in pretrain_bench.shapes(quick=False)] == ["tiny", "cpu", "wide-512"]

@@ -1,5 +1,5 @@
-"""Smoke test of `benchmarks/quality_bench.py --smoke`: corpus, pretraining, sample chats, base and both fine-tunes
-scored, with the hyperparameters the defaults resolved to."""
+"""Smoke test of `python -m benchmarks.quality_bench --smoke`: corpus, pretraining, sample chats, base and both
+fine-tunes scored, with the hyperparameters the defaults resolved to."""
 
 import json
 import math
@@ -16,7 +16,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 def test_smoke_quality_benchmark_scores_base_lora_and_full(tmp_path):
     out = tmp_path / "results" / "quality.json"
     done = subprocess.run(
-        [sys.executable, "benchmarks/quality_bench.py", "--smoke", "--variant", "ledger", "--out", str(out)],
+        [sys.executable, "-m", "benchmarks.quality_bench", "--smoke", "--variant", "ledger", "--out", str(out)],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -47,7 +47,7 @@ def test_smoke_quality_benchmark_scores_base_lora_and_full(tmp_path):
     assert "disposition" in table and "exact match" in table and f"{report['models']['base']['loss']:.3f}" in table
     assert "variant ledger" in table and "idle estimate" in table
     refused = subprocess.run(
-        [sys.executable, "benchmarks/quality_bench.py", "--smoke", "--variant", "prose"],
+        [sys.executable, "-m", "benchmarks.quality_bench", "--smoke", "--variant", "prose"],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,

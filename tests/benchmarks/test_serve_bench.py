@@ -1,23 +1,16 @@
-"""Smoke test of `benchmarks/serve_bench.py --smoke` in the main environment: our API (`zaya serve`) on the local
+"""Smoke test of `python -m benchmarks.serve_bench --smoke` in the main environment: our API (`zaya serve`) on the local
 engine against upstream `generate()` (grouped_mm experts) on the same weights, every answer exactly `max_tokens` long;
 the vLLM rows say they were not run where vLLM is not installed. The vLLM suite runs the vLLM parts."""
 
 import importlib.util
 import math
-import sys
 
 import pytest
-from serve_bench_smoke import CLIENTS, MAX_TOKENS, REPO_ROOT, engine_and_api_loads, loads_by_key, run_quick_serve_bench
+from serve_bench_smoke import CLIENTS, MAX_TOKENS, engine_and_api_loads, loads_by_key, run_quick_serve_bench
+
+from benchmarks import serve_bench
 
 NO_VLLM = "not run (no vLLM environment)"
-
-
-def serve_bench():
-    spec = importlib.util.spec_from_file_location("serve_bench", REPO_ROOT / "benchmarks" / "serve_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.slow
@@ -47,7 +40,7 @@ def test_smoke_run_compares_the_local_api_with_upstream_generate(tmp_path):
 
 
 def test_a_request_of_another_length_fails_the_benchmark():
-    check = serve_bench().check_token_counts
+    check = serve_bench.check_token_counts
     check("local api", [16, 16], 16, 2)
     with pytest.raises(RuntimeError, match=r"token counts \[15, 16\], expected exactly 16 each"):
         check("local api", [16, 15], 16, 2)

@@ -1,4 +1,4 @@
-"""Smoke test of `benchmarks/prefix_bench.py --smoke`: two real `zaya serve` processes on the vLLM engine, prefix
+"""Smoke test of `python -m benchmarks.prefix_bench --smoke`: two real `zaya serve` processes on the vLLM engine, prefix
 caching on and off, clients sharing a long prompt prefix. With the cache on every measured request reports the
 shared prompt's whole KV blocks as cached; off, none; every answer is exactly as long as asked (the benchmark
 checks), and the report's ratios are those of its numbers."""
@@ -17,7 +17,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 def test_quick_prefix_benchmark_serves_the_shared_prompt_from_the_cache(tmp_path):
     out = tmp_path / "prefix_bench.json"
     done = subprocess.run(
-        [sys.executable, "benchmarks/prefix_bench.py", "--smoke", "--out", str(out)],
+        [sys.executable, "-m", "benchmarks.prefix_bench", "--smoke", "--out", str(out)],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,

@@ -1,4 +1,4 @@
-"""Smoke test of `benchmarks/serve_bench.py --smoke`, part 1: our vLLM plugin compiled (LoRA off), through a real
+"""Smoke test of `python -m benchmarks.serve_bench --smoke`, part 1: our vLLM plugin compiled (LoRA off), through a real
 uvicorn API and directly, in alternating rounds with vLLM's Qwen3-MoE (directly and through `vllm serve`), and the
 request-cost load; the JSON report holds every load, its CPU per process and the issue's ratios. Part 2
 (`test_vllm_serve_bench_other_engines.py`) runs the other engines."""

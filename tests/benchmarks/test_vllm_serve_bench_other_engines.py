@@ -1,6 +1,6 @@
-"""Smoke test of `benchmarks/serve_bench.py --smoke`, part 2: our vLLM plugin with LoRA slots on (eager) and the local
-engine, each through a real API server and directly, and `generate()` of ours and upstream beside the local engine.
-Part 1 (`test_vllm_serve_bench.py`) runs the compiled vLLM engine, Qwen3-MoE and the request-cost load."""
+"""Smoke test of `python -m benchmarks.serve_bench --smoke`, part 2: our vLLM plugin with LoRA slots on (eager) and the
+local engine, each through a real API server and directly, and `generate()` of ours and upstream beside the local
+engine. Part 1 (`test_vllm_serve_bench.py`) runs the compiled vLLM engine, Qwen3-MoE and the request-cost load."""
 
 import math
 

@@ -8,7 +8,7 @@
 - requests without a valid key are limited per client address (401, then 429), and the audit log keeps at most
   1,024 characters of their paths.
 
-`benchmarks/attack_bench.py` runs the same attacks and prints the figures in docs/reliability.md.
+`python -m benchmarks.attack_bench` runs the same attacks and prints the figures in docs/reliability.md.
 """
 
 from __future__ import annotations
