@@ -26,6 +26,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks import environment
 from benchmarks.load_test import stack as stack_module
 from benchmarks.load_test.stack import MODEL_NAME, Stack
 
@@ -167,7 +168,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", nargs="+", choices=sorted(SCENARIOS), default=list(SCENARIOS))
     parser.add_argument("--code", type=Path, help="run the server from this checkout")
+    parser.add_argument("--out", type=Path, default=environment.default_out("hostile_bench"), help="JSON report")
     arguments = parser.parse_args()
+    rows: list[dict[str, object]] = []
     if arguments.code is not None:
         stack_module.REPO_ROOT = arguments.code.resolve()
     with (
@@ -176,7 +179,8 @@ def main() -> None:
     ):
         stack.prepare().start_server()
         for name in arguments.only:
-            SCENARIOS[name](stack)
+            rows.extend(SCENARIOS[name](stack))
+    environment.write_report(arguments.out, {"machine": environment.machine_summary(), "rows": rows})
 
 
 if __name__ == "__main__":

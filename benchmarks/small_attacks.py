@@ -24,10 +24,12 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
 
+from benchmarks import environment
 from server.db.migrations import upgrade
 from server.db.models import Role
 from server.db.session import make_engine, make_sessionmaker, session_scope
@@ -110,7 +112,7 @@ def _measure(
     }
 
 
-def _forged_turn_encoding() -> dict[str, object]:
+def _forged_turn_encoding() -> dict[str, float]:
     from finetune.datasets.synthetic import generate_chat_examples
     from server.services.inference import ChatPrompt
     from zaya_model.pretrain import train_tokenizer
@@ -123,7 +125,7 @@ def _forged_turn_encoding() -> dict[str, object]:
         prompt = ChatPrompt([{"role": "user", "content": content}])
         started = time.perf_counter()
         for _ in range(20):
-            prompt.token_ids(tokenizer)
+            prompt.token_ids(tokenizer, context=1 << 20)  # no length refusal: the encoding is measured
         timings[name] = (time.perf_counter() - started) / 20 * 1000
     return timings
 
@@ -132,7 +134,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests-per-client", type=int, default=REQUESTS_PER_CLIENT)
     parser.add_argument("--attack", default="", help="run only the attacks whose name contains this")
+    parser.add_argument("--out", type=Path, default=environment.default_out("small_attacks"), help="JSON report")
     args = parser.parse_args()
+    report: dict[str, Any] = {"machine": environment.machine_summary(), "rows": []}
     with tempfile.TemporaryDirectory() as directory:
         database_url = f"sqlite:///{Path(directory) / 'bench.db'}"
         upgrade(database_url)
@@ -157,6 +161,7 @@ def main() -> None:
                 if args.attack not in name:
                     continue
                 row = _measure(url, server.pid, attack, args.requests_per_client)
+                report["rows"].append({"attack": name, **row})
                 print(
                     f"| {name} | {row['answers']} | {row['median_ms']:.1f} ms (worst {row['worst_ms']:.0f}) | "
                     f"{row['health_worst_ms']:.0f} ms | {row['rss_growth_mib']:+.1f} MiB |"
@@ -164,10 +169,11 @@ def main() -> None:
         finally:
             server.terminate()
             server.wait(timeout=30)
-    if args.attack not in "forged turns":
-        return
-    timings = _forged_turn_encoding()
-    print(f"| forged turns, 24 KB | encode {timings['forged']:.1f} ms (plain text {timings['plain']:.1f} ms) |")
+    if args.attack in "forged turns":
+        timings = _forged_turn_encoding()
+        report["forged_turn_encoding_ms"] = timings
+        print(f"| forged turns, 24 KB | encode {timings['forged']:.1f} ms (plain text {timings['plain']:.1f} ms) |")
+    environment.write_report(args.out, report)
 
 
 if __name__ == "__main__":

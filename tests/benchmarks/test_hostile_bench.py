@@ -12,9 +12,10 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-def test_hostile_lines_are_answered_without_stalling_the_server():
+def test_hostile_lines_are_answered_without_stalling_the_server(tmp_path):
+    out = tmp_path / "hostile_bench.json"
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.hostile_bench", "--only", "pii_line", "long_line"],
+        [sys.executable, "-m", "benchmarks.hostile_bench", "--only", "pii_line", "long_line", "--out", str(out)],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -29,3 +30,4 @@ def test_hostile_lines_are_answered_without_stalling_the_server():
     assert long_line["answer"] in ("400 line_too_long", "connection closed (RemoteProtocolError)")
     assert long_line["peak_rss_growth_mib"] < 200  # the line is never held whole (1.1 GB before)
     assert max(row["health_worst_s"] for row in rows.values()) < 10
+    assert json.loads(out.read_text())["rows"] == list(rows.values())

@@ -1,6 +1,7 @@
 """Smoke test of `benchmarks/small_attacks.py` with one request per client: a real server answers each attack with the
 refusal docs/reliability.md lists, and the forged-turn encoding is timed."""
 
+import json
 import re
 import subprocess
 import sys
@@ -19,11 +20,15 @@ ANSWERS = {
 
 
 @pytest.mark.slow
-def test_small_attacks_benchmark_reports_every_attack():
-    command = [sys.executable, "-m", "benchmarks.small_attacks", "--requests-per-client", "1"]
+def test_small_attacks_benchmark_reports_every_attack(tmp_path):
+    out = tmp_path / "small_attacks.json"
+    command = [sys.executable, "-m", "benchmarks.small_attacks", "--requests-per-client", "1", "--out", str(out)]
     done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     rows = {line.split(" | ")[0].lstrip("| "): line for line in done.stdout.splitlines() if line.startswith("| ")}
     for attack, answer in ANSWERS.items():
         assert f"| {answer} |" in rows[attack], rows
     assert re.search(r"encode [\d.]+ ms \(plain text [\d.]+ ms\)", rows["forged turns, 24 KB"])
+    report = json.loads(out.read_text())
+    assert [row["attack"] for row in report["rows"]] == list(ANSWERS)
+    assert set(report["forged_turn_encoding_ms"]) == {"forged", "plain"}
