@@ -46,7 +46,7 @@ def _hiding_discarded_generators(method):
         with _without_discarded_generators(self):
             return method(self, *args, **kwargs)
 
-    fixed.zaya_fixed = True
+    fixed.zaya_fixed = True  # type: ignore[attr-defined]
     return fixed
 
 
