@@ -324,6 +324,44 @@ def test_streaming_stop_strings_seeds_and_logprobs(stack):
     assert held.choices[0].logprobs.token_logprobs == pytest.approx(logprobs.token_logprobs, abs=1e-4)
 
 
+def test_seeded_requests_with_chunked_prefills_reproduce_and_keep_the_engine_up(stack):
+    """Prompts longer than the step's token budget (`ZAYA_VLLM_MAX_NUM_BATCHED_TOKENS`), or sharing it, are prefilled
+    over several steps. vLLM rewinds a seeded request's generator after such a step with a call only CUDA has: on CPU
+    that killed the engine core and every request in flight with it (fixed by the plugin, `cpu_seeds.py`). Seeded
+    choices reproduce whether prefilled in chunks or partly from the prefix cache, and a greedy request in flight
+    beside them answers as `generate()` does."""
+    client = stack.client()
+    budget = int(ENGINE_SETTINGS["ZAYA_VLLM_MAX_NUM_BATCHED_TOKENS"])
+    prompts = random_prompts([2 * budget + 10, budget - 20], len(stack.tokenizer), seed=51)
+
+    def sample(prompt):
+        def call():
+            response = client.completions.create(
+                model="zaya-v",
+                prompt=prompt,
+                max_tokens=12,
+                n=2,
+                seed=5,
+                temperature=2.0,  # this checkpoint's distributions are peaked
+                extra_body={"ignore_eos": True},
+            )
+            return [choice.text for choice in sorted(response.choices, key=lambda choice: choice.index)]
+
+        return call
+
+    greedy = [7, 9, 11]
+    *first, answer = in_parallel(
+        [
+            *(sample(prompt) for prompt in prompts),
+            lambda: client.completions.create(model="zaya-v", prompt=greedy, max_tokens=24, temperature=0),
+        ]
+    )
+    assert answer.choices[0].text == stack.expected("zaya-v", greedy, 24)[0]
+    assert in_parallel([sample(prompt) for prompt in prompts]) == first
+    assert any(len(set(choices)) > 1 for choices in first)  # the choices' seeds differ
+    assert stack.app.state.inference.engine.health()["status"] == "ok"  # no engine core died (restarting)
+
+
 def test_refusals_are_4xx_and_a_closed_stream_stops_generating(stack):
     headers = {"Authorization": f"Bearer {stack.key}"}
     too_long = httpx.post(

@@ -193,6 +193,46 @@ def test_state_carries_across_many_decode_steps(checkpoint, engine):
     assert_same_generations(vllm_greedy(engine, prompts, 96), expected)
 
 
+def seeded_samples(engine, prompts, seed: int, n: int = 1) -> tuple[list[list[list[int]]], list[int]]:
+    """Sampled tokens (temperature 1) of each prompt's `n` seeded choices, and how many prompt tokens were cached."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=1.0, seed=seed, n=n, max_tokens=16, ignore_eos=True)
+    outputs = engine.generate([{"prompt_token_ids": prompt} for prompt in prompts], params, use_tqdm=False)
+    samples = [[list(c.token_ids) for c in sorted(output.outputs, key=lambda c: c.index)] for output in outputs]
+    return samples, [output.num_cached_tokens for output in outputs]
+
+
+def test_a_seeded_request_gives_the_same_tokens_whether_its_prefill_is_chunked_or_not(checkpoint, engine):
+    """vLLM samples (and discards) a token for a prompt still being prefilled, then rewinds the request's seeded
+    generator with a call only CUDA generators have: on CPU that killed the engine core for every seeded request
+    whose prefill took several steps (fixed by `register()`). A seed must give the same tokens however the prompt
+    was split: prefilled over several chunks, in one step after a prefix-cache hit, or sharing a step's token budget
+    with another request; with n > 1 too. A different seed gives different tokens (the seed is used)."""
+    _, model = checkpoint
+    block = engine.llm_engine.vllm_config.cache_config.block_size
+    vocabulary = model.config.vocab_size
+    prompt, shared = random_prompts([max(block, MAX_BATCHED_TOKENS) + 20] * 2, vocabulary, seed=41)
+
+    chunked, cached = seeded_samples(engine, [prompt], seed=7)
+    assert cached == [0] and len(prompt) > MAX_BATCHED_TOKENS
+    whole, cached = seeded_samples(engine, [prompt], seed=7)
+    assert 0 < len(prompt) - cached[0] <= MAX_BATCHED_TOKENS  # the rest of the prompt in one step
+    assert whole == chunked
+    # n > 1: the choices share the prompt, the first time prefilled in chunks, then read from the prefix cache.
+    choices, _ = seeded_samples(engine, [shared], seed=7, n=2)
+    assert seeded_samples(engine, [shared], seed=7, n=2)[0] == choices and choices[0][0] != choices[0][1]
+
+    short = random_prompts([MAX_BATCHED_TOKENS - 4], vocabulary, seed=42)[0]  # one step on its own
+    alone, _ = seeded_samples(engine, [short], seed=8)
+    # After a request that takes most of the step's budget, the short prompt's prefill is split over two steps (a
+    # KV block is wider than the budget here, so a chunk need not end on a block boundary).
+    other = random_prompts([MAX_BATCHED_TOKENS - 8], vocabulary, seed=43)[0]
+    behind, cached = seeded_samples(engine, [other, short], seed=8)
+    assert cached == [0, 0] and behind[1] == alone[0]
+    assert seeded_samples(engine, [short], seed=9)[0] != alone
+
+
 @pytest.fixture(scope="module")
 def adapters(checkpoint, tmp_path_factory):
     """Three random LoRA adapters on the attention projections, saved by PEFT, with their HF+PEFT models. The last

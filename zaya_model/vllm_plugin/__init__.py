@@ -19,8 +19,10 @@ def register() -> None:
 
     if current_platform.is_cpu():
         from .cpu_lora import fix_cpu_lora_slot_indexing
+        from .cpu_seeds import fix_cpu_seeded_partial_prefill
 
         fix_cpu_lora_slot_indexing()
+        fix_cpu_seeded_partial_prefill()
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 
