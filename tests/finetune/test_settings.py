@@ -91,3 +91,10 @@ def test_api_values_are_strict_and_auto_stays_representable():
         FineTuneSettings.model_validate({"supervised": {"hyperparameters": {"n_epochs": "3"}}})  # JSON's "3" is text
     stored = FineTuneSettings.from_options(type="dpo", beta=0.3).model_dump()
     assert FineTuneSettings.model_validate(stored) == FineTuneSettings.from_options(type="dpo", beta=0.3)
+
+
+def test_template_token_rows_are_a_supervised_lora_setting():
+    assert FineTuneSettings().lora.trains_template_tokens
+    assert not FineTuneSettings.model_validate({"type": "dpo"}).lora.trains_template_tokens
+    with pytest.raises(ValidationError, match="train_template_tokens"):
+        FineTuneSettings.model_validate({"type": "dpo", "dpo": {"lora": {"train_template_tokens": True}}})
