@@ -70,7 +70,10 @@ class Load:
 
 
 def test_requests_fail_cleanly_while_postgres_is_down_and_everything_reconnects(tmp_path, postgres, model_dir):
-    with Stack(tmp_path / "data", database_url=postgres.url(), log_dir=tmp_path) as stack:
+    # The load runs for as long as the job takes to start training (minutes on a loaded machine): no per-key limit
+    # (0 turns it off), so every answer counted is the database's doing.
+    unlimited = {"ZAYA_RATE_LIMIT_REQUESTS_PER_MINUTE": "0"}
+    with Stack(tmp_path / "data", database_url=postgres.url(), log_dir=tmp_path, env=unlimited) as stack:
         stack.prepare(model_dir)
         stack.start_server()
         worker = stack.start_worker()
