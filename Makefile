@@ -69,19 +69,24 @@ system-packages:
 screenshots: install browser
 	ZAYA_REFRESH_SCREENSHOTS=1 $(BIN)/pytest -p no:cacheprovider tests/console/test_console_browser.py
 
-# The whole suite on SQLite, then every test that touches a database (marked `database`) again on PostgreSQL, then the
-# vLLM suite in its own environment. tests/private_services.py runs them with a PostgreSQL and a Redis that answer:
-# those named by ZAYA_TEST_POSTGRES_URL / ZAYA_TEST_REDIS_URL (default: this machine's), else private ones it starts
-# in a temporary directory for the run and removes after it. One pytest worker per core (tests are single-threaded
-# and isolated: own database schema, temp dirs and free ports).
+# The whole suite on SQLite, then every test that touches a database (marked `database`) again on PostgreSQL; beside
+# them, the vLLM suite in its own environment (its output is printed when it ends). tests/private_services.py runs them
+# with a PostgreSQL and a Redis that answer: those named by ZAYA_TEST_POSTGRES_URL / ZAYA_TEST_REDIS_URL (default:
+# this machine's), else private ones it starts in a temporary directory for the run and removes after it. One pytest
+# worker per core in each (tests are isolated: own database schema, temp dirs and free ports); much of a test's time
+# is spent waiting on the servers and processes it starts, so the two runs side by side keep the cores busy.
 test: install lint system-packages install-vllm
 	$(BIN)/python tests/private_services.py -- $(MAKE) --no-print-directory suites
 
 suites:
 	@test -n "$$ZAYA_TEST_POSTGRES_URL" || (echo "run by 'make test' (tests/private_services.py names the servers)"; exit 2)
-	$(BIN)/pytest -n $(PYTEST_WORKERS)
-	ZAYA_TEST_DATABASE_URL="$$ZAYA_TEST_POSTGRES_URL" $(BIN)/pytest -n $(PYTEST_WORKERS) -m database
-	$(MAKE) --no-print-directory test-vllm
+	@vllm_log=$$(mktemp); \
+	$(MAKE) --no-print-directory test-vllm > $$vllm_log 2>&1 & vllm=$$!; \
+	$(BIN)/pytest -n $(PYTEST_WORKERS) \
+		&& ZAYA_TEST_DATABASE_URL="$$ZAYA_TEST_POSTGRES_URL" $(BIN)/pytest -n $(PYTEST_WORKERS) -m database; \
+	databases=$$?; wait $$vllm; vllm_status=$$?; \
+	echo "--- vLLM suite (make test-vllm) ---"; cat $$vllm_log; rm -f $$vllm_log; \
+	test $$databases -eq 0 && test $$vllm_status -eq 0
 
 # `ZAYA_ENGINE=vllm make run` serves with vLLM from its own environment (installed first when missing).
 ifeq ($(ZAYA_ENGINE),vllm)
