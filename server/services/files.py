@@ -158,14 +158,16 @@ def list_files(
 
 def delete_file(session: Session, settings: Settings, file: File) -> None:
     """Remove the content; keep the row (marked deleted) so lineage still names the dataset and its hash."""
-    in_use = session.scalars(
-        select(FineTuningJob.id)
+    in_use = session.execute(
+        select(FineTuningJob.id, FineTuningJob.project_id)
         .where(or_(FineTuningJob.training_file_id == file.id, FineTuningJob.validation_file_id == file.id))
         .where(FineTuningJob.status.in_([status.value for status in ACTIVE_JOB_STATUSES]))
         .limit(1)
     ).first()
     if in_use is not None:
-        raise Conflict(f"File {file.id} is in use by fine-tuning job {in_use}.", param="file_id", code="file_in_use")
+        # An admin's job in another project may train on this file: its id is not this project's to learn.
+        job = f"fine-tuning job {in_use.id}" if in_use.project_id == file.project_id else "a fine-tuning job"
+        raise Conflict(f"File {file.id} is in use by {job}.", param="file_id", code="file_in_use")
     file.deleted_at = utcnow()
     dataset_reports.forget_reports(session, file)
     session.commit()

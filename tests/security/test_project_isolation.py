@@ -126,6 +126,21 @@ def test_another_projects_files_cannot_be_listed_read_downloaded_or_deleted(clie
     ]
 
 
+def test_a_file_in_use_by_another_projects_job_does_not_name_that_job(client, teams, valid_dataset, base_model):
+    risk, fraud = teams["risk"], teams["fraud"]
+    risk_file = upload(client, risk, valid_dataset)
+    # An admin key of fraud trains on risk's file (admins see every project); the job belongs to fraud.
+    body = {"model": "zaya", "training_file": risk_file}
+    admin_job = client.post("/v1/fine_tuning/jobs", headers=fraud.headers(Role.admin), json=body)
+    assert admin_job.status_code == 200, admin_job.text
+    refused = client.delete(f"/v1/files/{risk_file}", headers=risk.headers(Role.data))
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "file_in_use"
+    assert admin_job.json()["id"] not in refused.text
+    risk_job = create_job(client, risk, upload(client, risk, valid_dataset))
+    own = client.get("/v1/fine_tuning/jobs/" + risk_job, headers=risk.headers(Role.data)).json()["training_file"]
+    assert risk_job in client.delete(f"/v1/files/{own}", headers=risk.headers(Role.data)).json()["error"]["message"]
+
+
 def test_another_projects_jobs_cannot_be_seen_controlled_or_trained_on(client, auth, teams, valid_dataset, base_model):
     risk, fraud = teams["risk"], teams["fraud"]
     risk_file = upload(client, risk, valid_dataset)
