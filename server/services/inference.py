@@ -99,13 +99,19 @@ class ChatPrompt:
     def token_ids(self, tokenizer: PreTrainedTokenizerBase, context: int) -> list[int] | int:
         """The prompt's token ids; or, when its length alone shows it takes `context` tokens or more, a lower bound
         of its token count, found without tokenizing it."""
-        if (at_least := min_tokens(tokenizer, self.text(tokenizer))) >= context:
+        text = self.text(tokenizer)
+        if (at_least := min_tokens(tokenizer, text)) >= context:
             return at_least
+
+        def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+            # The text rendered above, unless encode_chat masked special-token spellings in a copy.
+            if messages is self.messages and tools is self.tools:
+                return text
+            return _render_chat(tokenizer, messages, tools)
+
         # The template writes the special tokens itself (BOS, turn markers); in what the caller wrote, their
         # spellings are text (`server.services.chat_encoding`).
-        return encode_chat(
-            tokenizer, self.messages, self.tools, lambda messages, tools: _render_chat(tokenizer, messages, tools)
-        )
+        return encode_chat(tokenizer, self.messages, self.tools, render)
 
     def _check(self, tokenizer: PreTrainedTokenizerBase) -> None:
         if not tokenizer.chat_template:
