@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import delete, select
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from server.db.models import DatasetReport, File
@@ -117,10 +118,12 @@ def store_report(session: Session, file: File, kind: str, parameters: dict[str, 
     """Add the row in the caller's transaction; a row stored meanwhile by another process (same content, so the same
     report) is kept."""
     dialect = session.get_bind().dialect.name
+    # Both dialects' INSERT has ON CONFLICT DO NOTHING, each its own class.
+    insert: Callable[[type[DatasetReport]], postgresql.Insert | sqlite.Insert]
     if dialect == "postgresql":
-        from sqlalchemy.dialects.postgresql import insert
+        insert = postgresql.insert
     elif dialect == "sqlite":
-        from sqlalchemy.dialects.sqlite import insert
+        insert = sqlite.insert
     else:  # pragma: no cover - the server supports these two
         raise NotImplementedError(f"dataset reports need SQLite or PostgreSQL, not {dialect}")
     statement = (

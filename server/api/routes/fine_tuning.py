@@ -10,6 +10,7 @@ of all of them together.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
@@ -38,7 +39,7 @@ MAX_METADATA_KEY_LENGTH = 64
 MAX_METADATA_VALUE_LENGTH = 512
 
 
-def metadata_problem(pairs: list[tuple[object, object]], what: str) -> str | None:
+def metadata_problem(pairs: Sequence[tuple[object, object]], what: str) -> str | None:
     """Why `pairs` break OpenAI's metadata limits, or None."""
     if len(pairs) > MAX_METADATA_PAIRS:
         return f"metadata: at most {MAX_METADATA_PAIRS} {what}, got {len(pairs)}."
