@@ -14,13 +14,13 @@ import hmac
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.requests import HTTPConnection, Request
-from starlette.responses import RedirectResponse
+from starlette.responses import RedirectResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.api.errors import database_unavailable, error_response
 from server.console import entrance
 from server.console.cookies import clear_cookie, session_cookie_header
-from server.console.session import COOKIE_NAME, SessionCodec
+from server.console.session import COOKIE_NAME, ConsoleSession, SessionCodec
 from server.db.session import RequestReads
 from server.services import console_sessions
 
@@ -84,9 +84,16 @@ class ConsoleMiddleware:
                 return
             await self.app(scope, receive, send)
             return
+        session = await self._live_session(connection, cookie)
+        if isinstance(session, Response):  # refused
+            await session(scope, receive, send)
+            return
+        await self._as_api_call(connection, session, receive, send)
 
+    async def _live_session(self, connection: HTTPConnection, cookie: str) -> ConsoleSession | Response:
+        """The cookie's session when it is still live and the request carries its CSRF token, or the refusal."""
+        scope = connection.scope
         session = self.codec.decode(cookie)
-        page = _is_page_navigation(scope, headers)
         if session is not None:
             try:
                 if await self.reads.run(console_sessions.is_ended, session.id):
@@ -94,31 +101,33 @@ class ConsoleMiddleware:
             except SQLAlchemyError as error:
                 if (unavailable := database_unavailable(Request(scope), error)) is None:
                     raise
-                await unavailable(scope, receive, send)
-                return
+                return unavailable
         if session is None:
-            if page:
-                await _expired_redirect(connection)(scope, receive, send)
-            else:
-                await error_response(401, "Your console session has ended; sign in again.", code="session_expired")(
-                    scope, receive, send
-                )
-            return
-        if scope["method"] in MUTATING_METHODS and not hmac.compare_digest(headers.get(CSRF_HEADER, ""), session.csrf):
-            response = error_response(
+            if _is_page_navigation(scope, connection.headers):
+                return _expired_redirect(connection)
+            return error_response(401, "Your console session has ended; sign in again.", code="session_expired")
+        if scope["method"] in MUTATING_METHODS and not hmac.compare_digest(
+            connection.headers.get(CSRF_HEADER, ""), session.csrf
+        ):
+            return error_response(
                 403,
                 f"Missing or wrong {CSRF_HEADER} header: console requests that change something must carry "
                 "the session's CSRF token.",
                 param=CSRF_HEADER,
                 code="csrf_failed",
             )
-            await response(scope, receive, send)
-            return
+        return session
 
-        scope = dict(scope)
+    async def _as_api_call(
+        self, connection: HTTPConnection, session: ConsoleSession, receive: Receive, send: Send
+    ) -> None:
+        """Passes the request on with the session's key, re-issuing the cookie on the response (the idle timeout
+        slides) unless it is a background poll; a page whose key was revoked goes to the sign-in page instead."""
+        page = _is_page_navigation(connection.scope, connection.headers)
+        scope = dict(connection.scope)
         scope["headers"] = [*scope["headers"], (b"authorization", f"Bearer {session.secret}".encode())]
         scope.setdefault("state", {})["console_session"] = session
-        refresh = headers.get(BACKGROUND_HEADER) != "1"
+        refresh = connection.headers.get(BACKGROUND_HEADER) != "1"
         swallowing = False
 
         async def send_wrapper(message: Message) -> None:

@@ -43,7 +43,7 @@ def move_or_request(
     ).first()
     if pending is not None:
         raise Conflict(
-            f"{move.model_name}@{move.alias} already has a pending move ({pending}); approve or reject it first.",
+            f"{move.label} already has a pending move ({pending}); approve or reject it first.",
             code="approval_pending",
         )
     approval = AliasApproval(

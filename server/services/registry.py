@@ -158,23 +158,11 @@ def register_version(
     check_name(name)
     path = path.resolve()
     kind = detect_kind(path)
-    if metrics is None and (path / METRICS_FILE).is_file():
-        # NaN and infinities are not JSON (PostgreSQL refuses them): stored as null.
-        metrics = {
-            key: None if isinstance(value, float) and not math.isfinite(value) else value
-            for key, value in _read_json(path / METRICS_FILE).items()
-        }
+    if metrics is None:
+        metrics = _trainer_metrics(path)
     evaluation = _read_json(path / EVALUATION_FILE) if (path / EVALUATION_FILE).is_file() else None
     base = get_version(session, base_version_id) if base_version_id else None
-    if kind == "adapter":
-        if base is None:
-            message = "An adapter needs the model version it was trained on ('base_model')."
-            raise InvalidRequest(message, param="base_model")
-        if base.kind != "full":
-            raise InvalidRequest(f"The base of an adapter must be a full model; {base.id} is an adapter.", param="base")
-        prepare_adapter(path, Path(base.path))  # a bad adapter fails here; expert adapters are merged here
-    elif serving is not None:
-        check_servable(serving, path)
+    _check_loadable(path, kind, base, serving)
     latest = session.scalar(select(func.max(ModelVersion.version)).where(ModelVersion.name == name)) or 0
     version = ModelVersion(
         id=new_id(VERSION_ID_PREFIX),
@@ -194,6 +182,31 @@ def register_version(
     session.add(version)
     session.flush()
     return version
+
+
+def _trainer_metrics(path: Path) -> dict[str, Any] | None:
+    """The trainer's `metrics.json` in the directory, if any."""
+    if not (path / METRICS_FILE).is_file():
+        return None
+    # NaN and infinities are not JSON (PostgreSQL refuses them): stored as null.
+    return {
+        key: None if isinstance(value, float) and not math.isfinite(value) else value
+        for key, value in _read_json(path / METRICS_FILE).items()
+    }
+
+
+def _check_loadable(path: Path, kind: str, base: ModelVersion | None, serving: Settings | None) -> None:
+    """An adapter must load on its base, a full model; with `serving`, a full checkpoint must run on the configured
+    engine."""
+    if kind == "adapter":
+        if base is None:
+            message = "An adapter needs the model version it was trained on ('base_model')."
+            raise InvalidRequest(message, param="base_model")
+        if base.kind != "full":
+            raise InvalidRequest(f"The base of an adapter must be a full model; {base.id} is an adapter.", param="base")
+        prepare_adapter(path, Path(base.path))  # a bad adapter fails here; expert adapters are merged here
+    elif serving is not None:
+        check_servable(serving, path)
 
 
 def register_named_version(
@@ -286,6 +299,10 @@ class PlannedMove:
     from_version_id: str | None  # the holder when planned: the move is refused if the alias moved since
     target: ModelVersion
     evaluation: dict[str, Any] | None  # the evaluation gate's inputs (promotions with the gate on)
+
+    @property
+    def label(self) -> str:
+        return f"{self.model_name}@{self.alias}"
 
 
 # --- the evaluation gate ------------------------------------------------------------------------------------------
@@ -444,25 +461,9 @@ def apply_move(
     Two moves of one alias racing (two API servers, two admins) cannot both win: each history entry carries the
     alias's move number, read here before its holder, and (model name, alias, number) is unique. Of two moves that
     read the same holder, the second to write collides with the first's entry and is refused."""
-    label = f"{move.model_name}@{move.alias}"
-    sequence = 1 + (
-        session.scalar(
-            select(func.max(AliasHistory.sequence)).where(
-                AliasHistory.model_name == move.model_name, AliasHistory.alias == move.alias
-            )
-        )
-        or 0
-    )
-    current = find_alias(session, move.model_name, move.alias)
+    sequence = _next_move_number(session, move)  # before the holder is read
+    current = _alias_as_planned(session, move)
     previous_id = current.version_id if current else None
-    if previous_id != move.from_version_id:
-        raise Conflict(
-            f"{label} points to {previous_id or 'nothing'} now, not {move.from_version_id or 'nothing'} as when this "
-            "move was requested.",
-            code="alias_moved",
-        )
-    if previous_id == move.target.id:
-        raise Conflict(f"{label} already points to {move.target.id}.", code="alias_unchanged")
     if current is None:
         current = ModelAlias(model_name=move.model_name, alias=move.alias, version_id=move.target.id)
         session.add(current)
@@ -488,10 +489,37 @@ def apply_move(
         session.flush()
     except IntegrityError as error:  # the unique move number (or, for a new alias, the alias itself) was taken
         raise Conflict(
-            f"{label} was moved by a concurrent request while this move was being made; look at it again.",
+            f"{move.label} was moved by a concurrent request while this move was being made; look at it again.",
             code="alias_moved",
         ) from error
     return entry
+
+
+def _next_move_number(session: Session, move: PlannedMove) -> int:
+    """The number of the alias's next history entry."""
+    latest = session.scalar(
+        select(func.max(AliasHistory.sequence)).where(
+            AliasHistory.model_name == move.model_name, AliasHistory.alias == move.alias
+        )
+    )
+    return 1 + (latest or 0)
+
+
+def _alias_as_planned(session: Session, move: PlannedMove) -> ModelAlias | None:
+    """The alias (None if it does not exist yet), refused if it moved since the move was planned or holds its
+    target."""
+    label = move.label
+    current = find_alias(session, move.model_name, move.alias)
+    previous_id = current.version_id if current else None
+    if previous_id != move.from_version_id:
+        raise Conflict(
+            f"{label} points to {previous_id or 'nothing'} now, not {move.from_version_id or 'nothing'} as when this "
+            "move was requested.",
+            code="alias_moved",
+        )
+    if previous_id == move.target.id:
+        raise Conflict(f"{label} already points to {move.target.id}.", code="alias_unchanged")
+    return current
 
 
 def promote(
