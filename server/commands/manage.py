@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from command_line import CommandError
@@ -12,6 +14,7 @@ from server.settings import Settings
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
+    from sqlalchemy.orm import Session
 
 
 def _db_upgrade(args: argparse.Namespace) -> int:
@@ -23,44 +26,53 @@ def _db_upgrade(args: argparse.Namespace) -> int:
     return 0
 
 
-def _require_current_schema(engine: Engine) -> None:
+@contextmanager
+def _current_database(database_url: str) -> Iterator[Engine]:
+    """An engine on the database, once its schema is known to be current; disposed of on leaving."""
     from server.db.migrations import schema_is_current
+    from server.db.session import make_engine
 
-    if not schema_is_current(engine):
-        raise CommandError("the database schema is missing or out of date; run `zaya db upgrade` first")
+    engine = make_engine(database_url)
+    try:
+        if not schema_is_current(engine):
+            raise CommandError("the database schema is missing or out of date; run `zaya db upgrade` first")
+        yield engine
+    finally:
+        engine.dispose()
+
+
+def _audit_command(session: Session, *, action: str, command: str, target: str) -> None:
+    """Record a command's action in the audit log as the API records the same action, with no acting key."""
+    from server.services import audit
+
+    audit.record(
+        session,
+        actor_key_id=None,
+        project_id=None,
+        action=action,
+        method="CLI",
+        path=command,
+        target=target,
+        status_code=200,
+        client_address=None,
+    )
 
 
 def _keys_create(args: argparse.Namespace) -> int:
-    from server.db.session import make_engine, make_sessionmaker, session_scope
-    from server.services import audit
+    from server.db.session import make_sessionmaker, session_scope
     from server.services.keys import create_key
     from server.services.projects import find_project
 
-    engine = make_engine(Settings().database_url)
-    try:
-        _require_current_schema(engine)
-        with session_scope(make_sessionmaker(engine)) as session:
-            project = find_project(session, args.project)
-            if project is None:
-                raise CommandError(f"no project {args.project!r}; create it first: zaya projects create {args.project}")
-            try:
-                created = create_key(session, name=args.name, role=args.role, project_id=project.id)
-            except ValueError as error:
-                raise CommandError(str(error)) from error
-            # As the API audits `POST /v1/admin/keys`: a key made here has no creating key (`created_by` is null).
-            audit.record(
-                session,
-                actor_key_id=None,
-                project_id=None,
-                action="keys.create",
-                method="CLI",
-                path="zaya keys create",
-                target=created.key.id,
-                status_code=200,
-                client_address=None,
-            )
-    finally:
-        engine.dispose()
+    with _current_database(Settings().database_url) as engine, session_scope(make_sessionmaker(engine)) as session:
+        project = find_project(session, args.project)
+        if project is None:
+            raise CommandError(f"no project {args.project!r}; create it first: zaya projects create {args.project}")
+        try:
+            created = create_key(session, name=args.name, role=args.role, project_id=project.id)
+        except ValueError as error:
+            raise CommandError(str(error)) from error
+        # As `POST /v1/admin/keys`: a key made here has no creating key (`created_by` is null).
+        _audit_command(session, action="keys.create", command="zaya keys create", target=created.key.id)
     print(
         f"created {created.key.role} key {created.key.id} ({created.key.name}) in project {project.name}; "
         "the secret is shown only once:"
@@ -70,50 +82,36 @@ def _keys_create(args: argparse.Namespace) -> int:
 
 
 def _projects_create(args: argparse.Namespace) -> int:
-    from server.db.session import make_engine, make_sessionmaker
+    from server.db.session import make_sessionmaker
     from server.errors import APIError
     from server.services.projects import create_project
 
-    engine = make_engine(Settings().database_url)
-    try:
-        _require_current_schema(engine)
-        with make_sessionmaker(engine)() as session:
-            try:
-                project = create_project(session, args.name)
-            except APIError as error:
-                raise CommandError(error.message) from error
-    finally:
-        engine.dispose()
+    with _current_database(Settings().database_url) as engine, make_sessionmaker(engine)() as session:
+        try:
+            project = create_project(session, args.name)
+        except APIError as error:
+            raise CommandError(error.message) from error
     print(f"created project {project.name} ({project.id})")
     return 0
 
 
 def _projects_list(_args: argparse.Namespace) -> int:
-    from server.db.session import make_engine, make_sessionmaker
+    from server.db.session import make_sessionmaker
     from server.services.projects import list_projects
 
-    engine = make_engine(Settings().database_url)
-    try:
-        _require_current_schema(engine)
-        with make_sessionmaker(engine)() as session:
-            for project in list_projects(session):
-                print(f"{project.id}\t{project.name}")
-    finally:
-        engine.dispose()
+    with _current_database(Settings().database_url) as engine, make_sessionmaker(engine)() as session:
+        for project in list_projects(session):
+            print(f"{project.id}\t{project.name}")
     return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
     from server.app import create_app
-    from server.db.session import make_engine
     from server.http_server import run_server
 
     settings = Settings()
-    engine = make_engine(settings.database_url)
-    try:
-        _require_current_schema(engine)
-    finally:
-        engine.dispose()
+    with _current_database(settings.database_url):
+        pass  # only the check: the server opens its own engine
     run_server(create_app(settings), settings, host=args.host or settings.host, port=args.port or settings.port)
     return 0
 
@@ -121,7 +119,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _worker(args: argparse.Namespace) -> int:
     import logging
 
-    from server.db.session import make_engine, make_sessionmaker
+    from server.db.session import make_sessionmaker
     from server.jobs.worker import Worker, WorkerConfig, install_signal_handlers
     from server.services import workers
 
@@ -137,57 +135,38 @@ def _worker(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise CommandError(str(error)) from error
     settings = Settings()
-    engine = make_engine(settings.database_url)
-    try:
-        _require_current_schema(engine)
+    with _current_database(settings.database_url) as engine:
         worker = Worker(settings, make_sessionmaker(engine), config, worker_id=args.worker_id)
         install_signal_handlers(worker)
         devices = f"{worker.devices} {workers.DEVICE_NAMES[worker.device_kind]}"
         print(f"worker {worker.worker_id} ({devices} per job) polling {settings.database_url}", flush=True)
         worker.run_forever(exit_when_idle=args.exit_when_idle)
-    finally:
-        engine.dispose()
     return 0
 
 
 def _models_register(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from server.db.session import make_engine, make_sessionmaker, session_scope
+    from server.db.session import make_sessionmaker, session_scope
     from server.errors import APIError
-    from server.services import audit, registry
+    from server.services import registry
 
     settings = Settings()
-    engine = make_engine(settings.database_url)
-    try:
-        _require_current_schema(engine)
-        with session_scope(make_sessionmaker(engine)) as session:
-            try:
-                version = registry.register_named_version(
-                    session,
-                    name=args.name,
-                    path=Path(args.dir),
-                    base_model=args.base,
-                    description=args.description,
-                    created_by=None,
-                    projects=[],
-                    serving=settings,
-                )
-            except APIError as error:
-                raise CommandError(error.message) from error
-            audit.record(
+    with _current_database(settings.database_url) as engine, session_scope(make_sessionmaker(engine)) as session:
+        try:
+            version = registry.register_named_version(
                 session,
-                actor_key_id=None,
-                project_id=None,
-                action="admin_models.register",
-                method="CLI",
-                path="zaya models register",
-                target=version.id,
-                status_code=200,
-                client_address=None,
+                name=args.name,
+                path=Path(args.dir),
+                base_model=args.base,
+                description=args.description,
+                created_by=None,
+                projects=[],
+                serving=settings,
             )
-    finally:
-        engine.dispose()
+        except APIError as error:
+            raise CommandError(error.message) from error
+        _audit_command(session, action="admin_models.register", command="zaya models register", target=version.id)
     print(f"registered {version.name} version {version.version} ({version.kind}); its id, for the admin API:")
     print(version.id)
     return 0

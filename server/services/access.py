@@ -18,6 +18,7 @@ from sqlalchemy import ColumnElement, Select, or_, select, true
 from sqlalchemy.orm import InstrumentedAttribute, Session
 
 from server.db.models import ApiKey, ModelVersion, ModelVersionProject, Role
+from server.errors import NotFound
 
 
 class ProjectOwned(Protocol):
@@ -25,6 +26,7 @@ class ProjectOwned(Protocol):
 
 
 Owned = TypeVar("Owned", bound=ProjectOwned)
+Row = TypeVar("Row")
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,17 @@ class Scope:
             return True
         allowed = {limit.project_id for limit in version.allowed_projects}
         return not allowed or self.project_id in allowed
+
+
+def get_or_404(
+    session: Session, model: type[Row], row_id: str | None, *, what: str, param: str, code: str | None = None
+) -> Row:
+    """The `model` row with this id, in any project (the admins' objects: versions, approval requests, projects,
+    keys); a 404 "No such <what>" naming `param` if none."""
+    row = session.get(model, row_id) if row_id is not None else None
+    if row is None:
+        raise NotFound(f"No such {what}: {row_id}", param=param, code=code)
+    return row
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,9 @@ from sqlalchemy.orm import Session
 from server.db.base import utcnow
 from server.db.models import AliasApproval, AliasHistory, ApiKey, ApprovalStatus, new_id
 from server.db.session import matched_rows
-from server.errors import Conflict, Forbidden, NotFound
+from server.errors import Conflict, Forbidden
 from server.services import registry
+from server.services.access import get_or_404
 
 
 def move_or_request(
@@ -64,10 +65,9 @@ def move_or_request(
 
 
 def get_approval(session: Session, approval_id: str) -> AliasApproval:
-    approval = session.get(AliasApproval, approval_id)
-    if approval is None:
-        raise NotFound(f"No such approval request: {approval_id}", param="approval_id", code="approval_not_found")
-    return approval
+    return get_or_404(
+        session, AliasApproval, approval_id, what="approval request", param="approval_id", code="approval_not_found"
+    )
 
 
 def list_approvals(

@@ -14,8 +14,7 @@ from sqlalchemy.orm import Session
 
 from server.db.base import utcnow
 from server.db.models import DEFAULT_PROJECT_ID, ApiKey, Role
-from server.errors import NotFound
-from server.services.access import Scope
+from server.services.access import Scope, get_or_404
 
 SECRET_MARKER = "zk-"
 PREFIX_LENGTH = len(SECRET_MARKER) + 12
@@ -95,10 +94,7 @@ def list_keys(session: Session, scope: Scope) -> list[ApiKey]:
 
 def get_key(session: Session, key_id: str) -> ApiKey:
     """The key with this id (any project's: keys are the admins'); 404 naming `key_id` if none."""
-    key = session.get(ApiKey, key_id)
-    if key is None:
-        raise NotFound(f"No such API key: {key_id}", param="key_id")
-    return key
+    return get_or_404(session, ApiKey, key_id, what="API key", param="key_id")
 
 
 def revoke_key(session: Session, key: ApiKey) -> ApiKey:

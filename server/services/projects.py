@@ -9,7 +9,8 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from server.db.models import Project, new_id
-from server.errors import Conflict, InvalidRequest, NotFound
+from server.errors import Conflict, InvalidRequest
+from server.services.access import get_or_404
 
 ID_PREFIX = "proj_"
 NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
@@ -57,7 +58,4 @@ def require_project(session: Session, reference: str, *, param: str = "project")
 
 def get_project(session: Session, project_id: str) -> Project:
     """The project with this id; 404 naming `project_id` if none."""
-    project = session.get(Project, project_id)
-    if project is None:
-        raise NotFound(f"No such project: {project_id}", param="project_id", code="project_not_found")
-    return project
+    return get_or_404(session, Project, project_id, what="project", param="project_id", code="project_not_found")

@@ -31,7 +31,7 @@ from server.db.models import (
 )
 from server.engines import serving_problems
 from server.errors import Conflict, InvalidRequest, NotFound
-from server.services.access import Scope
+from server.services.access import Scope, get_or_404
 from server.services.adapters import prepare_adapter
 from server.services.model_resolution import find_version
 from server.services.projects import require_project
@@ -113,10 +113,9 @@ def check_name(name: str) -> str:
 
 
 def get_version(session: Session, version_id: str | None) -> ModelVersion:
-    version = session.get(ModelVersion, version_id) if version_id is not None else None
-    if version is None:
-        raise NotFound(f"No such model version: {version_id}", param="version_id", code="model_version_not_found")
-    return version
+    return get_or_404(
+        session, ModelVersion, version_id, what="model version", param="version_id", code="model_version_not_found"
+    )
 
 
 def list_versions(

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Depends, Request, Response
 from pydantic import BeforeValidator, Field, StrictBool, computed_field
 
 from server.api.deps import (
@@ -192,16 +192,36 @@ def archive_version(version: AdminVersion, session: SessionDep) -> ModelVersionO
     return ModelVersionObject.model_validate(version)
 
 
-def _moved_or_requested(
-    outcome: AliasHistory | AliasApproval, request: Request, response: Response, target: str
-) -> AliasMoveObject | ApprovalObject:
-    """The move made, or (four-eyes) the approval request filed: 202, audited with the request's id."""
-    if isinstance(outcome, AliasApproval):
-        response.status_code = 202
-        set_audit_target(request, outcome.id)
-        return ApprovalObject.of(outcome)
-    set_audit_target(request, target)
-    return AliasMoveObject.model_validate(outcome)
+class AliasMoves:
+    """Makes a checked alias move for the calling admin, or (four-eyes rule on) files it for a second admin's
+    approval: 202, audited with the request's id."""
+
+    def __init__(
+        self, request: Request, response: Response, session: SessionDep, settings: SettingsDep, principal: AdminDep
+    ) -> None:
+        self.request = request
+        self.response = response
+        self.session = session
+        self.four_eyes = settings.four_eyes
+        self.actor = principal.key_id
+
+    def make(
+        self, move: registry.PlannedMove, *, reason: str, force: bool, target: str
+    ) -> AliasMoveObject | ApprovalObject:
+        """Commits; `target` is what the audit log names for a move made now."""
+        outcome = approvals.move_or_request(
+            self.session, move, reason=reason, force=force, actor=self.actor, four_eyes=self.four_eyes
+        )
+        self.session.commit()
+        if isinstance(outcome, AliasApproval):
+            self.response.status_code = 202
+            set_audit_target(self.request, outcome.id)
+            return ApprovalObject.of(outcome)
+        set_audit_target(self.request, target)
+        return AliasMoveObject.model_validate(outcome)
+
+
+AliasMovesDep = Annotated[AliasMoves, Depends()]
 
 
 # With the four-eyes rule on, a promotion or rollback is filed for approval instead of made.
@@ -212,21 +232,11 @@ FILED_FOR_APPROVAL: dict[int | str, dict[str, Any]] = {
 
 @router.post("/models/{version_id}/promote", name="admin_models.promote", responses=FILED_FOR_APPROVAL)
 def promote_version(
-    version: AdminVersion,
-    body: PromoteBody,
-    request: Request,
-    response: Response,
-    session: SessionDep,
-    settings: SettingsDep,
-    principal: AdminDep,
+    version: AdminVersion, body: PromoteBody, session: SessionDep, settings: SettingsDep, moves: AliasMovesDep
 ) -> AliasMoveObject | ApprovalObject:
     registry.require_reason(body.reason)
     move = registry.plan_promotion(session, version, alias=body.alias, gate=settings.evaluation_gate, force=body.force)
-    outcome = approvals.move_or_request(
-        session, move, reason=body.reason, force=body.force, actor=principal.key_id, four_eyes=settings.four_eyes
-    )
-    session.commit()
-    return _moved_or_requested(outcome, request, response, version.id)
+    return moves.make(move, reason=body.reason, force=body.force, target=version.id)
 
 
 @router.get("/model_aliases", name="admin_models.aliases")
@@ -242,21 +252,10 @@ def alias_history(
 
 
 @router.post("/model_aliases/rollback", name="admin_models.rollback", responses=FILED_FOR_APPROVAL)
-def rollback_alias(
-    body: RollbackBody,
-    request: Request,
-    response: Response,
-    session: SessionDep,
-    settings: SettingsDep,
-    principal: AdminDep,
-) -> AliasMoveObject | ApprovalObject:
+def rollback_alias(body: RollbackBody, session: SessionDep, moves: AliasMovesDep) -> AliasMoveObject | ApprovalObject:
     registry.require_reason(body.reason)
     move = registry.plan_rollback(session, model_name=body.model_name, alias=body.alias)
-    outcome = approvals.move_or_request(
-        session, move, reason=body.reason, force=False, actor=principal.key_id, four_eyes=settings.four_eyes
-    )
-    session.commit()
-    return _moved_or_requested(outcome, request, response, f"{body.model_name}@{body.alias}")
+    return moves.make(move, reason=body.reason, force=False, target=move.label)
 
 
 @router.get("/model_aliases/approvals", name="admin_models.approvals")
