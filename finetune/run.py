@@ -179,7 +179,8 @@ def run_finetune(
     evaluation = None
     if run.validation_file is not None and eval_examples is not None:
         evaluation = _task_evaluation(trainer, tokenizer, run.validation_file, len(eval_examples), hooks)
-    return _succeeded_result(run, trainer, base, tokenizer, fingerprint, metrics, evaluation, hooks)
+    result_dir, kind = _write_outputs(run, trainer, base, tokenizer, fingerprint, metrics, evaluation)
+    return _succeeded_result(trainer, result_dir, kind, metrics, evaluation, hooks)
 
 
 def _announce_dataset(hooks: TrainingHooks, report: ValidationReport, resolved: ResolvedHyperparameters) -> None:
@@ -325,23 +326,14 @@ def _task_evaluation(
 
 
 def _succeeded_result(
-    run: FineTuneRun,
     trainer: CheckpointedTraining,
-    base: ZayaForCausalLM,
-    tokenizer: Any,
-    fingerprint: str,
+    result_dir: Path,
+    kind: str,
     metrics: dict[str, Any],
     evaluation: dict[str, Any] | None,
     hooks: TrainingHooks,
 ) -> FinetuneResult:
-    """Write the final model (and the merged one) and report it."""
-    try:
-        # Data-parallel: every process holds the same model; the first writes it, the others wait for it.
-        write = trainer.is_world_process_zero()
-        result_dir, kind = _write_outputs(run, trainer, base, tokenizer, fingerprint, metrics, evaluation, write=write)
-    except OSError as error:
-        raise CheckpointWriteError(f"could not write the fine-tuned model in {run.output_dir}: {error}") from error
-    trainer.accelerator.wait_for_everyone()
+    """A run that trained to its end: the model it wrote, its checkpoints and scores."""
     hooks.on_event("info", f"wrote {kind} to {result_dir}", {"path": str(result_dir)})
     return FinetuneResult(
         "succeeded",
@@ -362,29 +354,32 @@ def _write_outputs(
     fingerprint: str,
     metrics: dict[str, Any],
     evaluation: dict[str, Any] | None,
-    *,
-    write: bool = True,
 ) -> tuple[Path, str]:
     """output_dir/final (adapter or full checkpoint) and, with merge_adapter, output_dir/merged; each atomic, each
-    with the run's metrics and task evaluation. `write=False`: only where they go."""
+    with the run's metrics and task evaluation. Returns the run's result: the merged model if any, else the final
+    one, and its kind. Data-parallel: every process holds the same model; the first writes it, the others wait."""
     final_dir, kind = Path(run.output_dir) / "final", _output_kind(run.settings)
-    if not write:
-        return (Path(run.output_dir) / "merged", "full") if run.settings.method.merge_adapter else (final_dir, kind)
-    with atomic_directory(final_dir) as staging:
-        trainer.trained_model.save_pretrained(str(staging))  # PEFT takes the directory as a str
-        save_generation_files(staging, base, tokenizer)
-        if kind == "adapter":
-            write_json_atomic(staging / BASE_MODEL_FILE, {"fingerprint": fingerprint, "model_dir": run.model_dir})
-        _write_scores(staging, metrics, evaluation)
-    if not run.settings.method.merge_adapter:
-        return final_dir, kind
-    merged_dir = Path(run.output_dir) / "merged"
-    with atomic_directory(merged_dir) as staging:
-        merged = merge_adapter(trainer.model)
-        merged.save_pretrained(staging)
-        save_generation_files(staging, merged, tokenizer)
-        _write_scores(staging, metrics, evaluation)
-    return merged_dir, "full"
+    merged_dir = Path(run.output_dir) / "merged" if run.settings.method.merge_adapter else None
+    try:
+        if trainer.is_world_process_zero():
+            with atomic_directory(final_dir) as staging:
+                trainer.trained_model.save_pretrained(str(staging))  # PEFT takes the directory as a str
+                save_generation_files(staging, base, tokenizer)
+                if kind == "adapter":
+                    write_json_atomic(
+                        staging / BASE_MODEL_FILE, {"fingerprint": fingerprint, "model_dir": run.model_dir}
+                    )
+                _write_scores(staging, metrics, evaluation)
+            if merged_dir is not None:
+                with atomic_directory(merged_dir) as staging:
+                    merged = merge_adapter(trainer.model)
+                    merged.save_pretrained(staging)
+                    save_generation_files(staging, merged, tokenizer)
+                    _write_scores(staging, metrics, evaluation)
+    except OSError as error:
+        raise CheckpointWriteError(f"could not write the fine-tuned model in {run.output_dir}: {error}") from error
+    trainer.accelerator.wait_for_everyone()
+    return (merged_dir, "full") if merged_dir is not None else (final_dir, kind)
 
 
 def _output_kind(settings: FineTuneSettings) -> str:
