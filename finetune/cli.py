@@ -21,7 +21,15 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         description="Validate a fine-tuning dataset, preview an example's loss mask, scan for personal data.",
     )
     commands = data.add_subparsers(dest="data_command", required=True, metavar="SUBCOMMAND")
+    _register_data_validate(commands)
+    _register_data_preview(commands)
+    _register_data_pii(commands)
+    _register_data_sample(commands)
+    _register_finetune(subparsers)
+    _register_evaluate(subparsers)
 
+
+def _register_data_validate(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     validate = commands.add_parser(
         "validate",
         help="validate a dataset; exit 1 with one line per problem",
@@ -35,6 +43,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     validate.add_argument("--json", action="store_true", help="print the reports as JSON")
     validate.set_defaults(func=run_validate)
 
+
+def _register_data_preview(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     preview = commands.add_parser(
         "preview",
         help="show one example as the model sees it, with trained tokens marked",
@@ -46,6 +56,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     preview.add_argument("--json", action="store_true", help="print tokens and segments as JSON")
     preview.set_defaults(func=run_preview)
 
+
+def _register_data_pii(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     pii = commands.add_parser(
         "pii",
         help="scan for personal data; optionally write a redacted copy",
@@ -63,6 +75,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     pii.add_argument("--json", action="store_true", help="print the report as JSON")
     pii.set_defaults(func=run_pii)
 
+
+def _register_data_sample(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     sample = commands.add_parser(
         "sample",
         help="write a sample chat dataset (and optionally a pretraining corpus) of synthetic bank cases",
@@ -93,9 +107,6 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="write the held-out case files in this variant instead, their answers worded as the training ones",
     )
     sample.set_defaults(func=run_sample)
-
-    _register_finetune(subparsers)
-    _register_evaluate(subparsers)
 
 
 def _register_finetune(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

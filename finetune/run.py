@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, cast
 
 import numpy as np
 import torch
@@ -32,11 +32,11 @@ from transformers import (
     EarlyStoppingCallback,
     EvalPrediction,
     PrinterCallback,
-    Trainer,
     TrainerCallback,
     TrainingArguments,
     set_seed,
 )
+from transformers.trainer_utils import TrainOutput
 
 from zaya_model import ZayaConfig, ZayaForCausalLM
 from zaya_model.cpu.compiled_layers import enable_compiled_layers
@@ -50,6 +50,7 @@ from zaya_model.training.callbacks import (
     TrainingHooks,
     WallTimeCallback,
 )
+from zaya_model.training.checkpoint_dirs import CheckpointWriteError
 
 from .artifacts import (
     BASE_MODEL_FILE,
@@ -61,10 +62,11 @@ from .artifacts import (
 from .auto import ResolvedHyperparameters, resolve_hyperparameters
 from .balancing_callback import BalancingBiasCallback
 from .data import IGNORE_INDEX, TokenizedDataset, make_collator, read_examples, token_statistics
+from .datasets.formats import Example
 from .datasets.validation import ValidationReport, validate_dataset
 from .evaluate import describe, evaluate_file, stop_token_ids
-from .settings import DEFAULT_LORA_TARGET_MODULES, FinetuneError, FineTuneSettings
-from .trainer_mixin import CheckpointedTraining, CheckpointWriteError, FinalCheckpointCallback, final_metrics
+from .settings import DEFAULT_LORA_TARGET_MODULES, DpoSettings, FinetuneError, FineTuneSettings
+from .trainer_mixin import CheckpointedTraining, FinalCheckpointCallback, final_metrics
 
 MAX_PROBLEMS_SHOWN = 10
 LORA_EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -98,9 +100,11 @@ class FinetuneResult:
     status: str  # "succeeded" | "cancelled" | "paused"
     output_dir: str | None  # the final adapter / full checkpoint (merged one with merge_adapter); None unless succeeded
     kind: str  # "adapter" | "full"
-    metrics: dict = field(default_factory=dict)
-    checkpoints: list[dict] = field(default_factory=list)  # each {"step", "path", "metrics": {...}}
-    evaluation: dict | None = None  # the task evaluation of the validation file (`finetune.evaluate.TaskScores`)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    checkpoints: list[dict[str, Any]] = field(default_factory=list)  # each {"step", "path", "metrics": {...}}
+    evaluation: dict[str, Any] | None = (
+        None  # the task evaluation of the validation file (`finetune.evaluate.TaskScores`)
+    )
     # Tokens that carried loss, over every epoch and every resumed attempt (None: resumed from a checkpoint that did
     # not record the count)
     trained_tokens: int | None = None
@@ -144,115 +148,192 @@ def run_finetune(
     check_run(run)
     if resume_from is not None:
         _check_dir(resume_from, "resume_from")
-    settings, hyperparameters = run.settings, run.settings.hyperparameters
     tokenizer, train_report = check_inputs_and_dataset(run)
     config = ZayaConfig.from_pretrained(run.model_dir)
-    max_seq_len = hyperparameters.max_seq_len or config.max_position_embeddings
     train_examples = read_examples(run.train_file)
     eval_examples = read_examples(run.validation_file) if run.validation_file else None
-    resolved = resolve_hyperparameters(settings, train_report.n_examples, config)
+    resolved = resolve_hyperparameters(run.settings, train_report.n_examples, config)
+    _announce_dataset(hooks, train_report, resolved)
+
+    base = _load_base_model(run, tokenizer)
+    fingerprint = base_model_fingerprint(base)
+    lora_config = make_lora_config(base, run.settings, tokenizer) if run.settings.adapter == "lora" else None
+    stop = HooksCallback(hooks)
+    balancing = _balancing_callback(run, base, resume_from)
+    options = _TrainerOptions(
+        callbacks=_training_callbacks(run, hooks, stop, balancing),
+        hooks=hooks,
+        fingerprint=fingerprint if lora_config is not None else None,
+        balancing=balancing,
+        keep_checkpoints=run.settings.hyperparameters.keep_checkpoints,
+    )
+    max_seq_len = run.settings.hyperparameters.max_seq_len or config.max_position_embeddings
+    trainer = _make_trainer(
+        run, base, lora_config, tokenizer, resolved, max_seq_len, train_examples, eval_examples, options
+    )
+    output = _train(trainer, run, hooks, resume_from)
+
+    metrics = final_metrics(trainer, output.metrics)
+    if stop.stop_reason is not None:
+        return _stopped_result(trainer, stop.stop_reason, _output_kind(run.settings), metrics, hooks)
+    evaluation = None
+    if run.validation_file is not None and eval_examples is not None:
+        evaluation = _task_evaluation(trainer, tokenizer, run.validation_file, len(eval_examples), hooks)
+    result_dir, kind = _write_outputs(run, trainer, base, tokenizer, fingerprint, metrics, evaluation)
+    return _succeeded_result(trainer, result_dir, kind, metrics, evaluation, hooks)
+
+
+def _announce_dataset(hooks: TrainingHooks, report: ValidationReport, resolved: ResolvedHyperparameters) -> None:
     hooks.on_event(
         "info",
-        f"dataset valid: {train_report.n_examples} examples, {train_report.n_trained_tokens} trained tokens; "
+        f"dataset valid: {report.n_examples} examples, {report.n_trained_tokens} trained tokens; "
         f"{resolved.n_epochs} epochs, batch size {resolved.batch_size}, learning rate {resolved.learning_rate:.3g}",
         {
-            "n_examples": train_report.n_examples,
-            "n_tokens": train_report.n_tokens,
-            "n_trained_tokens": train_report.n_trained_tokens,
+            "n_examples": report.n_examples,
+            "n_tokens": report.n_tokens,
+            "n_trained_tokens": report.n_trained_tokens,
             **resolved.to_dict(),
         },
     )
 
-    set_seed(run.seed)  # before the LoRA matrices are initialised
+
+def _load_base_model(run: FineTuneRun, tokenizer: Any) -> ZayaForCausalLM:
+    """The model to train, in fp32, with the run's seed set (before the LoRA matrices are initialised)."""
+    set_seed(run.seed)
     base = ZayaForCausalLM.from_pretrained(run.model_dir, dtype=torch.float32)
     base.generation_config.eos_token_id = stop_token_ids(tokenizer)
     base.generation_config.pad_token_id = tokenizer.pad_token_id
-    if hyperparameters.compile:
+    if run.settings.hyperparameters.compile:
         try:
             enable_compiled_layers(base)
         except RuntimeError as error:
-            raise FinetuneError(settings.setting("hyperparameters", "compile"), str(error)) from None
-    fingerprint = base_model_fingerprint(base)
-    is_lora = settings.adapter == "lora"
-    lora_config = make_lora_config(base, settings, tokenizer) if is_lora else None
+            raise FinetuneError(run.settings.setting("hyperparameters", "compile"), str(error)) from None
+    return base
 
-    stop = HooksCallback(hooks)
+
+def _balancing_callback(
+    run: FineTuneRun, base: ZayaForCausalLM, resume_from: str | None
+) -> BalancingBiasCallback | None:
+    """Full fine-tuning's router balancing-bias updates (continued from `resume_from`'s biases); None for LoRA."""
+    bias_lr = run.settings.hyperparameters.balancing_bias_lr
+    if run.settings.adapter == "lora" or bias_lr <= 0:
+        return None
+    balancing = BalancingBiasCallback(base, bias_lr)
+    if resume_from is not None:
+        balancing.load(Path(resume_from))
+    return balancing
+
+
+def _training_callbacks(
+    run: FineTuneRun, hooks: TrainingHooks, stop: HooksCallback, balancing: BalancingBiasCallback | None
+) -> list[TrainerCallback]:
+    hyperparameters = run.settings.hyperparameters
     callbacks: list[TrainerCallback] = [stop, NonFiniteLossCallback(), FinalCheckpointCallback(stop)]
     if hyperparameters.max_seconds is not None:
         callbacks.insert(1, WallTimeCallback(hyperparameters.max_seconds, hooks))
-    balancing = None
-    if not is_lora and hyperparameters.balancing_bias_lr > 0:
-        balancing = BalancingBiasCallback(base, hyperparameters.balancing_bias_lr)
-        if resume_from is not None:
-            balancing.load(Path(resume_from))
+    if balancing is not None:
         callbacks.append(balancing)  # runs at every step end, before any checkpoint of that step is saved
     if hyperparameters.early_stopping_patience is not None:
         callbacks.append(EarlyStoppingCallback(early_stopping_patience=hyperparameters.early_stopping_patience))
+    return callbacks
+
+
+class _TrainerOptions(TypedDict):
+    """The keywords every run's trainer takes besides the model and the data: `Trainer`'s callbacks, then
+    `CheckpointedTraining`'s own."""
+
+    callbacks: list[TrainerCallback]
+    hooks: TrainingHooks
+    fingerprint: str | None
+    balancing: BalancingBiasCallback | None
+    keep_checkpoints: int | None
+
+
+def _make_trainer(
+    run: FineTuneRun,
+    base: ZayaForCausalLM,
+    lora_config: LoraConfig | None,
+    tokenizer: Any,
+    resolved: ResolvedHyperparameters,
+    max_seq_len: int,
+    train_examples: list[Example],
+    eval_examples: list[Example] | None,
+    options: _TrainerOptions,
+) -> CheckpointedTraining:
+    """A DPO trainer for a dpo run, else a supervised one (on a LoRA adapter when `lora_config` is given)."""
     arguments = _training_arguments(run, resolved, has_validation=eval_examples is not None)
-    trainer_options = {
-        "callbacks": callbacks,
-        "hooks": hooks,
-        "fingerprint": fingerprint if is_lora else None,
-        "balancing": balancing,
-        "keep_checkpoints": hyperparameters.keep_checkpoints,
-    }
-    if settings.type == "dpo":
+    method = run.settings.method
+    if isinstance(method, DpoSettings):
         from .preference import preference_trainer  # TRL: only preference runs import it
 
-        trainer = preference_trainer(
+        return preference_trainer(
             model=base,
             lora_config=lora_config,
             reference_dir=run.model_dir,
             arguments=arguments,
-            beta=resolved.beta,
+            beta=cast(float, resolved.beta),  # resolved for every dpo run
             max_length=max_seq_len,
             train_examples=train_examples,
             eval_examples=eval_examples,
             tokenizer=tokenizer,
-            **trainer_options,
+            **options,
         )
-    else:
-        has_validation = eval_examples is not None
-        trainer = _SupervisedTrainer(
-            model=get_peft_model(base, lora_config) if is_lora else base,
-            args=TrainingArguments(**arguments, label_names=["labels"]),
-            train_dataset=TokenizedDataset(train_examples, tokenizer),
-            eval_dataset=TokenizedDataset(eval_examples, tokenizer) if has_validation else None,
-            data_collator=make_collator(tokenizer, hyperparameters.packing),
-            processing_class=tokenizer,
-            compute_metrics=_compute_metrics if has_validation else None,
-            preprocess_logits_for_metrics=_logits_to_token_statistics if has_validation else None,
-            **trainer_options,
-        )
+    has_validation = eval_examples is not None
+    return _SupervisedTrainer(
+        model=get_peft_model(base, lora_config) if lora_config is not None else base,
+        args=TrainingArguments(**arguments, label_names=["labels"]),
+        train_dataset=TokenizedDataset(train_examples, tokenizer),
+        eval_dataset=TokenizedDataset(eval_examples, tokenizer) if eval_examples is not None else None,
+        data_collator=make_collator(tokenizer, method.hyperparameters.packing),
+        processing_class=tokenizer,
+        compute_metrics=_compute_metrics if has_validation else None,
+        preprocess_logits_for_metrics=_logits_to_token_statistics if has_validation else None,
+        **options,
+    )
+
+
+def _train(
+    trainer: CheckpointedTraining, run: FineTuneRun, hooks: TrainingHooks, resume_from: str | None
+) -> TrainOutput:
+    """Train, from `resume_from` when given."""
     trainer.remove_callback(PrinterCallback)  # progress goes to the hooks, not to stdout
     if resume_from is not None:
         hooks.on_event("info", f"resuming from {resume_from}", {"path": resume_from})
         trainer.resume_trained_tokens(resume_from)
-    if hyperparameters.compile:
+    if run.settings.hyperparameters.compile:
         hooks.on_event("info", COMPILING_MESSAGE)
-    output = trainer.train(resume_from_checkpoint=resume_from)
+    return trainer.train(resume_from_checkpoint=resume_from)
 
-    metrics = final_metrics(trainer, output.metrics)
-    kind = "adapter" if is_lora else "full"
-    if stop.stop_reason is not None:
-        status = "cancelled" if stop.stop_reason == "cancel" else "paused"
-        hooks.on_event("info", f"training {status} at step {trainer.state.global_step}")
-        return FinetuneResult(
-            status, None, kind, metrics, trainer.checkpoint_records(), trained_tokens=trainer.trained_tokens
-        )
 
-    evaluation = None
-    if run.validation_file is not None:
-        hooks.on_event("info", f"task evaluation: answering the {len(eval_examples)} validation examples (greedy)")
-        evaluation = evaluate_file(trainer.model, tokenizer, run.validation_file)
-        hooks.on_event("info", f"task evaluation: {describe(evaluation)}", {"task_evaluation": evaluation})
-    try:
-        # Data-parallel: every process holds the same model; the first writes it, the others wait for it.
-        write = trainer.is_world_process_zero()
-        result_dir, kind = _write_outputs(run, trainer, base, tokenizer, fingerprint, metrics, evaluation, write=write)
-    except OSError as error:
-        raise CheckpointWriteError(f"could not write the fine-tuned model in {run.output_dir}: {error}") from error
-    trainer.accelerator.wait_for_everyone()
+def _stopped_result(
+    trainer: CheckpointedTraining, stop_reason: str, kind: str, metrics: dict[str, Any], hooks: TrainingHooks
+) -> FinetuneResult:
+    """A cancelled or paused run: its checkpoints, no final model."""
+    status = "cancelled" if stop_reason == "cancel" else "paused"
+    hooks.on_event("info", f"training {status} at step {trainer.state.global_step}")
+    return FinetuneResult(
+        status, None, kind, metrics, trainer.checkpoint_records(), trained_tokens=trainer.trained_tokens
+    )
+
+
+def _task_evaluation(
+    trainer: CheckpointedTraining, tokenizer: Any, validation_file: str, n_examples: int, hooks: TrainingHooks
+) -> dict[str, Any]:
+    hooks.on_event("info", f"task evaluation: answering the {n_examples} validation examples (greedy)")
+    evaluation = evaluate_file(trainer.model, tokenizer, validation_file)
+    hooks.on_event("info", f"task evaluation: {describe(evaluation)}", {"task_evaluation": evaluation})
+    return evaluation
+
+
+def _succeeded_result(
+    trainer: CheckpointedTraining,
+    result_dir: Path,
+    kind: str,
+    metrics: dict[str, Any],
+    evaluation: dict[str, Any] | None,
+    hooks: TrainingHooks,
+) -> FinetuneResult:
+    """A run that trained to its end: the model it wrote, its checkpoints and scores."""
     hooks.on_event("info", f"wrote {kind} to {result_dir}", {"path": str(result_dir)})
     return FinetuneResult(
         "succeeded",
@@ -267,45 +348,59 @@ def run_finetune(
 
 def _write_outputs(
     run: FineTuneRun,
-    trainer: Trainer,
+    trainer: CheckpointedTraining,
     base: ZayaForCausalLM,
     tokenizer: Any,
     fingerprint: str,
-    metrics: dict,
-    evaluation: dict | None,
-    *,
-    write: bool = True,
+    metrics: dict[str, Any],
+    evaluation: dict[str, Any] | None,
 ) -> tuple[Path, str]:
     """output_dir/final (adapter or full checkpoint) and, with merge_adapter, output_dir/merged; each atomic, each
-    with the run's metrics and task evaluation. `write=False`: only where they go."""
-    final_dir, kind = Path(run.output_dir) / "final", "adapter" if run.settings.adapter == "lora" else "full"
-    if not write:
-        return (Path(run.output_dir) / "merged", "full") if run.settings.method.merge_adapter else (final_dir, kind)
-    with atomic_directory(final_dir) as staging:
-        trainer.model.save_pretrained(staging)
-        save_generation_files(staging, base, tokenizer)
-        if kind == "adapter":
-            write_json_atomic(staging / BASE_MODEL_FILE, {"fingerprint": fingerprint, "model_dir": run.model_dir})
-        _write_scores(staging, metrics, evaluation)
-    if not run.settings.method.merge_adapter:
-        return final_dir, kind
-    merged_dir = Path(run.output_dir) / "merged"
-    with atomic_directory(merged_dir) as staging:
-        merged = merge_adapter(trainer.model)
-        merged.save_pretrained(staging)
-        save_generation_files(staging, merged, tokenizer)
-        _write_scores(staging, metrics, evaluation)
-    return merged_dir, "full"
+    with the run's metrics and task evaluation. Returns the run's result: the merged model if any, else the final
+    one, and its kind. Data-parallel: every process holds the same model; the first writes it, the others wait."""
+    final_dir, kind = Path(run.output_dir) / "final", _output_kind(run.settings)
+    merged_dir = Path(run.output_dir) / "merged" if run.settings.method.merge_adapter else None
+    try:
+        if trainer.is_world_process_zero():
+            with atomic_directory(final_dir) as staging:
+                trainer.trained_model.save_pretrained(str(staging))  # PEFT takes the directory as a str
+                save_generation_files(staging, base, tokenizer)
+                if kind == "adapter":
+                    write_json_atomic(
+                        staging / BASE_MODEL_FILE, {"fingerprint": fingerprint, "model_dir": run.model_dir}
+                    )
+                _write_scores(staging, metrics, evaluation)
+            if merged_dir is not None:
+                with atomic_directory(merged_dir) as staging:
+                    merged = merge_adapter(trainer.model)
+                    merged.save_pretrained(staging)
+                    save_generation_files(staging, merged, tokenizer)
+                    _write_scores(staging, metrics, evaluation)
+    except OSError as error:
+        raise CheckpointWriteError(f"could not write the fine-tuned model in {run.output_dir}: {error}") from error
+    trainer.accelerator.wait_for_everyone()
+    return (merged_dir, "full") if merged_dir is not None else (final_dir, kind)
 
 
-def _write_scores(directory: Path, metrics: dict, evaluation: dict | None) -> None:
+def _output_kind(settings: FineTuneSettings) -> str:
+    """What a run trains and writes to final/: "adapter" (LoRA) or "full"."""
+    return "adapter" if settings.adapter == "lora" else "full"
+
+
+def _write_scores(directory: Path, metrics: dict[str, Any], evaluation: dict[str, Any] | None) -> None:
     write_json_atomic(directory / METRICS_FILE, metrics)
     if evaluation is not None:
         write_json_atomic(directory / EVALUATION_FILE, evaluation)
 
 
-class _SupervisedTrainer(CheckpointedTraining, Trainer):
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+class _SupervisedTrainer(CheckpointedTraining):
+    def compute_loss(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, Any]:
         # A training step needs only the loss: the LM head then runs on the trained (assistant) positions alone.
         if not return_outputs and "labels" in inputs and self.label_smoother is None and self.compute_loss_func is None:
             inputs = {**inputs, "skip_logits": True}
@@ -373,7 +468,7 @@ def make_lora_config(model: ZayaForCausalLM, settings: FineTuneSettings, tokeniz
         raise FinetuneError(settings.setting("lora", "target_modules"), message)
     return LoraConfig(
         r=lora.r,
-        lora_alpha=lora.alpha,
+        lora_alpha=lora.alpha,  # type: ignore[arg-type]  # PEFT annotates it int; any number works (alpha / r)
         lora_dropout=lora.dropout,
         target_modules=targets,
         target_parameters=LORA_EXPERT_PARAMETERS if lora.target_experts else None,
@@ -387,13 +482,15 @@ def _template_token_rows(tokenizer: Any) -> dict[str, list[int]] | None:
     return {"embed_tokens": token_ids} if token_ids else None
 
 
-def _logits_to_token_statistics(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def _logits_to_token_statistics(logits: torch.Tensor | tuple[torch.Tensor, ...], labels: torch.Tensor) -> torch.Tensor:
     # Keep (nll, correct) per token instead of the logits: far less memory while evaluating.
     return token_statistics(logits[0] if isinstance(logits, tuple) else logits, labels)
 
 
 def _compute_metrics(prediction: EvalPrediction) -> dict[str, float]:
     statistics, labels = prediction.predictions, prediction.label_ids
+    if isinstance(statistics, tuple) or isinstance(labels, tuple):  # one each: the statistics and the "labels"
+        raise TypeError("expected one array of token statistics and one of labels")
     trained = labels[:, 1:] != IGNORE_INDEX  # the Trainer pads both to the longest batch with -100
     n_trained = max(int(trained.sum()), 1)
     return {

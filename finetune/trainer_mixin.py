@@ -11,10 +11,10 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
-from transformers import TrainerCallback
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from zaya_model.training.atomic_io import publish_directory, write_json_atomic
 from zaya_model.training.callbacks import HooksCallback, TrainingHooks, rename_metrics
@@ -30,13 +30,17 @@ from .artifacts import (
 from .balancing_callback import BalancingBiasCallback
 from .data import IGNORE_INDEX
 
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedModel
+
 CHECKPOINT_METRICS = ("train_loss", "valid_loss", "valid_mean_token_accuracy")
 
 
-class CheckpointedTraining:
-    """A `transformers.Trainer` mix-in (listed before the trainer class): checkpoints are written atomically, carry
-    metrics.json, the generation files and the base model's fingerprint, and are reported to the hooks; only the
-    newest `keep_checkpoints` and the best stay on disk."""
+class CheckpointedTraining(Trainer):
+    """A `transformers.Trainer` that a run's trainer class combines with (listed first): checkpoints are written
+    atomically, carry metrics.json, the generation files and the base model's fingerprint, and are reported to the
+    hooks; only the newest `keep_checkpoints` and the best stay on disk."""
 
     def __init__(
         self,
@@ -52,7 +56,7 @@ class CheckpointedTraining:
         self.fingerprint = fingerprint
         self.balancing = balancing
         self.keep_checkpoints = keep_checkpoints
-        self.checkpoints: dict[int, dict] = {}
+        self.checkpoints: dict[int, dict[str, Any]] = {}
         self._staging_root: str | None = None
         # None once unknown: a run resumed from a checkpoint that did not record its count.
         self.trained_tokens: int | None = 0
@@ -69,7 +73,7 @@ class CheckpointedTraining:
         as the causal-LM loss reads them) that are not -100. A preference trainer counts its own way."""
         return int((inputs["labels"][:, 1:] != IGNORE_INDEX).sum())
 
-    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any):
+    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> torch.Tensor:
         count = self.count_trained_tokens(inputs)
         if self.accelerator.num_processes > 1:  # data-parallel: the step trained on every process's batch
             local = torch.tensor(count, device=self.accelerator.device)
@@ -90,22 +94,22 @@ class CheckpointedTraining:
         name = checkpoint_name(self.state.global_step)
         first = self.is_world_process_zero()
         os.makedirs(run_dir, exist_ok=True)
-        self._staging_root = os.path.join(run_dir, f".{name}.partial")
+        staging_root = self._staging_root = os.path.join(run_dir, f".{name}.partial")
         try:
             super()._save_checkpoint(model, trial)  # writes into the staging root
             self.accelerator.wait_for_everyone()
             metrics = self.checkpoint_metrics()
             if first:
-                self._publish(run_dir, name, metrics)
+                self._publish(Path(staging_root) / name, run_dir, name, metrics)
         except Exception as error:  # torch, safetensors and json each raise their own type for a full disk
             raise CheckpointWriteError(f"could not write checkpoint {name} in {run_dir}: {error}") from error
         finally:
             if first:
-                shutil.rmtree(self._staging_root, ignore_errors=True)
+                shutil.rmtree(staging_root, ignore_errors=True)
             self._staging_root = None
         self.accelerator.wait_for_everyone()
-        best = os.path.join(run_dir, checkpoint_name(self.state.best_global_step))
-        if self.state.best_global_step and os.path.isdir(best):
+        best = self._best_checkpoint(run_dir)
+        if best is not None and os.path.isdir(best):
             self.state.best_model_checkpoint = best
         if not first:
             return
@@ -113,18 +117,16 @@ class CheckpointedTraining:
         self.checkpoints[self.state.global_step] = {"step": self.state.global_step, "path": path, "metrics": metrics}
         self.hooks.on_checkpoint(self.state.global_step, path, metrics)
         if self.keep_checkpoints is not None:
-            self._rotate(run_dir)
+            self._rotate(run_dir, self.keep_checkpoints)
 
-    def _publish(self, run_dir: str, name: str, metrics: dict) -> None:
+    def _publish(self, staging: Path, run_dir: str, name: str, metrics: dict[str, Any]) -> None:
         """Complete the staging directory (state, generation files, fingerprint, biases, metrics), then rename it."""
-        staging = Path(self._staging_root) / name
         # The Trainer looked for the best checkpoint in the staging root; point it at the published one.
-        best_step = self.state.best_global_step
-        best = os.path.join(run_dir, checkpoint_name(best_step))
-        if best_step and (best_step == self.state.global_step or os.path.isdir(best)):
+        best = self._best_checkpoint(run_dir)
+        if best is not None and (self.state.best_global_step == self.state.global_step or os.path.isdir(best)):
             self.state.best_model_checkpoint = best
         self.state.save_to_json(str(staging / "trainer_state.json"))
-        save_generation_files(staging, self.model, self.processing_class)
+        save_generation_files(staging, self.trained_model, self.processing_class)
         if self.fingerprint:
             write_json_atomic(staging / BASE_MODEL_FILE, {"fingerprint": self.fingerprint})
         if self.balancing is not None:
@@ -134,15 +136,26 @@ class CheckpointedTraining:
         write_json_atomic(staging / METRICS_FILE, metrics)
         publish_directory(staging, Path(run_dir) / name)
 
-    def _rotate(self, run_dir: str) -> None:
+    def _best_checkpoint(self, run_dir: str) -> str | None:
+        """Where the best checkpoint is (or will be) published, once an evaluation has chosen one."""
+        best_step = self.state.best_global_step
+        return os.path.join(run_dir, checkpoint_name(best_step)) if best_step else None
+
+    def _rotate(self, run_dir: str, keep_checkpoints: int) -> None:
         """Keep the newest `keep_checkpoints` and the best (which `load_best_model_at_end` reloads at the end)."""
-        for step in rotate_checkpoints(run_dir, self.keep_checkpoints, self.state.best_global_step or None):
+        for step in rotate_checkpoints(run_dir, keep_checkpoints, self.state.best_global_step or None):
             record = self.checkpoints.pop(step, None)
             self.hooks.on_checkpoint_deleted(
                 step, record["path"] if record else os.path.join(run_dir, checkpoint_name(step))
             )
 
-    def checkpoint_metrics(self) -> dict:
+    @property
+    def trained_model(self) -> PreTrainedModel | PeftModel:
+        """The model being trained: the Trainer types it as any module, a run always gives it a `PreTrainedModel`
+        (a `PeftModel` for LoRA)."""
+        return cast("PreTrainedModel | PeftModel", self.model)
+
+    def checkpoint_metrics(self) -> dict[str, Any]:
         """OpenAI's checkpoint metrics: step, the latest train loss, the latest validation loss and token accuracy."""
         metrics: dict[str, Any] = {"step": self.state.global_step}
         for entry in self.state.log_history:
@@ -150,7 +163,7 @@ class CheckpointedTraining:
                 metrics.update({k: v for k, v in rename_metrics(entry).items() if k in CHECKPOINT_METRICS})
         return metrics
 
-    def checkpoint_records(self) -> list[dict]:
+    def checkpoint_records(self) -> list[dict[str, Any]]:
         return [self.checkpoints[step] for step in sorted(self.checkpoints)]
 
 
@@ -165,7 +178,7 @@ class FinalCheckpointCallback(TrainerCallback):
     def __init__(self, stop: HooksCallback):
         self.stop = stop
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         if self.stop.stop_reason is not None or not control.should_training_stop:
             return
         if args.save_strategy == "epoch":
@@ -175,7 +188,7 @@ class FinalCheckpointCallback(TrainerCallback):
             control.should_save = True
 
 
-def final_metrics(trainer: CheckpointedTraining, train_output_metrics: dict) -> dict:
+def final_metrics(trainer: CheckpointedTraining, train_output_metrics: dict[str, Any]) -> dict[str, Any]:
     metrics = trainer.checkpoint_metrics()
     runtime = train_output_metrics.get("train_runtime")
     metrics["train_runtime"] = runtime

@@ -20,6 +20,7 @@ from __future__ import annotations
 import enum
 import json
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -193,11 +194,7 @@ def _check_output(record: dict[str, Any], key: str) -> tuple[str, list[FieldProb
     message, path = output[0], f"{key}[0]"
     if not isinstance(message, dict):
         return "", [FieldProblem("wrong_type", path, f"must be an object, got {_json_type(message)}")]
-    problems = [
-        FieldProblem("unknown_key", f"{path}.{name}", f"unknown message key {name!r}")
-        for name in message
-        if name not in ("role", "content")
-    ]
+    problems = _unknown_keys(message, ("role", "content"), path, "message")
     problems += _check_role(message, path)
     if not problems and message["role"] != "assistant":
         problems.append(FieldProblem("wrong_role", f"{path}.role", f"must be 'assistant', got {message['role']!r}"))
@@ -220,11 +217,7 @@ def _check_messages(
         if not isinstance(message, dict):
             problems.append(FieldProblem("wrong_type", path, f"must be an object, got {_json_type(message)}"))
             continue
-        problems += [
-            FieldProblem("unknown_key", f"{path}.{key}", f"unknown message key {key!r}")
-            for key in message
-            if key not in MESSAGE_KEYS
-        ]
+        problems += _unknown_keys(message, MESSAGE_KEYS, path, "message")
         problems += _check_role(message, path)
         role = message.get("role")
         if "tool_calls" in message and role == "assistant":
@@ -279,11 +272,7 @@ def _check_tool_calls(calls: Any, path: str, tools: frozenset[str]) -> tuple[lis
         if not isinstance(call, dict):
             problems.append(FieldProblem("wrong_type", where, f"must be an object, got {_json_type(call)}"))
             continue
-        problems += [
-            FieldProblem("unknown_key", f"{where}.{key}", f"unknown tool call key {key!r}")
-            for key in call
-            if key not in ("id", "type", "function")
-        ]
+        problems += _unknown_keys(call, ("id", "type", "function"), where, "tool call")
         problems += _check_string(call, "id", allow_empty=False, path=where)
         if call.get("type") != "function":
             problems.append(FieldProblem("wrong_type", f"{where}.type", "must be 'function'"))
@@ -291,11 +280,7 @@ def _check_tool_calls(calls: Any, path: str, tools: frozenset[str]) -> tuple[lis
         if not isinstance(function, dict):
             problems.append(FieldProblem("wrong_type", f"{where}.function", "must be an object with name, arguments"))
             continue
-        problems += [
-            FieldProblem("unknown_key", f"{where}.function.{key}", f"unknown function call key {key!r}")
-            for key in function
-            if key not in ("name", "arguments")
-        ]
+        problems += _unknown_keys(function, ("name", "arguments"), f"{where}.function", "function call")
         name_problems = _check_string(function, "name", allow_empty=False, path=f"{where}.function")
         if not name_problems and function["name"] not in tools:
             message = f"calls {function['name']!r}, which is not among the line's tools"
@@ -334,16 +319,8 @@ def _check_tools(record: dict[str, Any]) -> tuple[frozenset[str], list[FieldProb
             problems.append(FieldProblem("wrong_type", path, 'must be {"type": "function", "function": {...}}'))
             continue
         function = tool["function"]
-        problems += [
-            FieldProblem("unknown_key", f"{path}.{key}", f"unknown tool key {key!r}")
-            for key in tool
-            if key not in ("type", "function")
-        ]
-        problems += [
-            FieldProblem("unknown_key", f"{path}.function.{key}", f"unknown function key {key!r}")
-            for key in function
-            if key not in FUNCTION_KEYS
-        ]
+        problems += _unknown_keys(tool, ("type", "function"), path, "tool")
+        problems += _unknown_keys(function, FUNCTION_KEYS, f"{path}.function", "function")
         name = function.get("name")
         if not isinstance(name, str) or not FUNCTION_NAME.fullmatch(name):
             message = "must be 1 to 64 letters, digits, underscores or dashes"
@@ -421,6 +398,13 @@ def _check_weight(message: dict[str, Any], path: str) -> list[FieldProblem]:
     if isinstance(weight, bool) or weight not in (0, 1):
         return [FieldProblem("wrong_type", f"{path}.weight", f"weight must be 0 or 1, got {weight!r}")]
     return []
+
+
+def _unknown_keys(item: dict[str, Any], known: Collection[str], path: str, what: str) -> list[FieldProblem]:
+    """A problem for each key of `item` (the `what` at `path`) that is not among the `known` ones."""
+    return [
+        FieldProblem("unknown_key", f"{path}.{key}", f"unknown {what} key {key!r}") for key in item if key not in known
+    ]
 
 
 def _check_string(record: dict[str, Any], key: str, *, allow_empty: bool, path: str = "") -> list[FieldProblem]:

@@ -116,38 +116,16 @@ def validate_dataset(
     special_tokens = _special_token_strings(tokenizer)
 
     for line_number, record in _read_records(path, report):
-        example, field_problems = parse_record(record)
-        if example is not None and report.format is None:
-            report.format = example.format.value
-        elif example is not None and example.format.value != report.format:
-            message = f"this line is in {example.format.value} format but the file started in {report.format} format"
-            field_problems.append(FieldProblem("mixed_formats", None, message))
-            example = None
-        for problem in field_problems:
-            report.add(Problem(line_number, problem.field, problem.code, problem.message))
+        example = _parsed_example(record, line_number, report)
         if example is None:
             continue
-
-        digest = _hash(record)
-        if digest in seen:
-            report.add(Problem(line_number, None, "duplicate", f"duplicate of line {seen[digest]}"))
-        else:
-            seen[digest] = line_number
-        if digest in other_hashes:
-            message = f"the same example is line {other_hashes[digest]} of the other (validation) file"
-            report.add(Problem(line_number, None, "overlap", message))
-
+        _check_repeats(_hash(record), line_number, seen, other_hashes, report)
         if tokenizer is None:
             lengths.add(sum(len(text) for _, text in example.strings()))
             report.n_examples += 1
             continue
-        if not _has_no_special_tokens(example, line_number, special_tokens, report):
-            continue
-        # A preference example is two sequences, the input with each answer: both are trained on.
-        sequences = example.conversations() if example.format is DatasetFormat.PREFERENCE else (example,)
-        results = [_tokenized(sequence, line_number, tokenizer, report) for sequence in sequences]
-        tokenized = [sequence for sequence in results if sequence is not None]
-        if len(tokenized) < len(results):  # one did not tokenize (reported)
+        tokenized = _tokenized_sequences(example, line_number, tokenizer, special_tokens, report)
+        if tokenized is None:
             continue
         longest = max(len(sequence.input_ids) for sequence in tokenized)
         if max_seq_len is not None and longest > max_seq_len:
@@ -168,6 +146,51 @@ def validate_dataset(
     report.max_example_tokens = lengths.maximum if tokenizer is not None else None
     report.length_histogram = lengths.buckets()
     return report
+
+
+def _parsed_example(record: Any, line_number: int, report: ValidationReport) -> Example | None:
+    """The line's example, or None when it has problems (reported); the first example sets the file's format."""
+    example, field_problems = parse_record(record)
+    if example is not None and report.format is None:
+        report.format = example.format.value
+    elif example is not None and example.format.value != report.format:
+        message = f"this line is in {example.format.value} format but the file started in {report.format} format"
+        field_problems.append(FieldProblem("mixed_formats", None, message))
+        example = None
+    for problem in field_problems:
+        report.add(Problem(line_number, problem.field, problem.code, problem.message))
+    return example
+
+
+def _check_repeats(
+    digest: bytes, line_number: int, seen: dict[bytes, int], other_hashes: dict[bytes, int], report: ValidationReport
+) -> None:
+    """Report an example seen earlier in the file or found in the paired file; remember its first line."""
+    if digest in seen:
+        report.add(Problem(line_number, None, "duplicate", f"duplicate of line {seen[digest]}"))
+    else:
+        seen[digest] = line_number
+    if digest in other_hashes:
+        message = f"the same example is line {other_hashes[digest]} of the other (validation) file"
+        report.add(Problem(line_number, None, "overlap", message))
+
+
+def _tokenized_sequences(
+    example: Example,
+    line_number: int,
+    tokenizer: PreTrainedTokenizerBase,
+    special_tokens: list[str],
+    report: ValidationReport,
+) -> list[TokenizedExample] | None:
+    """The example's sequences tokenized, or None when it cannot be used (special tokens in its content, a
+    template that cannot render it: reported)."""
+    if not _has_no_special_tokens(example, line_number, special_tokens, report):
+        return None
+    # A preference example is two sequences, the input with each answer: both are trained on.
+    sequences = example.conversations() if example.format is DatasetFormat.PREFERENCE else (example,)
+    results = [_tokenized(sequence, line_number, tokenizer, report) for sequence in sequences]
+    tokenized = [sequence for sequence in results if sequence is not None]
+    return tokenized if len(tokenized) == len(results) else None  # else one did not tokenize (reported)
 
 
 def _has_no_special_tokens(
