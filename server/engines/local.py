@@ -353,11 +353,7 @@ class _Scheduler:
 
     def _take_waiting(self) -> list[_Request]:
         """Waiting requests that fit in the batch now, oldest first."""
-        while True:
-            try:
-                self.backlog.append(self.inbox.get_nowait())
-            except queue.Empty:
-                break
+        self._drain_inbox()
         admitted: list[_Request] = []
         free = self.settings.max_batch_size - len(self.rows)
         while self.backlog and self.backlog[0].params.n <= free:
@@ -368,6 +364,14 @@ class _Scheduler:
                 admitted.append(request)
                 free -= request.params.n
         return admitted
+
+    def _drain_inbox(self) -> None:
+        """Move every submitted request to the backlog."""
+        while True:
+            try:
+                self.backlog.append(self.inbox.get_nowait())
+            except queue.Empty:
+                return
 
     def _prefill(self, requests: list[_Request]) -> None:
         width = max(len(request.prompt_token_ids) for request in requests)
@@ -498,11 +502,7 @@ class _Scheduler:
         self.batch = None
         self.stats.running = 0
         with self.waiting_lock:  # `submit` adds to the inbox under this lock: nothing slips in unanswered
-            while True:
-                try:
-                    self.backlog.append(self.inbox.get_nowait())
-                except queue.Empty:
-                    break
+            self._drain_inbox()
             self.waiting -= len(self.backlog)
         requests.update((id(request), request) for request in self.backlog)
         self.backlog.clear()
