@@ -56,33 +56,18 @@ def _storable(text: str, max_length: int | None = None) -> str:
 
 
 def install_middleware(app: FastAPI) -> None:
-    settings = app.state.settings
-    last_used_resolution = timedelta(seconds=settings.key_last_used_resolution_s)
+    gate = RequestGate(app)
+    app.add_middleware(RequestPipeline, admit=gate.admit, record=gate.record)
 
-    def look_up(session: Session, token: str) -> tuple[Principal, dict[str, Any] | None] | None:
-        """The caller, and the last use to record for its key (None while the stored one is recent enough)."""
-        key = keys.find_active(session, token)
-        if key is None:
-            return None
-        return Principal.from_key(key), keys.last_use_to_record(key, resolution=last_used_resolution)
 
-    def audit_entry(request: Request, action: str, path_params: dict[str, Any], status_code: int) -> dict[str, Any]:
-        principal: Principal | None = getattr(request.state, "principal", None)
-        target = getattr(request.state, "audit_target", None)
-        if target is None and path_params:
-            target = ",".join(str(value) for value in path_params.values())
-        return audit.entry(
-            actor_key_id=principal.key_id if principal else None,
-            project_id=principal.project_id if principal else None,
-            action=_storable(action, 64),
-            method=_storable(request.method, 8),
-            path=_storable(request.url.path, MAX_AUDITED_PATH_CHARS),
-            target=_storable(target, 256) if target is not None else None,
-            status_code=status_code,
-            client_address=request.client.host if request.client else None,
-        )
+class RequestGate:
+    """What the request middleware does around a route: `admit` before it, `record` once its status is known."""
 
-    async def admit(request: Request) -> Response | None:
+    def __init__(self, app: FastAPI) -> None:
+        self.app = app
+        self.last_used_resolution = timedelta(seconds=app.state.settings.key_last_used_resolution_s)
+
+    async def admit(self, request: Request) -> Response | None:
         """Authenticate and rate-limit a request: None lets it through, otherwise the response that refuses it."""
         if (refusal := too_many_query_parameters(request.scope.get("query_string", b""))) is not None:
             return refusal
@@ -90,44 +75,72 @@ def install_middleware(app: FastAPI) -> None:
             return None
         token = bearer_token(request)
         try:
-            found = await app.state.reads.run(look_up, token) if token else None
+            found = await self.app.state.reads.run(self._look_up, token) if token else None
             if found is not None and (last_use := found[1]) is not None:
-                await app.state.rows.execute(keys.MARK_USED, last_use)
+                await self.app.state.rows.execute(keys.MARK_USED, last_use)
         except SQLAlchemyError as error:
             # Answered here: an error escaping a middleware makes uvicorn drop the client's connection.
             if (unavailable := database_unavailable(request, error)) is None:
                 raise
             return unavailable
         if found is None:
-            address = request.client.host if request.client else ""
-            try:
-                app.state.rate_limits.check_auth_failures_left(address)
-            except RateLimited as error:
-                request.state.unaudited = True  # past the limit: an address cannot grow the audit log at will
-                return error_response(429, error.message, code=error.code, headers=error.headers)
-            app.state.rate_limits.count_auth_failure(address)
-            message = "Invalid API key." if token else "Missing API key: send 'Authorization: Bearer <key>'."
-            return error_response(401, message, code="invalid_api_key")
+            return self._refuse_unauthenticated(request, token)
         principal = request.state.principal = found[0]
         try:
-            app.state.rate_limits.check_request(principal.key_id)
+            self.app.state.rate_limits.check_request(principal.key_id)
         except RateLimited as error:
             return error_response(429, error.message, code=error.code, headers=error.headers)
         return None
 
-    async def record(request: Request, status_code: int, started: float) -> None:
+    def _look_up(self, session: Session, token: str) -> tuple[Principal, dict[str, Any] | None] | None:
+        """The caller, and the last use to record for its key (None while the stored one is recent enough)."""
+        key = keys.find_active(session, token)
+        if key is None:
+            return None
+        return Principal.from_key(key), keys.last_use_to_record(key, resolution=self.last_used_resolution)
+
+    def _refuse_unauthenticated(self, request: Request, token: str | None) -> Response:
+        """401 for a missing or unknown key, counted against the client's address; 429 once it has too many."""
+        address = request.client.host if request.client else ""
+        rate_limits = self.app.state.rate_limits
+        try:
+            rate_limits.check_auth_failures_left(address)
+        except RateLimited as error:
+            request.state.unaudited = True  # past the limit: an address cannot grow the audit log at will
+            return error_response(429, error.message, code=error.code, headers=error.headers)
+        rate_limits.count_auth_failure(address)
+        message = "Invalid API key." if token else "Missing API key: send 'Authorization: Bearer <key>'."
+        return error_response(401, message, code="invalid_api_key")
+
+    async def record(self, request: Request, status_code: int, started: float) -> None:
         """Audit a mutating request and observe its metrics, once its status is known (before the client sees it)."""
         route, path_params = _route_of(request)
         route_label = getattr(route, "path", "unmatched")
         if request.method in MUTATING_METHODS and not getattr(request.state, "unaudited", False):
             action = getattr(route, "name", None) or f"{request.method} {route_label}"
             try:
-                await app.state.rows.execute(audit.INSERT_ENTRY, audit_entry(request, action, path_params, status_code))
+                entry = _audit_entry(request, action, path_params, status_code)
+                await self.app.state.rows.execute(audit.INSERT_ENTRY, entry)
             except Exception:
                 logger.exception("could not write the audit entry for %s %s", request.method, request.url.path)
-        app.state.metrics.observe(request.method, route_label, status_code, time.perf_counter() - started)
+        self.app.state.metrics.observe(request.method, route_label, status_code, time.perf_counter() - started)
 
-    app.add_middleware(RequestPipeline, admit=admit, record=record)
+
+def _audit_entry(request: Request, action: str, path_params: dict[str, Any], status_code: int) -> dict[str, Any]:
+    principal: Principal | None = getattr(request.state, "principal", None)
+    target = getattr(request.state, "audit_target", None)
+    if target is None and path_params:
+        target = ",".join(str(value) for value in path_params.values())
+    return audit.entry(
+        actor_key_id=principal.key_id if principal else None,
+        project_id=principal.project_id if principal else None,
+        action=_storable(action, 64),
+        method=_storable(request.method, 8),
+        path=_storable(request.url.path, MAX_AUDITED_PATH_CHARS),
+        target=_storable(target, 256) if target is not None else None,
+        status_code=status_code,
+        client_address=request.client.host if request.client else None,
+    )
 
 
 class RequestPipeline:

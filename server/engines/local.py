@@ -56,7 +56,7 @@ from server.engines.sampling import TokenSampler, choice_generator
 from server.engines.threads import on_own_thread
 from server.settings import LocalEngineSettings
 from zaya_model import ZayaForCausalLM
-from zaya_model.cache_zaya import ZayaCache
+from zaya_model.cache_zaya import ZayaCache, ZayaCacheLayer
 from zaya_model.cpu.decode import CompiledDecoder, StaticDecodeCache, capacity_for
 from zaya_model.pretrain.tokenizer import decode_text
 
@@ -106,6 +106,97 @@ class SchedulerStats:
     decoded_tokens: int = 0
     running: int = 0
     compiled_steps: int = 0  # decode steps that ran as a compiled graph
+
+
+@dataclass
+class _Batch:
+    """The sequences a scheduler decodes together, one row each, and their cache (every layer filled)."""
+
+    rows: list[_Sequence]
+    cache: ZayaCache
+    mask: torch.Tensor  # [rows, cached length]: 0 on left padding
+    static: StaticDecodeCache | None = None  # the compiled steps' buffers, which `cache` views
+
+    def compiled_step(
+        self, decoder: CompiledDecoder, bucket: int, input_ids: torch.Tensor, position_ids: torch.Tensor, length: int
+    ) -> torch.Tensor:
+        """One decode step through `decoder`'s graph of `bucket` rows: this batch's rows, then padding rows that
+        attend only to their own slot. The cache's layers view the graph's buffers, which the step writes."""
+        rows = len(self.rows)
+        static = self.static
+        if static is None or static.batch != bucket or static.capacity <= length:
+            static = self.static = StaticDecodeCache.adopt(self.cache, bucket, capacity_for(length + 1))
+        padded_ids = input_ids.new_zeros(bucket, 1)
+        padded_ids[:rows] = input_ids
+        padded_positions = position_ids.new_zeros(bucket, 1)
+        padded_positions[:rows] = position_ids
+        attend = torch.zeros(bucket, static.capacity, dtype=torch.bool)
+        attend[:rows, : length + 1] = self.mask.bool()
+        attend[rows:, length] = True
+        logits = decoder(padded_ids, padded_positions, attend, torch.tensor([length]), static)
+        for layer in self.cache.layers:
+            layer.length += 1
+        return logits[:rows]
+
+    def merge(self, rows: list[_Sequence], cache: ZayaCache, mask: torch.Tensor) -> None:
+        """Append prefilled rows, left-padding the shorter cache to a common length."""
+        self.static = None
+        length = max(self.mask.shape[1], mask.shape[1])
+        for running, new in zip(self.cache.layers, cache.layers, strict=True):
+            keys, values, conv_state, shift_state = _filled(running)
+            new_keys, new_values, new_conv_state, new_shift_state = _filled(new)
+            running.keys = torch.cat(
+                [_left_pad(keys[:, :, : running.length], length), _left_pad(new_keys[:, :, : new.length], length)]
+            )
+            running.values = torch.cat(
+                [_left_pad(values[:, :, : running.length], length), _left_pad(new_values[:, :, : new.length], length)]
+            )
+            running.length = length
+            running.conv_state = torch.cat([conv_state, new_conv_state])
+            running.shift_state = torch.cat([shift_state, new_shift_state])
+        self.mask = torch.cat([_left_pad(self.mask, length), _left_pad(mask, length)])
+        self.rows = self.rows + rows
+
+    def keep(self, indices: list[int]) -> None:
+        """Keep only the rows at `indices` (at least one)."""
+        self.static = None
+        self.rows = [self.rows[i] for i in indices]
+        index = torch.tensor(indices)
+        for layer in self.cache.layers:
+            layer.batch_select_indices(index)
+        self.mask = self.mask[index]
+        self._trim_padding()
+
+    def _trim_padding(self) -> None:
+        """Drop leading cache columns that are padding in every row (left behind by finished long prompts)."""
+        first_real = int(self.mask.any(0).int().argmax())
+        if first_real == 0:
+            return
+        for layer in self.cache.layers:
+            keys, values, _, _ = _filled(layer)
+            layer.keys = keys[:, :, first_real : layer.length].contiguous()
+            layer.values = values[:, :, first_real : layer.length].contiguous()
+            layer.length -= first_real
+        self.mask = self.mask[:, first_real:]
+
+
+def _filled(layer: ZayaCacheLayer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A prefilled cache layer's keys, values, conv state and shift state."""
+    keys, values, conv_state, shift_state = layer.keys, layer.values, layer.conv_state, layer.shift_state
+    if keys is None or values is None or conv_state is None or shift_state is None:
+        raise ValueError("a running batch's cache layer is not filled")
+    return keys, values, conv_state, shift_state
+
+
+def _left_pad(tensor: torch.Tensor, length: int) -> torch.Tensor:
+    """Left-pad a mask [rows, T] or keys/values [rows, heads, T, dim] with zeros to `length` positions."""
+    time_dim = 1 if tensor.dim() == 2 else 2
+    missing = length - tensor.shape[time_dim]
+    if missing == 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[time_dim] = missing
+    return torch.cat([tensor.new_zeros(shape), tensor], dim=time_dim)
 
 
 class _ComputeThread:
@@ -199,7 +290,6 @@ class _Scheduler:
     ):
         self.model, self.tokenizer, self.settings, self.wake = model, tokenizer, settings, wake
         self.compiled = _CompiledSteps(model, settings.max_batch_size) if settings.compile else None
-        self.static: StaticDecodeCache | None = None  # the compiled steps' buffers, which `cache` views
         self.end_ids = end_of_sequence_ids(tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.inbox: queue.Queue[_Request] = queue.Queue()
@@ -208,10 +298,13 @@ class _Scheduler:
         self.waiting_lock = threading.Lock()
         self.closing = False
         self.closed = threading.Event()
-        self.rows: list[_Sequence] = []
-        self.cache: ZayaCache | None = None
-        self.mask: torch.Tensor | None = None  # [rows, cached length]: 0 on left padding
+        self.batch: _Batch | None = None  # None while no sequence runs
         self.stats = SchedulerStats()
+
+    @property
+    def rows(self) -> list[_Sequence]:
+        """The running sequences."""
+        return self.batch.rows if self.batch is not None else []
 
     # --- called from the event loop -------------------------------------------------------------------------
     def submit(self, request: _Request) -> None:
@@ -246,8 +339,8 @@ class _Scheduler:
             if admitted:
                 self._prefill(admitted)
             self._drop_finished()
-            if self.rows:
-                self._decode_step()
+            if self.batch is not None:
+                self._decode_step(self.batch)
                 self._drop_finished()
         except Exception as error:  # a failed forward fails its batch, never the engine
             logger.exception("local engine step failed")
@@ -260,11 +353,7 @@ class _Scheduler:
 
     def _take_waiting(self) -> list[_Request]:
         """Waiting requests that fit in the batch now, oldest first."""
-        while True:
-            try:
-                self.backlog.append(self.inbox.get_nowait())
-            except queue.Empty:
-                break
+        self._drain_inbox()
         admitted: list[_Request] = []
         free = self.settings.max_batch_size - len(self.rows)
         while self.backlog and self.backlog[0].params.n <= free:
@@ -275,6 +364,14 @@ class _Scheduler:
                 admitted.append(request)
                 free -= request.params.n
         return admitted
+
+    def _drain_inbox(self) -> None:
+        """Move every submitted request to the backlog."""
+        while True:
+            try:
+                self.backlog.append(self.inbox.get_nowait())
+            except queue.Empty:
+                return
 
     def _prefill(self, requests: list[_Request]) -> None:
         width = max(len(request.prompt_token_ids) for request in requests)
@@ -297,7 +394,10 @@ class _Scheduler:
         cache = output.past_key_values
         for layer in cache.layers:
             layer.batch_select_indices(choices)
-        self._merge(rows, cache, mask[choices])
+        if self.batch is None:
+            self.batch = _Batch(rows, cache, mask[choices])
+        else:
+            self.batch.merge(rows, cache, mask[choices])
         for row in rows:
             if row.request.params.max_tokens == 0:  # the prompt scored, nothing to generate
                 row.output.end("length")
@@ -329,49 +429,29 @@ class _Scheduler:
             entries += [self._logprob(row, token, top) for row, token in zip(logits, targets, strict=False)]
         return entries
 
-    def _decode_step(self) -> None:
-        input_ids = torch.tensor([[row.next_token] for row in self.rows])
-        length = self.mask.shape[1]
-        self.mask = torch.cat([self.mask, self.mask.new_ones(len(self.rows), 1)], dim=-1)
-        position_ids = self.mask.sum(-1, keepdim=True) - 1
-        bucket = self.compiled.bucket(len(self.rows)) if self.compiled is not None else None
-        if bucket is None:
-            self.static = None  # the eager step replaces the cache's CCA state tensors
+    def _decode_step(self, batch: _Batch) -> None:
+        input_ids = torch.tensor([[row.next_token] for row in batch.rows])
+        length = batch.mask.shape[1]
+        batch.mask = torch.cat([batch.mask, batch.mask.new_ones(len(batch.rows), 1)], dim=-1)
+        position_ids = batch.mask.sum(-1, keepdim=True) - 1
+        compiled = self.compiled
+        bucket = compiled.bucket(len(batch.rows)) if compiled is not None else None
+        if compiled is None or bucket is None:
+            batch.static = None  # the eager step replaces the cache's CCA state tensors
             output = self.model(
                 input_ids=input_ids,
-                attention_mask=self.mask,
+                attention_mask=batch.mask,
                 position_ids=position_ids,
-                past_key_values=self.cache,
+                past_key_values=batch.cache,
                 use_cache=True,
             )
             logits = output.logits[:, -1]
         else:
-            logits = self._compiled_step(bucket, input_ids, position_ids, length)
+            logits = batch.compiled_step(compiled.decoder, bucket, input_ids, position_ids, length)
             self.stats.compiled_steps += 1
         self.stats.steps += 1
-        self.stats.max_batch_size_seen = max(self.stats.max_batch_size_seen, len(self.rows))
-        self._sample(self.rows, logits)
-
-    def _compiled_step(
-        self, bucket: int, input_ids: torch.Tensor, position_ids: torch.Tensor, length: int
-    ) -> torch.Tensor:
-        """One decode step through the compiled graph of `bucket` rows: this batch's rows, then padding rows that
-        attend only to their own slot. The cache's layers view the graph's buffers, which the step writes."""
-        rows = len(self.rows)
-        static = self.static
-        if static is None or static.batch != bucket or static.capacity <= length:
-            static = self.static = StaticDecodeCache.adopt(self.cache, bucket, capacity_for(length + 1))
-        padded_ids = input_ids.new_zeros(bucket, 1)
-        padded_ids[:rows] = input_ids
-        padded_positions = position_ids.new_zeros(bucket, 1)
-        padded_positions[:rows] = position_ids
-        attend = torch.zeros(bucket, static.capacity, dtype=torch.bool)
-        attend[:rows, : length + 1] = self.mask.bool()
-        attend[rows:, length] = True
-        logits = self.compiled.decoder(padded_ids, padded_positions, attend, torch.tensor([length]), static)
-        for layer in self.cache.layers:
-            layer.length += 1
-        return logits[:rows]
+        self.stats.max_batch_size_seen = max(self.stats.max_batch_size_seen, len(batch.rows))
+        self._sample(batch.rows, logits)
 
     def _sample(self, rows: list[_Sequence], logits: torch.Tensor) -> None:
         for row, row_logits in zip(rows, logits, strict=True):
@@ -407,84 +487,27 @@ class _Scheduler:
         token_text = decode_text(self.tokenizer, [token])
         return TokenLogprob(token=token_text, logprob=float(logprobs[token]), top=alternatives)
 
-    def _merge(self, rows: list[_Sequence], cache: ZayaCache, mask: torch.Tensor) -> None:
-        """Append prefilled rows to the running batch, left-padding the shorter cache to a common length."""
-        self.static = None
-        if not self.rows:
-            self.rows, self.cache, self.mask = rows, cache, mask
-            return
-        length = max(self.mask.shape[1], mask.shape[1])
-        for running, new in zip(self.cache.layers, cache.layers, strict=True):
-            running.keys = torch.cat(
-                [
-                    _left_pad(running.keys[:, :, : running.length], length),
-                    _left_pad(new.keys[:, :, : new.length], length),
-                ]
-            )
-            running.values = torch.cat(
-                [
-                    _left_pad(running.values[:, :, : running.length], length),
-                    _left_pad(new.values[:, :, : new.length], length),
-                ]
-            )
-            running.length = length
-            running.conv_state = torch.cat([running.conv_state, new.conv_state])
-            running.shift_state = torch.cat([running.shift_state, new.shift_state])
-        self.mask = torch.cat([_left_pad(self.mask, length), _left_pad(mask, length)])
-        self.rows = self.rows + rows
-
     def _drop_finished(self) -> None:
-        keep = [i for i, row in enumerate(self.rows) if not row.finished and not row.request.cancelled.is_set()]
-        if len(keep) < len(self.rows):
-            self.static = None
-            self.rows = [self.rows[i] for i in keep]
-            if not self.rows:
-                self.cache = self.mask = None
-            else:
-                index = torch.tensor(keep)
-                for layer in self.cache.layers:
-                    layer.batch_select_indices(index)
-                self.mask = self.mask[index]
-                self._trim_padding()
+        batch = self.batch
+        if batch is not None:
+            keep = [i for i, row in enumerate(batch.rows) if not row.finished and not row.request.cancelled.is_set()]
+            if not keep:
+                self.batch = None
+            elif len(keep) < len(batch.rows):
+                batch.keep(keep)
         self.stats.running = len(self.rows)
-
-    def _trim_padding(self) -> None:
-        """Drop leading cache columns that are padding in every row (left behind by finished long prompts)."""
-        first_real = int(self.mask.any(0).int().argmax())
-        if first_real == 0:
-            return
-        for layer in self.cache.layers:
-            layer.keys = layer.keys[:, :, first_real : layer.length].contiguous()
-            layer.values = layer.values[:, :, first_real : layer.length].contiguous()
-            layer.length -= first_real
-        self.mask = self.mask[:, first_real:]
 
     def _fail_all(self, error: EngineError) -> None:
         requests = {id(row.request): row.request for row in self.rows}
-        self.rows, self.cache, self.mask, self.static = [], None, None, None
+        self.batch = None
         self.stats.running = 0
         with self.waiting_lock:  # `submit` adds to the inbox under this lock: nothing slips in unanswered
-            while True:
-                try:
-                    self.backlog.append(self.inbox.get_nowait())
-                except queue.Empty:
-                    break
+            self._drain_inbox()
             self.waiting -= len(self.backlog)
         requests.update((id(request), request) for request in self.backlog)
         self.backlog.clear()
         for request in requests.values():
             request.send(error)
-
-
-def _left_pad(tensor: torch.Tensor, length: int) -> torch.Tensor:
-    """Left-pad a mask [rows, T] or keys/values [rows, heads, T, dim] with zeros to `length` positions."""
-    time_dim = 1 if tensor.dim() == 2 else 2
-    missing = length - tensor.shape[time_dim]
-    if missing == 0:
-        return tensor
-    shape = list(tensor.shape)
-    shape[time_dim] = missing
-    return torch.cat([tensor.new_zeros(shape), tensor], dim=time_dim)
 
 
 @dataclass

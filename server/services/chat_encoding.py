@@ -18,7 +18,7 @@ import secrets
 import threading
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -112,8 +112,8 @@ def encode_chat(
     spelled = {mark: spelling for spelling, mark in marks.items()}
     token_ids: list[int] = []
     for index, piece in enumerate(written.split(text)):
-        if index % 2:  # a special token the template wrote
-            token_ids.append(tokenizer.convert_tokens_to_ids(piece))
+        if index % 2:  # a special token the template wrote: one of the tokenizer's own, so one id
+            token_ids.append(cast(int, tokenizer.convert_tokens_to_ids(piece)))
         elif piece:
             if restore.search(piece):
                 token_ids += encode_literally(tokenizer, restore.sub(lambda match: spelled[match.group()], piece))
