@@ -66,6 +66,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
 from transformers import PreTrainedTokenizerFast
 
 from ..cpu.compiled_layers import enable_compiled_layers, require_cpp_compiler
@@ -227,7 +228,9 @@ class Pretrainer:
         self.tokenizer = self._load_or_train_tokenizer(tokenizer_path)
         self.config = settings.zaya_config(self.tokenizer)
         torch.manual_seed(settings.seed)
-        self.model = ZayaForCausalLM(self.config).to(self.device).train()
+        self.model = ZayaForCausalLM(self.config)
+        self.model.to(self.device)  # type: ignore[arg-type]  # typeshed's wraps() loses self on transformers' `to`
+        self.model.train()
         enable_compiled_layers(self.model, settings.compile)
         sharded = settings.sharding == "fsdp"
         if sharded and self.dist.enabled:  # one process has nothing to shard
@@ -252,7 +255,7 @@ class Pretrainer:
         self.skipped_batches: set[int] = set()
         # What a resume needs besides the model and optimizers, each with state_dict() / load_state_dict(); the
         # trainer's own entry (step, skipped batches, RNG) is loaded last, so its RNG state is the one that holds.
-        states = {f"scheduler{i}": scheduler for i, scheduler in enumerate(self.schedulers)}
+        states: dict[str, Stateful] = {f"scheduler{i}": scheduler for i, scheduler in enumerate(self.schedulers)}
         states |= {"balancing": self.balancing, "data": self.stream, "trainer": self}
         self.checkpointer = Checkpointer(
             self.output / CHECKPOINTS_DIR,
@@ -291,7 +294,7 @@ class Pretrainer:
 
     def _check_run_file(self, resumed: bool) -> None:
         run_path = self.output / RUN_FILE
-        current = {
+        current: dict[str, Any] = {
             "settings": self.settings.model_dump(),
             "global_batch_size": self.settings.batch_size * self.dist.world_size,
             "corpus": corpus_fingerprint(self.files),
@@ -396,7 +399,7 @@ class Pretrainer:
         """One optimizer step; returns its metrics, or None when a non-finite step was rolled back."""
         started = time.perf_counter()
         batch_index, batches = self._next_step_batches()
-        num_items = sum((batch["labels"][:, 1:] != -100).sum() for batch in batches).to(self.device)
+        num_items = torch.stack([(batch["labels"][:, 1:] != -100).sum() for batch in batches]).sum().to(self.device)
         self.dist.sum_(num_items)  # each rank's loss is its share of the global mean
         loss = torch.zeros((), device=self.device)
         for batch in batches:
@@ -448,6 +451,8 @@ class Pretrainer:
         self.checkpointer.wait()
         self.dist.barrier()  # rank 0's last checkpoint is on disk
         checkpoint = self.checkpointer.latest()
+        if checkpoint is None:  # `train` saves step 0 before its first step; someone removed the checkpoints
+            raise PretrainError(f"no checkpoint in {self.checkpointer.directory} to roll back to")
         skipped = self.skipped_batches | {batch_index}
         failures = self.failures_since_checkpoint
         failed_step = self.step + 1
@@ -625,7 +630,8 @@ class Pretrainer:
             timing = self.checkpointer.completed_writes.pop(0)
             self.checkpoint_timings.append(timing)
             self._log({"event": "checkpoint_written", **timing})
-            self.hooks.on_checkpoint(timing["step"], str(self.checkpointer.path(timing["step"])), timing)
+            step = int(timing["step"])
+            self.hooks.on_checkpoint(step, str(self.checkpointer.path(step)), timing)
 
     def _log(self, record: dict[str, Any]) -> None:
         if not self.dist.is_main:
