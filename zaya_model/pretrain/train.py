@@ -227,20 +227,45 @@ class Pretrainer:
             scan_corpus(self.files, settings.seed, settings.validation_fraction)
         self.tokenizer = self._load_or_train_tokenizer(tokenizer_path)
         self.config = settings.zaya_config(self.tokenizer)
-        torch.manual_seed(settings.seed)
-        self.model = ZayaForCausalLM(self.config)
-        self.model.to(self.device)  # type: ignore[arg-type]  # typeshed's wraps() loses self on transformers' `to`
-        self.model.train()
-        enable_compiled_layers(self.model, settings.compile)
-        sharded = settings.sharding == "fsdp"
-        if sharded and self.dist.enabled:  # one process has nothing to shard
-            shard_model(self.model)
+        self.model = self._build_model()
         # After sharding (which swaps in sharded parameters); loading a checkpoint copies into these same tensors.
         self.parameters = list(self.model.parameters())
         self.optimizers = build_optimizers(self.model, settings)
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, warmup_cosine(settings)) for o in self.optimizers]
         self.balancing = BalancingBiasUpdater(self.model, lr=settings.balancing_lr)
-        spec = PackingSpec(
+        spec = self._packing_spec()
+        self.stream = PackedStream(self.files, self.tokenizer, spec, shuffle_buffer=settings.shuffle_buffer)
+        self.validation = validation_rows(self.files, self.tokenizer, spec, settings.eval_rows)
+        self.step = 0
+        self.skipped_batches: set[int] = set()
+        self.checkpointer = self._build_checkpointer()
+        self.saved_step: int | None = None
+        self.failures_since_checkpoint = 0
+        self.last_val_loss: float | None = None
+        self.checkpoint_timings: list[dict[str, float]] = []  # stall vs. save_pretrained time of each write
+        self._stop_signal: int | None = None
+        if resume_from is not None:
+            self._resume(resume_from)
+        if settings.compile:
+            self.hooks.on_event("info", COMPILING_MESSAGE)
+        self.dist.barrier()  # every rank is set up before rank 0 writes the first checkpoint
+
+    # ----- set-up -----
+
+    def _build_model(self) -> ZayaForCausalLM:
+        """A freshly initialised model (from the run's seed) on this process's device, sharded under FSDP."""
+        torch.manual_seed(self.settings.seed)
+        model = ZayaForCausalLM(self.config)
+        model.to(self.device)  # type: ignore[arg-type]  # typeshed's wraps() loses self on transformers' `to`
+        model.train()
+        enable_compiled_layers(model, self.settings.compile)
+        if self.settings.sharding == "fsdp" and self.dist.enabled:  # one process has nothing to shard
+            shard_model(model)
+        return model
+
+    def _packing_spec(self) -> PackingSpec:
+        settings = self.settings
+        return PackingSpec(
             seq_len=settings.seq_len,
             bos_token_id=self.tokenizer.bos_token_id,
             eos_token_id=self.tokenizer.eos_token_id,
@@ -249,39 +274,28 @@ class Pretrainer:
             validation_fraction=settings.validation_fraction,
             packing=settings.packing,
         )
-        self.stream = PackedStream(self.files, self.tokenizer, spec, shuffle_buffer=settings.shuffle_buffer)
-        self.validation = validation_rows(self.files, self.tokenizer, spec, settings.eval_rows)
-        self.step = 0
-        self.skipped_batches: set[int] = set()
+
+    def _build_checkpointer(self) -> Checkpointer:
         # What a resume needs besides the model and optimizers, each with state_dict() / load_state_dict(); the
         # trainer's own entry (step, skipped batches, RNG) is loaded last, so its RNG state is the one that holds.
         states: dict[str, Stateful] = {f"scheduler{i}": scheduler for i, scheduler in enumerate(self.schedulers)}
         states |= {"balancing": self.balancing, "data": self.stream, "trainer": self}
-        self.checkpointer = Checkpointer(
+        return Checkpointer(
             self.output / CHECKPOINTS_DIR,
             self.model,
             self.optimizers,
             states,
             self.tokenizer,
-            settings.keep_last,
-            sharded=sharded,
+            self.settings.keep_last,
+            sharded=self.settings.sharding == "fsdp",
             is_main=self.dist.is_main,
             after_write=self._write_loss_plot if self.dist.is_main else None,
         )
-        self.saved_step: int | None = None
-        self.failures_since_checkpoint = 0
-        self.last_val_loss: float | None = None
-        self.checkpoint_timings: list[dict[str, float]] = []  # stall vs. save_pretrained time of each write
-        self._stop_signal: int | None = None
-        if resume_from is not None:
-            self._load(resume_from)
-            self._log({"event": "resumed", "step": self.step, "checkpoint": resume_from.name})
-            self.hooks.on_event("info", f"resumed from {resume_from.name}", {"step": self.step})
-        if settings.compile:
-            self.hooks.on_event("info", COMPILING_MESSAGE)
-        self.dist.barrier()  # every rank is set up before rank 0 writes the first checkpoint
 
-    # ----- set-up -----
+    def _resume(self, checkpoint: Path) -> None:
+        self._load(checkpoint)
+        self._log({"event": "resumed", "step": self.step, "checkpoint": checkpoint.name})
+        self.hooks.on_event("info", f"resumed from {checkpoint.name}", {"step": self.step})
 
     def _prepare_output(self) -> None:
         try:
