@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 PREFIX = "ZAYA"
 TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
@@ -59,9 +60,9 @@ def _switch_value(action: argparse.Action, text: str) -> bool:
     return (not given) if isinstance(action, argparse._StoreFalseAction) else given
 
 
-def _option_value(action: argparse.Action, text: str) -> str | list[str]:
+def _option_value(action: argparse.Action, text: str) -> str | list[Any]:
     # argparse parses a string default with the option's type, as if it had been given on the command line.
     if action.nargs in ("+", "*") or isinstance(action.nargs, int):
-        values = text.split()
-        return [action.type(value) if action.type else value for value in values]  # type: ignore[misc]
+        convert = action.type if callable(action.type) else str  # no type: the words as given
+        return [convert(value) for value in text.split()]
     return text

@@ -36,6 +36,7 @@ import re
 import shutil
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -91,23 +92,42 @@ _LEGACY_IMPLEMENTATION_FIELDS = (
     "mamba_cache_dtype",
 )
 
+
+@dataclass(frozen=True)
+class _PerSubLayerField:
+    """An upstream field that a legacy config lists per sub-layer: `factor` times the value on the attention (or the
+    MoE) sub-layers, 0 on the others."""
+
+    upstream: str
+    legacy: tuple[str, ...]  # the legacy fields that may hold it, the first present read; the first one is written
+    moe: bool  # held on the MoE sub-layers, else on the attention ones
+    factor: int = 1
+
+
+_PER_SUB_LAYER_FIELDS = (
+    _PerSubLayerField("num_attention_heads", ("cca_num_q_heads", "num_attention_heads"), moe=False),
+    _PerSubLayerField(
+        "num_key_value_heads", ("num_query_groups_list", "num_query_groups", "num_key_value_heads"), moe=False
+    ),
+    # The legacy fc1 width holds the experts' gate and up projections together.
+    _PerSubLayerField("moe_intermediate_size", ("ffn_hidden_size_list", "ffn_hidden_size"), moe=True, factor=2),
+    _PerSubLayerField("router_hidden_size", ("zaya_mlp_expansion",), moe=True),
+)
+
+# Fields both layouts name alike, with the value either layout assumes when the field is absent.
+_SHARED_FIELD_DEFAULTS = {"cca_time0": 2, "cca_time1": 2, "tie_word_embeddings": True}
+
 # Legacy fields read (or checked) by `legacy_config_to_upstream`; everything else is carried over unchanged.
 _LEGACY_CONSUMED_FIELDS = {
     *_LEGACY_FIXED_VALUES,
     *_LEGACY_IMPLEMENTATION_FIELDS,
+    *(name for field in _PER_SUB_LAYER_FIELDS for name in field.legacy),
+    *_SHARED_FIELD_DEFAULTS,
     "zaya_layers",
     "num_hidden_layers",
     "num_experts",
-    "cca_num_q_heads",
-    "num_attention_heads",
-    "num_query_groups_list",
-    "num_query_groups",
-    "num_key_value_heads",
     "kv_channels",
     "head_dim",
-    "ffn_hidden_size_list",
-    "ffn_hidden_size",
-    "zaya_mlp_expansion",
     "norm_epsilon",
     "rms_norm_eps",
     "layernorm_epsilon",
@@ -117,38 +137,35 @@ _LEGACY_CONSUMED_FIELDS = {
     "rope_scaling",
     "swa_layers",
     "swa_rotary_base",
-    "cca_time0",
-    "cca_time1",
     "skip_expert_mode",
     "residual_in_fp32",
-    "tie_word_embeddings",
     "model_type",
     "architectures",
 }
 
 # Upstream fields read by `upstream_config_to_legacy`; everything else is carried over unchanged.
 _UPSTREAM_CONSUMED_FIELDS = {
+    *(field.upstream for field in _PER_SUB_LAYER_FIELDS),
+    *_SHARED_FIELD_DEFAULTS,
     "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
     "head_dim",
     "hidden_act",
     "rms_norm_eps",
-    "moe_intermediate_size",
     "num_experts",
     "num_experts_per_tok",
-    "router_hidden_size",
     "rope_parameters",
     "layer_types",
     "sliding_window",
-    "cca_time0",
-    "cca_time1",
     "skip_expert_mode",
     "router_rms_norm_eps",
     "residual_in_fp32",
-    "tie_word_embeddings",
     "model_type",
     "architectures",
+}
+
+# The fixed legacy switches a legacy config is written with (`num_experts_per_tok` is the upstream layout's own).
+_LEGACY_WRITTEN_FIXED_VALUES = {
+    field: supported for field, (supported, _) in _LEGACY_FIXED_VALUES.items() if field not in _UPSTREAM_CONSUMED_FIELDS
 }
 
 
@@ -213,10 +230,37 @@ def legacy_config_to_upstream(config_dict: Mapping[str, Any]) -> dict[str, Any]:
     if not is_legacy_config(legacy):
         raise ValueError("not a legacy ZAYA config: it has no zaya_layers")
     num_blocks, num_experts = _legacy_block_plan(legacy["zaya_layers"])
-    num_sub_layers = 2 * num_blocks
-    attention = range(0, num_sub_layers, 2)
-    moe = range(1, num_sub_layers, 2)
+    _check_legacy_architecture(legacy, num_experts)
+    upstream = {key: value for key, value in legacy.items() if key not in _LEGACY_CONSUMED_FIELDS}
+    upstream.update(
+        model_type="zaya",
+        architectures=["ZayaForCausalLM"],
+        num_hidden_layers=num_blocks,
+        **_legacy_per_sub_layer_values(legacy, num_blocks),
+        head_dim=_legacy_head_dim(legacy),
+        hidden_act="silu",
+        rms_norm_eps=legacy.get("norm_epsilon", legacy.get("rms_norm_eps", 1e-5)),
+        num_experts=num_experts,
+        num_experts_per_tok=1,
+        rope_parameters={
+            "hybrid": {
+                "rope_type": "default",
+                "rope_theta": legacy[_first_present(legacy, ("rope_theta", "rotary_base"))],
+                "partial_rotary_factor": legacy.get("partial_rotary_factor", 0.5),
+            }
+        },
+        layer_types=["hybrid"] * num_blocks,
+        sliding_window=None,
+        **{field: legacy.get(field, default) for field, default in _SHARED_FIELD_DEFAULTS.items()},
+        skip_expert_mode=_legacy_skip_expert_mode(legacy),
+        router_rms_norm_eps=legacy.get("layernorm_epsilon", LEGACY_ROUTER_RMS_NORM_EPS),
+        residual_in_fp32=bool(legacy.get("residual_in_fp32", False)),
+    )
+    return upstream
 
+
+def _check_legacy_architecture(legacy: Mapping[str, Any], num_experts: int) -> None:
+    """Refuses legacy switches and fields for an architecture other than the block layout's."""
     for field, (supported, default) in _LEGACY_FIXED_VALUES.items():
         if legacy.get(field, default) != supported:
             raise ValueError(f"{field}={legacy[field]!r} is not supported (ZAYA1 uses {supported!r})")
@@ -227,64 +271,46 @@ def legacy_config_to_upstream(config_dict: Mapping[str, Any]) -> dict[str, Any]:
     if any(legacy.get("swa_layers") or []):
         raise ValueError("swa_layers: sliding-window attention layers are not supported")
 
-    num_heads = _one_value(
-        legacy, _first_present(legacy, ("cca_num_q_heads", "num_attention_heads")), attention, num_sub_layers
-    )
-    kv_field = _first_present(legacy, ("num_query_groups_list", "num_query_groups", "num_key_value_heads"))
-    num_kv_heads = _one_value(legacy, kv_field, attention, num_sub_layers)
+
+def _legacy_per_sub_layer_values(legacy: Mapping[str, Any], num_blocks: int) -> dict[str, Any]:
+    """The upstream fields of `_PER_SUB_LAYER_FIELDS`, each the one value its legacy list holds for every block."""
+    num_sub_layers = 2 * num_blocks
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for field in _PER_SUB_LAYER_FIELDS:
+        source = sources[field.upstream] = _first_present(legacy, field.legacy)
+        sub_layers = range(1 if field.moe else 0, num_sub_layers, 2)
+        value = _one_value(legacy, source, sub_layers, num_sub_layers)
+        if field.factor != 1:
+            if value % field.factor:
+                raise ValueError(
+                    f"{source}: {value} is not a multiple of {field.factor} ({field.upstream} x {field.factor})"
+                )
+            value //= field.factor
+        values[field.upstream] = value
+    num_kv_heads = values["num_key_value_heads"]
     if legacy.get("num_key_value_heads") not in (None, num_kv_heads):
         raise ValueError(
-            f"num_key_value_heads={legacy['num_key_value_heads']} disagrees with {kv_field} ({num_kv_heads})"
+            f"num_key_value_heads={legacy['num_key_value_heads']} disagrees with {sources['num_key_value_heads']} "
+            f"({num_kv_heads})"
         )
+    return values
+
+
+def _legacy_head_dim(legacy: Mapping[str, Any]) -> Any:
     if legacy.get("kv_channels") is not None:
-        head_dim = legacy["kv_channels"]
-    elif legacy.get("head_dim") is not None:
-        head_dim = legacy["head_dim"]
-    else:  # Zyphra's code derives it from the nominal (uncompressed) head count
-        head_dim = legacy["hidden_size"] // legacy["num_attention_heads"]
-    fc1_width = _one_value(
-        legacy, _first_present(legacy, ("ffn_hidden_size_list", "ffn_hidden_size")), moe, num_sub_layers
-    )
-    if fc1_width % 2:
-        raise ValueError(f"ffn_hidden_size_list: the fc1 width {fc1_width} (gate and up together) must be even")
-    router_hidden_size = _one_value(legacy, "zaya_mlp_expansion", moe, num_sub_layers)
-    rope_theta = legacy[_first_present(legacy, ("rope_theta", "rotary_base"))]
-    rms_norm_eps = legacy.get("norm_epsilon", legacy.get("rms_norm_eps", 1e-5))
+        return legacy["kv_channels"]
+    if legacy.get("head_dim") is not None:
+        return legacy["head_dim"]
+    # Zyphra's code derives it from the nominal (uncompressed) head count.
+    return legacy["hidden_size"] // legacy["num_attention_heads"]
+
+
+def _legacy_skip_expert_mode(legacy: Mapping[str, Any]) -> str:
     skip_expert_mode = legacy.get("skip_expert_mode", LEGACY_SKIP_EXPERT_MODE)
     if skip_expert_mode not in SKIP_EXPERT_MODES:
         raise ValueError(f"skip_expert_mode={skip_expert_mode!r} is not one of {SKIP_EXPERT_MODES}")
-
-    upstream = {key: value for key, value in legacy.items() if key not in _LEGACY_CONSUMED_FIELDS}
-    upstream.update(
-        model_type="zaya",
-        architectures=["ZayaForCausalLM"],
-        num_hidden_layers=num_blocks,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=head_dim,
-        hidden_act="silu",
-        rms_norm_eps=rms_norm_eps,
-        moe_intermediate_size=fc1_width // 2,
-        num_experts=num_experts,
-        num_experts_per_tok=1,
-        router_hidden_size=router_hidden_size,
-        rope_parameters={
-            "hybrid": {
-                "rope_type": "default",
-                "rope_theta": rope_theta,
-                "partial_rotary_factor": legacy.get("partial_rotary_factor", 0.5),
-            }
-        },
-        layer_types=["hybrid"] * num_blocks,
-        sliding_window=None,
-        cca_time0=legacy.get("cca_time0", 2),
-        cca_time1=legacy.get("cca_time1", 2),
-        tie_word_embeddings=legacy.get("tie_word_embeddings", True),
-        skip_expert_mode=skip_expert_mode,
-        router_rms_norm_eps=legacy.get("layernorm_epsilon", LEGACY_ROUTER_RMS_NORM_EPS),
-        residual_in_fp32=bool(legacy.get("residual_in_fp32", False)),
-    )
-    return upstream
+    return skip_expert_mode
 
 
 def upstream_config_to_legacy(config_dict: Mapping[str, Any]) -> dict[str, Any]:
@@ -298,6 +324,39 @@ def upstream_config_to_legacy(config_dict: Mapping[str, Any]) -> dict[str, Any]:
     """
     upstream = dict(config_dict)
     num_blocks = upstream["num_hidden_layers"]
+    rope = _check_upstream_writable(upstream, num_blocks)
+    rms_norm_eps = upstream["rms_norm_eps"]
+    legacy = {key: value for key, value in upstream.items() if key not in _UPSTREAM_CONSUMED_FIELDS}
+    legacy.update(
+        model_type="zaya",
+        architectures=["ZayaForCausalLM"],
+        num_hidden_layers=2 * num_blocks,
+        zaya_layers=[ATTENTION_LAYER, upstream["num_experts"]] * num_blocks,
+        **_upstream_per_sub_layer_lists(upstream, num_blocks),
+        num_attention_heads=upstream["hidden_size"] // upstream["head_dim"],  # nominal: only used to derive head_dim
+        num_key_value_heads=upstream["num_key_value_heads"],
+        kv_channels=upstream["head_dim"],
+        **_LEGACY_WRITTEN_FIXED_VALUES,
+        zaya_high_prec=True,
+        residual_in_fp32=bool(upstream.get("residual_in_fp32", True)),
+        norm_epsilon=rms_norm_eps,
+        rope_theta=rope["rope_theta"],
+        partial_rotary_factor=rope.get("partial_rotary_factor", 1.0),
+        rope_scaling=False,
+        **{field: upstream.get(field, default) for field, default in _SHARED_FIELD_DEFAULTS.items()},
+    )
+    skip_expert_mode = upstream.get("skip_expert_mode", UPSTREAM_SKIP_EXPERT_MODE)
+    if skip_expert_mode != LEGACY_SKIP_EXPERT_MODE:
+        legacy["skip_expert_mode"] = skip_expert_mode
+    router_eps = upstream.get("router_rms_norm_eps")
+    router_eps = rms_norm_eps if router_eps is None else router_eps
+    if router_eps != LEGACY_ROUTER_RMS_NORM_EPS:
+        legacy["layernorm_epsilon"] = router_eps
+    return legacy
+
+
+def _check_upstream_writable(upstream: Mapping[str, Any], num_blocks: int) -> Mapping[str, Any]:
+    """Refuses an upstream config the legacy fields cannot describe; returns its rope parameters."""
     layer_types = upstream.get("layer_types") or ["hybrid"] * num_blocks
     if list(layer_types) != ["hybrid"] * num_blocks:
         raise ValueError(f"layer_types={layer_types!r}: only full-attention 'hybrid' layers can be written as legacy")
@@ -317,51 +376,17 @@ def upstream_config_to_legacy(config_dict: Mapping[str, Any]) -> dict[str, Any]:
             f"head_dim={head_dim} must divide hidden_size={hidden_size}: legacy configs derive head_dim "
             "from a nominal head count"
         )
-    num_heads, num_kv_heads = upstream["num_attention_heads"], upstream["num_key_value_heads"]
-    num_experts = upstream["num_experts"]
-    rms_norm_eps = upstream["rms_norm_eps"]
-    router_eps = upstream.get("router_rms_norm_eps")
-    router_eps = rms_norm_eps if router_eps is None else router_eps
-    skip_expert_mode = upstream.get("skip_expert_mode", UPSTREAM_SKIP_EXPERT_MODE)
+    return rope
 
-    legacy = {key: value for key, value in upstream.items() if key not in _UPSTREAM_CONSUMED_FIELDS}
-    legacy.update(
-        model_type="zaya",
-        architectures=["ZayaForCausalLM"],
-        num_hidden_layers=2 * num_blocks,
-        zaya_layers=[ATTENTION_LAYER, num_experts] * num_blocks,
-        cca=True,
-        cca_num_q_heads=[num_heads, 0] * num_blocks,
-        num_query_groups_list=[num_kv_heads, 0] * num_blocks,
-        num_attention_heads=hidden_size // head_dim,  # nominal: only used to derive head_dim
-        num_key_value_heads=num_kv_heads,
-        kv_channels=head_dim,
-        ffn_hidden_size_list=[0, 2 * upstream["moe_intermediate_size"]] * num_blocks,
-        zaya_mlp_expansion=[0, upstream["router_hidden_size"]] * num_blocks,
-        moe_router_topk=1,
-        zaya_use_mod=True,
-        zaya_use_eda=True,
-        zaya_high_prec=True,
-        scale_residual_merge=True,
-        residual_in_fp32=bool(upstream.get("residual_in_fp32", True)),
-        activation_func="swiglu",
-        gated_linear_unit=True,
-        add_bias_linear=False,
-        normalization="RMSNorm",
-        norm_epsilon=rms_norm_eps,
-        rope_theta=rope["rope_theta"],
-        partial_rotary_factor=rope.get("partial_rotary_factor", 1.0),
-        rope_scaling=False,
-        clamp_temp=False,
-        cca_time0=upstream.get("cca_time0", 2),
-        cca_time1=upstream.get("cca_time1", 2),
-        tie_word_embeddings=upstream.get("tie_word_embeddings", True),
-    )
-    if skip_expert_mode != LEGACY_SKIP_EXPERT_MODE:
-        legacy["skip_expert_mode"] = skip_expert_mode
-    if router_eps != LEGACY_ROUTER_RMS_NORM_EPS:
-        legacy["layernorm_epsilon"] = router_eps
-    return legacy
+
+def _upstream_per_sub_layer_lists(upstream: Mapping[str, Any], num_blocks: int) -> dict[str, list[Any]]:
+    """The legacy lists of `_PER_SUB_LAYER_FIELDS`: each block's value on its attention or MoE sub-layer, 0 on the
+    other."""
+    lists = {}
+    for field in _PER_SUB_LAYER_FIELDS:
+        value = upstream[field.upstream] * field.factor
+        lists[field.legacy[0]] = ([0, value] if field.moe else [value, 0]) * num_blocks
+    return lists
 
 
 # ---------------------------------------------------------------------------------------------------------------------

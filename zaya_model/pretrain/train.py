@@ -66,6 +66,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
 from transformers import PreTrainedTokenizerFast
 
 from ..cpu.compiled_layers import enable_compiled_layers, require_cpp_compiler
@@ -226,18 +227,45 @@ class Pretrainer:
             scan_corpus(self.files, settings.seed, settings.validation_fraction)
         self.tokenizer = self._load_or_train_tokenizer(tokenizer_path)
         self.config = settings.zaya_config(self.tokenizer)
-        torch.manual_seed(settings.seed)
-        self.model = ZayaForCausalLM(self.config).to(self.device).train()
-        enable_compiled_layers(self.model, settings.compile)
-        sharded = settings.sharding == "fsdp"
-        if sharded and self.dist.enabled:  # one process has nothing to shard
-            shard_model(self.model)
+        self.model = self._build_model()
         # After sharding (which swaps in sharded parameters); loading a checkpoint copies into these same tensors.
         self.parameters = list(self.model.parameters())
         self.optimizers = build_optimizers(self.model, settings)
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, warmup_cosine(settings)) for o in self.optimizers]
         self.balancing = BalancingBiasUpdater(self.model, lr=settings.balancing_lr)
-        spec = PackingSpec(
+        spec = self._packing_spec()
+        self.stream = PackedStream(self.files, self.tokenizer, spec, shuffle_buffer=settings.shuffle_buffer)
+        self.validation = validation_rows(self.files, self.tokenizer, spec, settings.eval_rows)
+        self.step = 0
+        self.skipped_batches: set[int] = set()
+        self.checkpointer = self._build_checkpointer()
+        self.saved_step: int | None = None
+        self.failures_since_checkpoint = 0
+        self.last_val_loss: float | None = None
+        self.checkpoint_timings: list[dict[str, float]] = []  # stall vs. save_pretrained time of each write
+        self._stop_signal: int | None = None
+        if resume_from is not None:
+            self._resume(resume_from)
+        if settings.compile:
+            self.hooks.on_event("info", COMPILING_MESSAGE)
+        self.dist.barrier()  # every rank is set up before rank 0 writes the first checkpoint
+
+    # ----- set-up -----
+
+    def _build_model(self) -> ZayaForCausalLM:
+        """A freshly initialised model (from the run's seed) on this process's device, sharded under FSDP."""
+        torch.manual_seed(self.settings.seed)
+        model = ZayaForCausalLM(self.config)
+        model.to(self.device)  # type: ignore[arg-type]  # typeshed's wraps() loses self on transformers' `to`
+        model.train()
+        enable_compiled_layers(model, self.settings.compile)
+        if self.settings.sharding == "fsdp" and self.dist.enabled:  # one process has nothing to shard
+            shard_model(model)
+        return model
+
+    def _packing_spec(self) -> PackingSpec:
+        settings = self.settings
+        return PackingSpec(
             seq_len=settings.seq_len,
             bos_token_id=self.tokenizer.bos_token_id,
             eos_token_id=self.tokenizer.eos_token_id,
@@ -246,39 +274,28 @@ class Pretrainer:
             validation_fraction=settings.validation_fraction,
             packing=settings.packing,
         )
-        self.stream = PackedStream(self.files, self.tokenizer, spec, shuffle_buffer=settings.shuffle_buffer)
-        self.validation = validation_rows(self.files, self.tokenizer, spec, settings.eval_rows)
-        self.step = 0
-        self.skipped_batches: set[int] = set()
+
+    def _build_checkpointer(self) -> Checkpointer:
         # What a resume needs besides the model and optimizers, each with state_dict() / load_state_dict(); the
         # trainer's own entry (step, skipped batches, RNG) is loaded last, so its RNG state is the one that holds.
-        states = {f"scheduler{i}": scheduler for i, scheduler in enumerate(self.schedulers)}
+        states: dict[str, Stateful] = {f"scheduler{i}": scheduler for i, scheduler in enumerate(self.schedulers)}
         states |= {"balancing": self.balancing, "data": self.stream, "trainer": self}
-        self.checkpointer = Checkpointer(
+        return Checkpointer(
             self.output / CHECKPOINTS_DIR,
             self.model,
             self.optimizers,
             states,
             self.tokenizer,
-            settings.keep_last,
-            sharded=sharded,
+            self.settings.keep_last,
+            sharded=self.settings.sharding == "fsdp",
             is_main=self.dist.is_main,
             after_write=self._write_loss_plot if self.dist.is_main else None,
         )
-        self.saved_step: int | None = None
-        self.failures_since_checkpoint = 0
-        self.last_val_loss: float | None = None
-        self.checkpoint_timings: list[dict[str, float]] = []  # stall vs. save_pretrained time of each write
-        self._stop_signal: int | None = None
-        if resume_from is not None:
-            self._load(resume_from)
-            self._log({"event": "resumed", "step": self.step, "checkpoint": resume_from.name})
-            self.hooks.on_event("info", f"resumed from {resume_from.name}", {"step": self.step})
-        if settings.compile:
-            self.hooks.on_event("info", COMPILING_MESSAGE)
-        self.dist.barrier()  # every rank is set up before rank 0 writes the first checkpoint
 
-    # ----- set-up -----
+    def _resume(self, checkpoint: Path) -> None:
+        self._load(checkpoint)
+        self._log({"event": "resumed", "step": self.step, "checkpoint": checkpoint.name})
+        self.hooks.on_event("info", f"resumed from {checkpoint.name}", {"step": self.step})
 
     def _prepare_output(self) -> None:
         try:
@@ -291,7 +308,7 @@ class Pretrainer:
 
     def _check_run_file(self, resumed: bool) -> None:
         run_path = self.output / RUN_FILE
-        current = {
+        current: dict[str, Any] = {
             "settings": self.settings.model_dump(),
             "global_batch_size": self.settings.batch_size * self.dist.world_size,
             "corpus": corpus_fingerprint(self.files),
@@ -396,7 +413,7 @@ class Pretrainer:
         """One optimizer step; returns its metrics, or None when a non-finite step was rolled back."""
         started = time.perf_counter()
         batch_index, batches = self._next_step_batches()
-        num_items = sum((batch["labels"][:, 1:] != -100).sum() for batch in batches).to(self.device)
+        num_items = torch.stack([(batch["labels"][:, 1:] != -100).sum() for batch in batches]).sum().to(self.device)
         self.dist.sum_(num_items)  # each rank's loss is its share of the global mean
         loss = torch.zeros((), device=self.device)
         for batch in batches:
@@ -448,6 +465,8 @@ class Pretrainer:
         self.checkpointer.wait()
         self.dist.barrier()  # rank 0's last checkpoint is on disk
         checkpoint = self.checkpointer.latest()
+        if checkpoint is None:  # `train` saves step 0 before its first step; someone removed the checkpoints
+            raise PretrainError(f"no checkpoint in {self.checkpointer.directory} to roll back to")
         skipped = self.skipped_batches | {batch_index}
         failures = self.failures_since_checkpoint
         failed_step = self.step + 1
@@ -625,7 +644,8 @@ class Pretrainer:
             timing = self.checkpointer.completed_writes.pop(0)
             self.checkpoint_timings.append(timing)
             self._log({"event": "checkpoint_written", **timing})
-            self.hooks.on_checkpoint(timing["step"], str(self.checkpointer.path(timing["step"])), timing)
+            step = int(timing["step"])
+            self.hooks.on_checkpoint(step, str(self.checkpointer.path(step)), timing)
 
     def _log(self, record: dict[str, Any]) -> None:
         if not self.dist.is_main:

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.stateful import Stateful
+from transformers import PreTrainedModel
 
 from .atomic_io import publish_directory, write_json_atomic
 from .checkpoint_dirs import (
@@ -78,7 +79,7 @@ class SingleFileBackend:
     def __init__(self):
         self._model_copy: dict[str, torch.Tensor] | None = None  # the last save's, refilled by the next
 
-    def stage(self, temporary: Path, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> Staged:
+    def stage(self, temporary: Path, model: PreTrainedModel, optimizers: list[torch.optim.Optimizer]) -> Staged:
         model_state = cpu_copy(model.state_dict(), self._model_copy)
         self._model_copy = model_state
 
@@ -106,7 +107,7 @@ class Checkpointer:
     def __init__(
         self,
         directory: str | Path,
-        model: torch.nn.Module,
+        model: PreTrainedModel,
         optimizers: list[torch.optim.Optimizer],
         states: dict[str, Stateful],
         tokenizer,

@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from .staging import Staged
 
@@ -78,16 +79,18 @@ class ShardedBackend:
         state = sharded_state(model, optimizers)
         shards = temporary / SHARDS_DIR
         shards.mkdir(parents=True, exist_ok=True)
-        future = dcp.async_save(
+        saving = dcp.async_save(
             state,
             checkpoint_id=shards,
             process_group=self.group,
             no_dist=self.group is None,
             async_stager=self._stager,
         )
+        # A stager that stages asynchronously gets a response with a future for each phase; ours stages in place.
+        written = saving.upload_completion if isinstance(saving, AsyncSaveResponse) else saving
 
         def write() -> dict[str, float]:
-            future.result()  # every rank's shard (and, on rank 0, the metadata) is on disk
+            written.result()  # every rank's shard (and, on rank 0, the metadata) is on disk
             return {"shards_s": time.perf_counter() - started}
 
         return Staged(write)

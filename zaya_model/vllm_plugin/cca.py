@@ -109,6 +109,8 @@ class ZayaCCAProjection(MambaBase, nn.Module):
         return cca_state_shapes(self.config)
 
     def get_state_dtype(self) -> tuple[torch.dtype]:
+        if self.model_config is None or self.cache_config is None:
+            raise ValueError(f"{self.prefix}: the state's dtype needs the model and cache configs")
         return cca_state_dtypes(self.model_config.dtype, self.cache_config.mamba_cache_dtype)
 
     @property
@@ -147,7 +149,9 @@ def advance_state(state: torch.Tensor | None, history: int, metadata, inputs: to
     """Each token's window `[tokens, history + 1, width]`: its layer inputs (state rows) at lags history..0, reading
     before a request's first token from its state slot; each request's last `history` inputs become its new state.
     `metadata` is the layer's state-space metadata (None in vLLM's profile run, which has no state)."""
-    if metadata is not None and metadata.num_prefills == 0:
+    if state is None or metadata is None:
+        windows = _profile_windows(history, inputs)
+    elif metadata.num_prefills == 0:
         windows = _decode_windows(state, metadata, inputs)
     else:
         windows = _general_windows(state, history, metadata, inputs)
@@ -169,25 +173,29 @@ def _decode_windows(state: torch.Tensor, metadata, inputs: torch.Tensor) -> torc
     return windows
 
 
-def _general_windows(state: torch.Tensor | None, history: int, metadata, inputs: torch.Tensor) -> torch.Tensor:
+def _general_windows(state: torch.Tensor, history: int, metadata, inputs: torch.Tensor) -> torch.Tensor:
     """Any batch: decodes and prefill chunks, fresh or continued (vLLM's order)."""
-    width = inputs.shape[-1]
-    if metadata is None:
-        # Profile run: no state exists yet; treat the batch as one fresh sequence (values are not used).
-        requests = _RequestLayout.single(inputs.shape[0], inputs.device)
-        histories = inputs.new_zeros(1, history, width)
-    else:
-        requests = _RequestLayout.for_step(metadata, inputs.device)
-        fresh = ~requests.has_initial_state
-        # Slots of fresh requests may hold a finished request's state (or garbage): read zeros instead.
-        histories = state.index_select(0, requests.slots).to(inputs.dtype).masked_fill(fresh[:, None, None], 0.0)
-    # Frames: every request's history, then the batch's tokens; the window index reaches into a request's
-    # history rows for lags before its first token.
-    frames = torch.cat((histories.reshape(-1, width), inputs[: requests.num_tokens]))
-    if metadata is not None:
-        tails = _gather_rows(frames, requests.tail_index(history))
-        state.index_copy_(0, requests.slots, tails.to(state.dtype))
+    requests = _RequestLayout.for_step(metadata, inputs.device)
+    fresh = ~requests.has_initial_state
+    # Slots of fresh requests may hold a finished request's state (or garbage): read zeros instead.
+    histories = state.index_select(0, requests.slots).to(inputs.dtype).masked_fill(fresh[:, None, None], 0.0)
+    frames = _frames(histories, requests, inputs)
+    tails = _gather_rows(frames, requests.tail_index(history))
+    state.index_copy_(0, requests.slots, tails.to(state.dtype))
     return _gather_rows(frames, requests.window_index(history))
+
+
+def _profile_windows(history: int, inputs: torch.Tensor) -> torch.Tensor:
+    """vLLM's profile run: no state exists yet; the batch is one fresh sequence (its values are not used)."""
+    requests = _RequestLayout.single(inputs.shape[0], inputs.device)
+    histories = inputs.new_zeros(1, history, inputs.shape[-1])
+    return _gather_rows(_frames(histories, requests, inputs), requests.window_index(history))
+
+
+def _frames(histories: torch.Tensor, requests: _RequestLayout, inputs: torch.Tensor) -> torch.Tensor:
+    """Every request's history rows, then the batch's tokens: a window index reaches into a request's history rows
+    for lags before its first token."""
+    return torch.cat((histories.reshape(-1, inputs.shape[-1]), inputs[: requests.num_tokens]))
 
 
 def _gather_rows(frames: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -250,18 +258,20 @@ class _RequestLayout:
     def from_metadata(cls, metadata, device) -> _RequestLayout:
         """Decodes (one token each) first, then prefill chunks, as vLLM orders the batch."""
         num_decodes, num_prefills = metadata.num_decode_tokens, metadata.num_prefills
-        lengths, slots, initial = [], [], []
+        length_parts: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        initial: list[torch.Tensor] = []
         if num_decodes:
             decode_slots = metadata.state_indices_tensor_d
             slots.append((decode_slots[:, 0] if decode_slots.dim() > 1 else decode_slots)[:num_decodes])
-            lengths.append(torch.ones(num_decodes, dtype=torch.long, device=device))
+            length_parts.append(torch.ones(num_decodes, dtype=torch.long, device=device))
             initial.append(torch.ones(num_decodes, dtype=torch.bool, device=device))
         if num_prefills:
             prefill_slots = metadata.state_indices_tensor_p
             slots.append((prefill_slots[:, 0] if prefill_slots.dim() > 1 else prefill_slots)[:num_prefills])
-            lengths.append(torch.diff(metadata.query_start_loc_p[: num_prefills + 1]).long())
+            length_parts.append(torch.diff(metadata.query_start_loc_p[: num_prefills + 1]).long())
             initial.append(metadata.has_initial_states_p[:num_prefills].bool())
-        lengths = torch.cat(lengths)
+        lengths = torch.cat(length_parts)
         starts = torch.cumsum(lengths, 0) - lengths
         num_tokens = num_decodes + (metadata.num_prefill_tokens if num_prefills else 0)
         return cls(starts, lengths, num_tokens, torch.cat(slots).long(), torch.cat(initial))

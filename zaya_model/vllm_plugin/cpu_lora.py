@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 
+from .fixes import is_fixed, mark_fixed
+
 
 def _zero_unadapted_rows(shrink):
     @functools.wraps(shrink)
@@ -20,15 +22,14 @@ def _zero_unadapted_rows(shrink):
         if bool(no_adapter.any()):
             output_tensor[no_adapter] = 0
 
-    fixed.zaya_fixed = True
-    return fixed
+    return mark_fixed(fixed)
 
 
 def fix_cpu_lora_slot_indexing() -> None:
     from vllm.lora.ops.torch_ops import lora_ops
     from vllm.lora.punica_wrapper import punica_cpu
 
-    if getattr(lora_ops.bgmv_shrink, "zaya_fixed", False):
+    if is_fixed(lora_ops.bgmv_shrink):
         return
     fixed = _zero_unadapted_rows(lora_ops.bgmv_shrink)
     # `sgmv_shrink` (prefill) calls the module's `bgmv_shrink`; the CPU wrapper imported `bgmv_shrink` by name.

@@ -19,6 +19,8 @@ import contextlib
 import functools
 import logging
 
+from .fixes import is_fixed, mark_fixed
+
 logger = logging.getLogger(__name__)
 
 # The CPU runner's methods that draw from (`_sample`) or rewind (`_bookkeeping_sync`) per-request generators, and
@@ -46,8 +48,7 @@ def _hiding_discarded_generators(method):
         with _without_discarded_generators(self):
             return method(self, *args, **kwargs)
 
-    fixed.zaya_fixed = True  # type: ignore[attr-defined]
-    return fixed
+    return mark_fixed(fixed)
 
 
 def fix_cpu_seeded_partial_prefill() -> None:
@@ -63,7 +64,7 @@ def fix_cpu_seeded_partial_prefill() -> None:
             vllm.__version__,
         )
         return
-    if all(getattr(method, "zaya_fixed", False) for method in methods):
+    if all(is_fixed(method) for method in methods):
         return
     for name, method in zip(_WRAPPED, methods, strict=True):
         setattr(CPUModelRunner, name, _hiding_discarded_generators(method))

@@ -91,6 +91,7 @@ class ZayaPartialRope(nn.Module):
         super().__init__()
         rotary_dim = int(config.head_dim * config.partial_rotary_factor)
         exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim
+        self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", 1.0 / (config.rope_theta**exponents), persistent=False)
 
     def forward(self, positions: torch.Tensor, *states: torch.Tensor) -> list[torch.Tensor]:
@@ -169,6 +170,7 @@ class ZayaRouter(nn.Module):
         if self.use_eda:
             self.router_states_scale = nn.Parameter(torch.empty(config.router_hidden_size), requires_grad=False)
         self.router_mlp = ZayaRouterMLP(config)
+        self.balancing_biases: torch.Tensor
         self.register_buffer("balancing_biases", torch.zeros(config.num_experts + 1, dtype=torch.float32))
 
     def forward(self, hidden_states: torch.Tensor, router_states: torch.Tensor | None):
@@ -461,7 +463,7 @@ class ZayaForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsLoRA, Supports
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load an upstream-layout `zaya` checkpoint. Names match this module tree one to one, except CCA's four
         projections, which load as slices of `fused_proj`."""
-        targets = dict(self.named_parameters())
+        targets: dict[str, torch.Tensor] = dict(self.named_parameters())
         targets.update(self.named_buffers())
         loaded: set[str] = set()
         fused_slices: dict[str, set[int]] = {}
@@ -477,17 +479,17 @@ class ZayaForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsLoRA, Supports
                 )
             target = targets[target_name]
             loader = getattr(target, "weight_loader", None)
-            if projection is not None:
+            if loader is None:
+                if target.shape != tensor.shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.shape)}")
+                default_weight_loader(target, tensor)
+            elif projection is None:
+                loader(target, tensor)
+            else:
                 loader(target, tensor, projection)
                 fused_slices.setdefault(target_name, set()).add(projection)
                 if len(fused_slices[target_name]) < len(ZayaCCAProjection.projections):
                     continue  # loaded once every slice is
-            elif loader is None:
-                if target.shape != tensor.shape:
-                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.shape)}")
-                default_weight_loader(target, tensor)
-            else:
-                loader(target, tensor)
             loaded.add(target_name)
         missing = {name for name in targets if name not in loaded and not _is_derived(name, self.config)}
         if missing:
