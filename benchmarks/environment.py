@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import re
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -74,6 +75,14 @@ def machine_summary() -> dict[str, Any]:
         "load_average_at_start": os.getloadavg(),
         "python": platform.python_version(),
     }
+
+
+def search_group(pattern: str, text: str, flags: int = 0) -> str:
+    """The first group of `pattern`'s first match in `text` (a page's token, a /proc field); an error if none."""
+    match = re.search(pattern, text, flags)
+    if match is None:
+        raise ValueError(f"nothing matches {pattern!r}")
+    return match.group(1)
 
 
 @contextlib.contextmanager

@@ -130,6 +130,8 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
         )
         with timed(report, f"finetune_{method}"):
             result = run_finetune(run_config, hooks)
+        if result.output_dir is None:
+            raise SystemExit(f"fine-tuning ({method}) ended {result.status}, with no model to evaluate")
         adapter = result.output_dir if method == "lora" else None
         with timed(report, f"evaluate_{method}"):
             scores = evaluate_model(base_dir if adapter else result.output_dir, valid_file, adapter_dir=adapter)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import socket
 import statistics
 import subprocess
@@ -62,10 +61,10 @@ def _serve(directory: Path, database_url: str) -> tuple[subprocess.Popen[bytes],
 def _console_cookie_after_sign_out(url: str, secret: str) -> str:
     with httpx.Client(base_url=url) as browser:
         page = browser.get("/console/login")
-        csrf = re.search(r'name="csrf" value="([^"]+)"', page.text).group(1)
+        csrf = environment.search_group(r'name="csrf" value="([^"]+)"', page.text)
         browser.post("/console/session", data={"api_key": secret, "csrf": csrf, "next": "/console/"})
         page = browser.get("/console/playground", headers={"Accept": "text/html"})
-        token = re.search(r'<meta name="csrf-token" content="([^"]+)">', page.text).group(1)
+        token = environment.search_group(r'<meta name="csrf-token" content="([^"]+)">', page.text)
         copied = browser.cookies["zaya_console"]
         browser.post("/console/session/end", data={"csrf": token})
     return copied

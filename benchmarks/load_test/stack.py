@@ -64,19 +64,23 @@ class Stack:
         self.data_dir = Path(self.data_dir).resolve()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.database_url = self.database_url or f"sqlite:///{self.data_dir / 'zaya.db'}"
-        self.log_dir = Path(self.log_dir or self.data_dir)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     @property
+    def logs(self) -> Path:
+        """Where the processes' logs go: `log_dir`, or the data dir."""
+        return Path(self.log_dir or self.data_dir)
+
+    @property
     def server_log(self) -> Path:
-        return self.log_dir / "server.log"
+        return self.logs / "server.log"
 
     @property
     def worker_log(self) -> Path:
-        return self.log_dir / "workers.log"
+        return self.logs / "workers.log"
 
     def process_env(self) -> dict[str, str]:
         return {

@@ -73,3 +73,9 @@ def test_rows_are_aligned_under_a_rule():
     assert piped.splitlines() == ["a   | bb", "----+---", "ccc | d"]
     assert environment.fmt(None) == "n/a" and environment.fmt(1234.5) == "1,234"
     assert environment.fmt_ratio(1.234) == "1.23x"
+
+
+def test_search_group_answers_the_first_group_or_fails():
+    assert environment.search_group(r'name="csrf" value="([^"]+)"', '<input name="csrf" value="t0k">') == "t0k"
+    with pytest.raises(ValueError, match="nothing matches"):
+        environment.search_group(r"VmHWM:\s+(\d+) kB", "VmRSS: 12 kB")
