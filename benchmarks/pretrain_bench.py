@@ -292,20 +292,6 @@ def checkpoint_stall(corpus, tokenizer, directory: Path, settings) -> dict:
     return result
 
 
-def matmul_peak_gflops(dtype: str, size: int, repeats: int) -> float:
-    import torch
-
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    samples = []
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
-        a @ b  # warmup
-        for _ in range(repeats):
-            started = clock()
-            a @ b
-            samples.append(2 * size**3 / (clock() - started) / 1e9)
-    return statistics.median(samples)
-
-
 def make_corpus(directory: Path, cases: int) -> Path:
     from finetune.datasets.synthetic import generate_cases, render_case_file
 
@@ -328,7 +314,7 @@ def run(args: argparse.Namespace) -> dict:
     import transformers
     from transformers import PreTrainedTokenizerFast
 
-    from benchmarks.model_bench import flops_per_token
+    from benchmarks.model_bench import flops_per_token, matmul_gflops
     from zaya_model import ZayaForCausalLM
     from zaya_model.pretrain.presets import PretrainSettings
 
@@ -338,8 +324,13 @@ def run(args: argparse.Namespace) -> dict:
     bf16_reason = bf16_available()
     dtypes = ["fp32"] if bf16_reason else ["fp32", "bf16"]
     matmul_size = 512 if args.quick else 2048
-    peaks = {dtype: matmul_peak_gflops(dtype, matmul_size, 3 if args.quick else 5) for dtype in dtypes}
-    report = {
+    peaks = {
+        dtype: statistics.median(
+            matmul_gflops(matmul_size, 3 if args.quick else 5, bf16_autocast=dtype == "bf16", clock=clock)
+        )
+        for dtype in dtypes
+    }
+    report: dict = {
         "mode": "quick" if args.quick else "full",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": {
@@ -354,8 +345,8 @@ def run(args: argparse.Namespace) -> dict:
         "bf16_skipped": bf16_reason,
         "results": [],
     }
-    with tempfile.TemporaryDirectory() as scratch:
-        scratch = Path(scratch)
+    with tempfile.TemporaryDirectory() as scratch_dir:
+        scratch = Path(scratch_dir)
         corpus = make_corpus(scratch, 150 if args.quick else 600)
         for shape in selected_shapes(args):
             tokenizer = make_tokenizer(corpus, scratch / f"tokenizer-{shape['name']}", shape["vocab"])
@@ -375,7 +366,7 @@ def run(args: argparse.Namespace) -> dict:
             for dtype in dtypes:
                 settings = base.replace(dtype=dtype)
                 impls = QUICK_IMPLS if args.quick else IMPLS
-                speeds = {impl: [] for impl in impls}
+                speeds: dict[str, list[float]] = {impl: [] for impl in impls}
                 for round_ in range(shape["rounds"]):  # alternate the order: forward, then reversed
                     for impl in impls if round_ % 2 == 0 else impls[::-1]:
                         directory = scratch / f"{shape['name']}-{dtype}-{impl}-{round_}"
@@ -394,7 +385,7 @@ def run(args: argparse.Namespace) -> dict:
                             )
                 model = ZayaForCausalLM(settings.zaya_config(PreTrainedTokenizerFast.from_pretrained(tokenizer)))
                 flops = flops_per_token(model, settings.seq_len)
-                entry = {
+                entry: dict = {
                     "shape": shape["name"],
                     "dtype": dtype,
                     "parameters": sum(p.numel() for p in model.parameters()),
@@ -409,11 +400,11 @@ def run(args: argparse.Namespace) -> dict:
                 if dtype == "fp32" and args.clock == "wall":  # same global batch on 2 gloo processes
                     for sharding in ("none", "fsdp"):
                         directory = scratch / f"{shape['name']}-2proc-{sharding}"
-                        speeds = measure_two_processes(
+                        two_processes = measure_two_processes(
                             corpus, tokenizer, directory, settings.replace(sharding=sharding), args.threads
                         )
-                        entry["tokens_per_s"][f"ours_2proc_{sharding}"] = speeds
-                        entry["median_tokens_per_s"][f"ours_2proc_{sharding}"] = statistics.median(speeds)
+                        entry["tokens_per_s"][f"ours_2proc_{sharding}"] = two_processes
+                        entry["median_tokens_per_s"][f"ours_2proc_{sharding}"] = statistics.median(two_processes)
                 entry["gflops"] = {impl: speed * flops / 1e9 for impl, speed in entry["median_tokens_per_s"].items()}
                 entry["mfu_vs_matmul"] = {impl: value / peaks[dtype] for impl, value in entry["gflops"].items()}
                 entry["targets"] = targets(entry)
@@ -427,8 +418,8 @@ def run(args: argparse.Namespace) -> dict:
 
 def ratios(median: dict[str, float]) -> dict:
     """Eager against eager, best against best (each side's faster path, and which it was), and the model alone."""
-    ours_best = max(("ours", "ours_compiled"), key=median.get)
-    upstream_best = max((impl for impl in ("upstream", "upstream_compiled") if impl in median), key=median.get)
+    ours_best = max(("ours", "ours_compiled"), key=median.__getitem__)
+    upstream_best = max((impl for impl in ("upstream", "upstream_compiled") if impl in median), key=median.__getitem__)
     return {
         "ours_over_upstream": median["ours"] / median["upstream"],
         "best": {"ours": ours_best, "upstream": upstream_best},
