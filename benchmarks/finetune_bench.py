@@ -235,10 +235,10 @@ def measure_variant_memory(variant: str, model_dir: str, sizes: FinetuneSizes) -
     gc.collect()
     if not mb.reset_peak_rss():
         return {"error": "cannot reset the peak RSS (/proc/self/clear_refs is not writable)"}
-    baseline_kib = mb.proc_status_kib("VmRSS")
+    baseline_kib = environment.proc_status_kib("VmRSS")
     step()
     step()
-    peak_kib = mb.proc_status_kib("VmHWM")
+    peak_kib = environment.proc_status_kib("VmHWM")
     return {
         "peak_rss_mib": peak_kib / 1024,
         "peak_delta_mib": (peak_kib - baseline_kib) / 1024,
@@ -422,9 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes, mode, variants = (QUICK, "quick", QUICK_VARIANTS) if args.quick else (FULL, "full", VARIANTS)
     report = run_benchmark(sizes, mode, variants)
     report["process"] = process
-    print_table(report)
-    environment.write_report(args.out, report)
-    print(f"wrote {args.out}")
+    environment.publish_report(args.out, report, print_table)
     return 0
 
 

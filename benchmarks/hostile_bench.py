@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import re
 import tempfile
 import threading
 import time
@@ -32,8 +31,7 @@ from benchmarks.load_test.stack import MODEL_NAME, Stack
 
 
 def memory_kib(pid: int) -> dict[str, int]:
-    status = Path(f"/proc/{pid}/status").read_text()
-    return {key: int(environment.search_group(rf"^{key}:\s+(\d+) kB", status, re.M)) for key in ("VmRSS", "VmHWM")}
+    return {key: environment.proc_status_kib(key, pid) for key in ("VmRSS", "VmHWM")}
 
 
 class HealthProbe:

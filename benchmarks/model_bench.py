@@ -350,13 +350,6 @@ def synchronize(device: torch.device | None) -> None:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def proc_status_kib(field_name: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field_name + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field_name} not in /proc/self/status")
-
-
 def reset_peak_rss() -> bool:
     """Linux: writing 5 to clear_refs resets the peak RSS (VmHWM) to the current RSS."""
     try:
@@ -379,10 +372,10 @@ def measure_phase_memory(impl: str, phase: str, model_dir: str, sizes: BenchSize
     gc.collect()
     if reset_peak_rss():
         method = "VmHWM after phase - VmRSS before (peak reset via /proc/self/clear_refs)"
-        baseline_kib = proc_status_kib("VmRSS")
+        baseline_kib = environment.proc_status_kib("VmRSS")
         run()
         run()
-        peak_kib = proc_status_kib("VmHWM")
+        peak_kib = environment.proc_status_kib("VmHWM")
     else:
         method = "ru_maxrss after phase - ru_maxrss after load"
         baseline_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -976,9 +969,7 @@ def main(argv: list[str] | None = None) -> int:
     mode = "quick" if args.quick else "full"
     report = run_benchmark(QUICK if args.quick else FULL, mode, args.ours)
     report["process"] = process
-    print_table(report)
-    environment.write_report(args.out, report)
-    print(f"wrote {args.out}")
+    environment.publish_report(args.out, report, print_table)
     return 0
 
 

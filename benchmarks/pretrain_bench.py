@@ -53,6 +53,7 @@ import time
 from pathlib import Path
 
 from benchmarks import environment
+from benchmarks.environment import fmt
 
 DEFAULT_OUT = environment.default_out("pretrain_bench")
 # Our loop (eager, and with compiled layers); our model under Trainer; upstream's model under Trainer (eager, and
@@ -455,13 +456,13 @@ def table(report: dict) -> str:
         speed, mfu = entry["median_tokens_per_s"], entry["mfu_vs_matmul"]
         lines.append(
             f"| {entry['shape']} | {entry['dtype']} | {speed['ours']:.0f} | {speed['ours_compiled']:.0f} | "
-            f"{speed['trainer']:.0f} | {speed['upstream']:.0f} | {_cell(speed.get('upstream_compiled'), '.0f')} | "
+            f"{speed['trainer']:.0f} | {speed['upstream']:.0f} | {fmt(speed.get('upstream_compiled'), '.0f')} | "
             f"{entry['ours_over_upstream']:.2f} | {entry['best_over_best']:.2f} "
             f"({entry['best']['ours']} / {entry['best']['upstream']}) | {entry['trainer_ours_over_upstream']:.2f} | "
             f"{entry['ours_over_trainer']:.2f} | {entry['gflops']['ours']:.1f} | {mfu['ours']:.1%} | "
             f"{mfu['ours_compiled']:.1%} | {mfu['trainer']:.1%} | {mfu['upstream']:.1%} | "
-            f"{_cell(mfu.get('upstream_compiled'), '.1%')} | {_cell(speed.get('ours_2proc_none'), '.0f')} | "
-            f"{_cell(speed.get('ours_2proc_fsdp'), '.0f')} |"
+            f"{fmt(mfu.get('upstream_compiled'), '.1%')} | {fmt(speed.get('ours_2proc_none'), '.0f')} | "
+            f"{fmt(speed.get('ours_2proc_fsdp'), '.0f')} |"
         )
     lines += [
         "",
@@ -491,10 +492,6 @@ def table(report: dict) -> str:
     if report["bf16_skipped"]:
         lines.append(f"\nbf16 not measured: {report['bf16_skipped']}")
     return "\n".join(lines)
-
-
-def _cell(value: float | None, spec: str) -> str:
-    return "n/a" if value is None else format(value, spec)
 
 
 def main(argv=None) -> int:

@@ -228,9 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         workdir = args.workdir or Path(scratch)
         workdir.mkdir(parents=True, exist_ok=True)
         report = run(args, workdir)
-    print_table(report)
-    environment.write_report(args.out, report)
-    print(f"wrote {args.out}")
+    environment.publish_report(args.out, report, print_table)
     return 0
 
 

@@ -68,7 +68,7 @@ from pathlib import Path
 
 from benchmarks import environment
 from benchmarks.environment import REPO_ROOT
-from benchmarks.load_test.stack import MODEL_NAME, Stack, free_port
+from benchmarks.load_test.stack import MODEL_NAME, Stack, free_port, stop
 
 DEFAULT_OUT = environment.default_out("serve_bench")
 SERVER_START_TIMEOUT_S = 600
@@ -578,11 +578,7 @@ async def vllm_openai_server(checkpoint: Path, prompt: list[int], sizes: Sizes, 
                     pin_process(placement.compute, process.pid)
             yield driver
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop(server, grace_s=60)
 
 
 @contextlib.asynccontextmanager
