@@ -311,16 +311,16 @@ def run_benchmark(sizes: FinetuneSizes, mode: str, variants: tuple[str, ...]) ->
                 for variant in variants
             }
     report["ratios"] = ratios(report)
-    report["targets"] = {
-        name: {
-            "kind": kind,
-            "bound": bound,
-            "ratio": report["ratios"][name],
-            "met": _met(report["ratios"][name], kind, bound),
-        }
+    report["targets"] = targets(report["ratios"])
+    return report
+
+
+def targets(measured: dict[str, float | None]) -> dict:
+    """Each target's bound, the measured ratio it bounds and whether it is met."""
+    return {
+        name: {"kind": kind, "bound": bound, "ratio": measured[name], "met": _met(measured[name], kind, bound)}
         for name, (kind, bound) in TARGETS.items()
     }
-    return report
 
 
 def best_variant(medians: dict, side: str, method: str) -> str:

@@ -635,28 +635,12 @@ def targets(report: dict) -> dict:
 
 
 def table(report: dict) -> str:
-    checks = report["checks"]
     lines = [
         f"{report['machine']['name']} ({report['machine']['device']}), torch {report['machine']['torch']}, "
         f"transformers {report['machine']['transformers']}; bf16 matmul {report['matmul_tflops']:.0f} TFLOP/s "
         f"({report['sizes']['matmul_size']}^3)",
+        checks_line(report["checks"]),
     ]
-    if "error" in checks:
-        lines.append(f"checks against the CPU reference: ERROR {checks['error']}")
-    else:
-        greedy = checks["bf16_greedy"]
-        lines.append(
-            "checks against the CPU reference: fp32 logits relative error "
-            + ", ".join(
-                f"{path} {fmt(r['relative_error'], '.1e')} ({r['compared_positions']}/{r['positions']} positions, "
-                f"{r['routing_flips']} near-tie routing flips)"
-                for path, r in checks["fp32_logits"].items()
-            )
-            + f" (<= {FP32_TOLERANCE}); bf16 greedy: {greedy['consistent_tokens']}/{greedy['tokens']} tokens "
-            f"consistent, {greedy['agree_with_reference_greedy']:.0%} equal to the fp32 reference's, logits relative "
-            f"error {greedy['logits_relative_error']:.1e} (<= {BF16_TOLERANCE}): "
-            + ("passed" if checks["passed"] else "FAILED")
-        )
     lines += [
         "",
         "| shape | phase | precision | ours eager | ours best | upstream eager | upstream compiled | eager/eager "
@@ -704,6 +688,25 @@ def table(report: dict) -> str:
         verdict = "not measured" if target["value"] is None else "met" if target["met"] else "NOT met"
         lines.append(f"- target {name}: {fmt(target['value'], '.2f')} (>= {target['min']}) {verdict}")
     return "\n".join(lines)
+
+
+def checks_line(checks: dict) -> str:
+    """The checks against the CPU reference, in one line."""
+    if "error" in checks:
+        return f"checks against the CPU reference: ERROR {checks['error']}"
+    greedy = checks["bf16_greedy"]
+    return (
+        "checks against the CPU reference: fp32 logits relative error "
+        + ", ".join(
+            f"{path} {fmt(r['relative_error'], '.1e')} ({r['compared_positions']}/{r['positions']} positions, "
+            f"{r['routing_flips']} near-tie routing flips)"
+            for path, r in checks["fp32_logits"].items()
+        )
+        + f" (<= {FP32_TOLERANCE}); bf16 greedy: {greedy['consistent_tokens']}/{greedy['tokens']} tokens "
+        f"consistent, {greedy['agree_with_reference_greedy']:.0%} equal to the fp32 reference's, logits relative "
+        f"error {greedy['logits_relative_error']:.1e} (<= {BF16_TOLERANCE}): "
+        + ("passed" if checks["passed"] else "FAILED")
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

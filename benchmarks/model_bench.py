@@ -692,19 +692,7 @@ def run_benchmark(sizes: BenchSizes, mode: str, ours_source_arg: str) -> dict:
             f"model: {flops['total_params'] / 1e6:.1f}M parameters, "
             f"{flops['active_params_per_token'] / 1e6:.1f}M active per token"
         )
-
-        grouped_ops = grouped_mm_ops_used(upstream, sizes)
-        report["upstream_experts"] = {
-            "implementation": upstream.config._experts_implementation,
-            "grouped_mm_ops_seen": grouped_ops,
-        }
-        if upstream.config._experts_implementation != "grouped_mm" or not grouped_ops:
-            raise SystemExit(f"upstream does not run grouped_mm experts: {report['upstream_experts']}")
-        report["attention_implementation"] = {n: m.config._attn_implementation for n, m in models.items()}
-        report["max_abs_logits_diff"] = check_same_logits(ours, upstream, sizes)
-        print(f"same weights: max |diff logits| = {report['max_abs_logits_diff']:.2e}")
-        report["greedy_tokens_identical"] = greedy_tokens_identical(ours, upstream, sizes)
-
+        check_models(models, sizes, report)
         with stage("wait for the fork server"):
             fork_server_ready.join()
         time_phases(models, sizes, report, stage)
@@ -715,25 +703,28 @@ def run_benchmark(sizes: BenchSizes, mode: str, ours_source_arg: str) -> dict:
             report["kv_state_bytes_per_token"] = measure_cache_sizes(model_dir, sizes, ours_source)
 
         with stage("peak memory (a fresh process per phase)"):
-            report["peak_memory_mib"] = {
-                phase: {
-                    impl: run_isolated(
-                        measure_phase_memory,
-                        impl,
-                        phase,
-                        model_dir,
-                        sizes,
-                        ours_source,
-                        timeout_s=sizes.worker_timeout_s,
-                    )
-                    for impl in ("ours", "upstream")
-                }
-                for phase in PHASES
-            }
+            report["peak_memory_mib"] = measure_peak_memory(model_dir, sizes, ours_source)
 
         with stage("matmul ceilings and bf16 autocast"):
             report["gflops"] = measure_gflops(report, flops, model_dir, sizes, ours_source)
     return report
+
+
+def check_models(models: dict[str, ZayaLM], sizes: BenchSizes, report: dict) -> None:
+    """Record that the two models are set up as compared: upstream with its `grouped_mm` experts, the attention
+    implementations, the same logits (aborts otherwise) and whether their greedy tokens agree."""
+    ours, upstream = models["ours"], models["upstream"]
+    grouped_ops = grouped_mm_ops_used(upstream, sizes)
+    report["upstream_experts"] = {
+        "implementation": upstream.config._experts_implementation,
+        "grouped_mm_ops_seen": grouped_ops,
+    }
+    if upstream.config._experts_implementation != "grouped_mm" or not grouped_ops:
+        raise SystemExit(f"upstream does not run grouped_mm experts: {report['upstream_experts']}")
+    report["attention_implementation"] = {n: m.config._attn_implementation for n, m in models.items()}
+    report["max_abs_logits_diff"] = check_same_logits(ours, upstream, sizes)
+    print(f"same weights: max |diff logits| = {report['max_abs_logits_diff']:.2e}")
+    report["greedy_tokens_identical"] = greedy_tokens_identical(ours, upstream, sizes)
 
 
 def time_phases(models: dict[str, ZayaLM], sizes: BenchSizes, report: dict, stage) -> None:
@@ -783,6 +774,19 @@ def time_phases(models: dict[str, ZayaLM], sizes: BenchSizes, report: dict, stag
             "met": report["ratios"][phase] is not None and report["ratios"][phase] >= target,
         }
         for phase, target in TARGETS.items()
+    }
+
+
+def measure_peak_memory(model_dir: str, sizes: BenchSizes, ours_source: str) -> dict:
+    """Each phase's peak memory, for each implementation, each in a fresh process."""
+    return {
+        phase: {
+            impl: run_isolated(
+                measure_phase_memory, impl, phase, model_dir, sizes, ours_source, timeout_s=sizes.worker_timeout_s
+            )
+            for impl in ("ours", "upstream")
+        }
+        for phase in PHASES
     }
 
 
@@ -838,15 +842,35 @@ def measure_gflops(report: dict, flops: dict, model_dir: str, sizes: BenchSizes,
 # --------------------------------------------------------------------------------------------------------------------
 
 
+PHASE_LABELS = {
+    "train_step": "train step tok/s",
+    "prefill": "prefill tok/s",
+    "decode_b1": "greedy decode b1 tok/s",
+    "decode_b8": "greedy decode b8 tok/s",
+}
+
+
 def print_table(report: dict) -> None:
-    medians, ratios = report["medians"], report["ratios"]
-    rows = [("metric", "ours", "upstream", "ours/upstream", "target")]
-    labels = {
-        "train_step": "train step tok/s",
-        "prefill": "prefill tok/s",
-        "decode_b1": "greedy decode b1 tok/s",
-        "decode_b8": "greedy decode b8 tok/s",
-    }
+    rows: list[tuple[str, ...]] = [("metric", "ours", "upstream", "ours/upstream", "target")]
+    rows += speed_rows(report) + memory_rows(report) + gflops_rows(report)
+    print(environment.format_rows(rows))
+    print(
+        f"ours = {report['ours_source']}; max |diff logits| {report['max_abs_logits_diff']:.1e}; "
+        f"greedy tokens identical: {report['greedy_tokens_identical']}; "
+        f"{report['parameters']['total'] / 1e6:.1f}M params; {report['machine']['cpu']}"
+    )
+    print(
+        "ours/upstream: ours with its compiled paths against upstream eager; 'ours eager' rows: eager against eager. "
+        "Upstream is never compiled here: transformers compiles generate() only with a compilable cache, which its "
+        "zaya lacks (_can_compile_fullgraph = False); a torch.compile'd upstream train step and prefill is not "
+        "measured here (gpu_check's upstream_compiled rows)."
+    )
+
+
+def speed_rows(report: dict) -> list[tuple[str, ...]]:
+    """Each phase's tokens/s, ours (compiled paths) and ours eager against upstream, with the targets."""
+    medians, ratios, labels = report["medians"], report["ratios"], PHASE_LABELS
+    rows: list[tuple[str, ...]] = []
     for phase in PHASES:
         target = report["targets"].get(phase)
         target_text = "" if target is None else f">={target['min_ratio']}x {'met' if target['met'] else 'NOT met'}"
@@ -869,6 +893,12 @@ def print_table(report: dict) -> None:
                 f"ours above: {COMPILED_PATHS[phase]}, compiled first ({report['compile_seconds'][phase]:,.0f} s)",
             )
         )
+    return rows
+
+
+def memory_rows(report: dict) -> list[tuple[str, ...]]:
+    """Each phase's peak memory, and the KV + state bytes per token against plain transformers'."""
+    rows: list[tuple[str, ...]] = []
     for phase in PHASES:
         mem = report["peak_memory_mib"][phase]
         ours_mib, up_mib = mem["ours"].get("peak_mib"), mem["upstream"].get("peak_mib")
@@ -891,6 +921,12 @@ def print_table(report: dict) -> None:
             f"GQA {kv['gqa_transformer']['bytes_per_token']:,.0f}, MHA {kv['mha_transformer']['bytes_per_token']:,.0f}",
         )
     )
+    return rows
+
+
+def gflops_rows(report: dict) -> list[tuple[str, ...]]:
+    """The train step's GFLOP/s in fp32 and under bf16 autocast, against a plain matmul's."""
+    rows: list[tuple[str, ...]] = []
     for precision in ("fp32", "bf16_autocast"):
         g = report["gflops"][precision]
         if "error" in g:
@@ -922,18 +958,7 @@ def print_table(report: dict) -> None:
                     "",
                 )
             )
-    print(environment.format_rows(rows))
-    print(
-        f"ours = {report['ours_source']}; max |diff logits| {report['max_abs_logits_diff']:.1e}; "
-        f"greedy tokens identical: {report['greedy_tokens_identical']}; "
-        f"{report['parameters']['total'] / 1e6:.1f}M params; {report['machine']['cpu']}"
-    )
-    print(
-        "ours/upstream: ours with its compiled paths against upstream eager; 'ours eager' rows: eager against eager. "
-        "Upstream is never compiled here: transformers compiles generate() only with a compilable cache, which its "
-        "zaya lacks (_can_compile_fullgraph = False); a torch.compile'd upstream train step and prefill is not "
-        "measured here (gpu_check's upstream_compiled rows)."
-    )
+    return rows
 
 
 def quiet_transformers() -> None:

@@ -313,10 +313,8 @@ def make_tokenizer(corpus: Path, directory: Path, vocab: int) -> Path:
 def run(args: argparse.Namespace) -> dict:
     import torch
     import transformers
-    from transformers import PreTrainedTokenizerFast
 
-    from benchmarks.model_bench import flops_per_token, matmul_gflops
-    from zaya_model import ZayaForCausalLM
+    from benchmarks.model_bench import matmul_gflops
     from zaya_model.pretrain.presets import PretrainSettings
 
     global clock
@@ -366,55 +364,69 @@ def run(args: argparse.Namespace) -> dict:
             )
             for dtype in dtypes:
                 settings = base.replace(dtype=dtype)
-                impls = QUICK_IMPLS if args.quick else IMPLS
-                speeds: dict[str, list[float]] = {impl: [] for impl in impls}
-                for round_ in range(shape["rounds"]):  # alternate the order: forward, then reversed
-                    for impl in impls if round_ % 2 == 0 else impls[::-1]:
-                        directory = scratch / f"{shape['name']}-{dtype}-{impl}-{round_}"
-                        if impl.startswith("ours"):
-                            speeds[impl] += measure_our_loop(
-                                corpus, tokenizer, directory, settings.replace(compile=impl == "ours_compiled")
-                            )
-                        else:
-                            speeds[impl] += measure_trainer(
-                                corpus,
-                                tokenizer,
-                                directory,
-                                settings,
-                                upstream=impl.startswith("upstream"),
-                                compiled=impl == "upstream_compiled",
-                            )
-                model = ZayaForCausalLM(settings.zaya_config(PreTrainedTokenizerFast.from_pretrained(tokenizer)))
-                flops = flops_per_token(model, settings.seq_len)
-                entry: dict = {
-                    "shape": shape["name"],
-                    "dtype": dtype,
-                    "parameters": sum(p.numel() for p in model.parameters()),
-                    "tokens_per_step": settings.batch_size * settings.seq_len,
-                    "flops_per_token": flops,
-                    "tokens_per_s": speeds,
-                    "median_tokens_per_s": {impl: statistics.median(values) for impl, values in speeds.items()},
-                }
-                if args.quick:
-                    entry["not_measured"] = {"upstream_compiled": "--quick: compiling upstream on CPU takes minutes"}
-                entry |= ratios(entry["median_tokens_per_s"])
-                if dtype == "fp32" and args.clock == "wall":  # same global batch on 2 gloo processes
-                    for sharding in ("none", "fsdp"):
-                        directory = scratch / f"{shape['name']}-2proc-{sharding}"
-                        two_processes = measure_two_processes(
-                            corpus, tokenizer, directory, settings.replace(sharding=sharding), args.threads
-                        )
-                        entry["tokens_per_s"][f"ours_2proc_{sharding}"] = two_processes
-                        entry["median_tokens_per_s"][f"ours_2proc_{sharding}"] = statistics.median(two_processes)
-                entry["gflops"] = {impl: speed * flops / 1e9 for impl, speed in entry["median_tokens_per_s"].items()}
-                entry["mfu_vs_matmul"] = {impl: value / peaks[dtype] for impl, value in entry["gflops"].items()}
-                entry["targets"] = targets(entry)
-                if dtype == "fp32":
-                    entry["checkpoint"] = checkpoint_stall(
-                        corpus, tokenizer, scratch / f"ckpt-{shape['name']}", settings
-                    )
+                entry = measure_shape(args, shape, settings, corpus, tokenizer, scratch, peaks[dtype])
                 report["results"].append(entry)
     return report
+
+
+def measure_shape(
+    args: argparse.Namespace, shape: dict, settings, corpus: Path, tokenizer: Path, scratch: Path, peak: float
+) -> dict:
+    """One shape at one dtype (`settings`): every implementation's tokens/s in alternating rounds, the ratios,
+    GFLOP/s and MFU against `peak` (the matmul's GFLOP/s in that dtype), the targets, the 2-process runs and (fp32)
+    the checkpoint stall."""
+    from transformers import PreTrainedTokenizerFast
+
+    from benchmarks.model_bench import flops_per_token
+    from zaya_model import ZayaForCausalLM
+
+    dtype = settings.dtype
+    impls = QUICK_IMPLS if args.quick else IMPLS
+    speeds: dict[str, list[float]] = {impl: [] for impl in impls}
+    for round_ in range(shape["rounds"]):  # alternate the order: forward, then reversed
+        for impl in impls if round_ % 2 == 0 else impls[::-1]:
+            directory = scratch / f"{shape['name']}-{dtype}-{impl}-{round_}"
+            if impl.startswith("ours"):
+                speeds[impl] += measure_our_loop(
+                    corpus, tokenizer, directory, settings.replace(compile=impl == "ours_compiled")
+                )
+            else:
+                speeds[impl] += measure_trainer(
+                    corpus,
+                    tokenizer,
+                    directory,
+                    settings,
+                    upstream=impl.startswith("upstream"),
+                    compiled=impl == "upstream_compiled",
+                )
+    model = ZayaForCausalLM(settings.zaya_config(PreTrainedTokenizerFast.from_pretrained(tokenizer)))
+    flops = flops_per_token(model, settings.seq_len)
+    entry: dict = {
+        "shape": shape["name"],
+        "dtype": dtype,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "tokens_per_step": settings.batch_size * settings.seq_len,
+        "flops_per_token": flops,
+        "tokens_per_s": speeds,
+        "median_tokens_per_s": {impl: statistics.median(values) for impl, values in speeds.items()},
+    }
+    if args.quick:
+        entry["not_measured"] = {"upstream_compiled": "--quick: compiling upstream on CPU takes minutes"}
+    entry |= ratios(entry["median_tokens_per_s"])
+    if dtype == "fp32" and args.clock == "wall":  # same global batch on 2 gloo processes
+        for sharding in ("none", "fsdp"):
+            directory = scratch / f"{shape['name']}-2proc-{sharding}"
+            two_processes = measure_two_processes(
+                corpus, tokenizer, directory, settings.replace(sharding=sharding), args.threads
+            )
+            entry["tokens_per_s"][f"ours_2proc_{sharding}"] = two_processes
+            entry["median_tokens_per_s"][f"ours_2proc_{sharding}"] = statistics.median(two_processes)
+    entry["gflops"] = {impl: speed * flops / 1e9 for impl, speed in entry["median_tokens_per_s"].items()}
+    entry["mfu_vs_matmul"] = {impl: value / peak for impl, value in entry["gflops"].items()}
+    entry["targets"] = targets(entry)
+    if dtype == "fp32":
+        entry["checkpoint"] = checkpoint_stall(corpus, tokenizer, scratch / f"ckpt-{shape['name']}", settings)
+    return entry
 
 
 def ratios(median: dict[str, float]) -> dict:

@@ -581,6 +581,24 @@ async def vllm_openai_server(checkpoint: Path, prompt: list[int], sizes: Sizes, 
         stop(server, grace_s=60)
 
 
+async def _until_healthy(client, server: subprocess.Popen, name: str, log_path: Path) -> None:
+    """Poll the server's `/health` through `client` (an aiohttp session) until it answers 200; an error with the
+    tail of its log if it exits first or takes longer than `SERVER_START_TIMEOUT_S`."""
+    import aiohttp
+
+    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+    while True:
+        if server.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{name} did not start: {log_path.read_text()[-3000:]}")
+        try:
+            async with client.get("/health") as health:
+                if health.status == 200:
+                    return
+        except aiohttp.ClientConnectionError:
+            pass
+        await asyncio.sleep(0.2)
+
+
 @contextlib.asynccontextmanager
 async def _streamed_server(
     server: subprocess.Popen,
@@ -623,17 +641,7 @@ async def _streamed_server(
         return streamed(json.loads(events[-1][len(b"data: ") :])["usage"]["completion_tokens"], ttft)
 
     try:
-        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-        while True:
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{name} did not start: {log_path.read_text()[-3000:]}")
-            try:
-                async with client.get("/health") as health:
-                    if health.status == 200:
-                        break
-            except aiohttp.ClientConnectionError:
-                pass
-            await asyncio.sleep(0.2)
+        await _until_healthy(client, server, name, log_path)
         tokens, _ = await one_request()  # loads the model in the server
         check_token_counts(f"{name} warm-up", [tokens], sizes.max_tokens, 1)
         served = psutil.Process(server.pid)
@@ -1017,13 +1025,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from server.engines.threads import run_on_own_thread
-
     environment.set_vllm_defaults()
     args = parse_args(argv)
     sizes = SMOKE if args.smoke else FULL
     if args.requests:
         sizes = Sizes(**{**asdict(sizes), "requests_per_client": args.requests})
+    loads, not_run, stages = measure_loads(args, sizes)
+    report = {
+        "mode": "smoke" if args.smoke else "full",
+        "client": args.client,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": environment.machine_summary(),
+        "vllm_cpu_placement": _placement_summary(),
+        "sizes": asdict(sizes),
+        "upstream_generate": upstream_generate_setup(),
+        "not_run": not_run,
+        "loads": [load.summary() for load in loads],
+        "api_vs_upstream_generate": api_vs_upstream(loads, sizes, not_run),
+        "ratios": ratios(loads, sizes),
+        "stage_seconds": stages,
+    }
+    environment.write_report(args.out, report)
+    print(table(loads))
+    print(json.dumps(report["ratios"], indent=2))
+    print()
+    print(headline_table(report))
+    print(f"report: {args.out}")
+    return 0
+
+
+def measure_loads(args: argparse.Namespace, sizes: Sizes) -> tuple[list[Load], dict[str, str], dict[str, float]]:
+    """Every selected system's loads, the systems not run (with why) and each stage's seconds."""
+    from server.engines.threads import run_on_own_thread
+
     stages: dict[str, float] = {}
     loads: list[Load] = []
     with tempfile.TemporaryDirectory(prefix="serve-bench-") as scratch:
@@ -1076,28 +1110,7 @@ def main(argv: list[str] | None = None) -> int:
             started = time.perf_counter()
             loads += asyncio.run(alternating_loads(generate_systems(zaya_dir, prompt, sizes), sizes))
             stages["generate"] = time.perf_counter() - started
-
-    report = {
-        "mode": "smoke" if args.smoke else "full",
-        "client": args.client,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": environment.machine_summary(),
-        "vllm_cpu_placement": _placement_summary(),
-        "sizes": asdict(sizes),
-        "upstream_generate": upstream_generate_setup(),
-        "not_run": not_run,
-        "loads": [load.summary() for load in loads],
-        "api_vs_upstream_generate": api_vs_upstream(loads, sizes, not_run),
-        "ratios": ratios(loads, sizes),
-        "stage_seconds": stages,
-    }
-    environment.write_report(args.out, report)
-    print(table(loads))
-    print(json.dumps(report["ratios"], indent=2))
-    print()
-    print(headline_table(report))
-    print(f"report: {args.out}")
-    return 0
+    return loads, not_run, stages
 
 
 if __name__ == "__main__":  # vLLM spawns processes: everything runs under this guard
