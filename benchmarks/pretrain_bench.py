@@ -121,12 +121,15 @@ def selected_shapes(args: argparse.Namespace) -> list[dict]:
 
 
 def bf16_available() -> str | None:
-    """None when bf16 autocast is native here, else why not."""
+    """None when bf16 autocast is native here, else why not: `zaya pretrain --dtype bf16`'s own check (which also
+    asks Linux for AMX permission, without which bf16 matmuls can hang or die with SIGILL on AMX CPUs)."""
     import torch
 
-    if hasattr(torch.cpu, "_init_amx"):
-        torch.cpu._init_amx()  # without it bf16 matmuls can hang or die with SIGILL on AMX CPUs
-    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+    from zaya_model.pretrain.train import PretrainError, autocast_dtype
+
+    try:
+        autocast_dtype("bf16", torch.device("cpu"))
+    except PretrainError:
         return "no native bf16 (AVX512-BF16 or AMX) on this CPU"
     return None
 
