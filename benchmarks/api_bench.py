@@ -16,7 +16,6 @@ import datetime
 import json
 import multiprocessing
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,6 +33,7 @@ from sqlalchemy.engine import make_url
 
 from benchmarks import environment
 from benchmarks.environment import REPO_ROOT, timed_stage
+from benchmarks.load_test.stack import free_port, stop, wait_until_healthy
 from server.db.migrations import upgrade
 from server.db.models import DEFAULT_PROJECT_ID, File, FineTuningJob, JobStatus, Role, new_id
 from server.db.scratch import scratch_database
@@ -98,12 +98,6 @@ def seed(database_url: str, model_dir: Path) -> dict:
 # --- the server -----------------------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextmanager
 def api_server(database_url: str, data_dir: Path) -> Iterator[str]:
     """`uvicorn` serving the app in its own process; yields the base URL."""
@@ -121,28 +115,12 @@ def api_server(database_url: str, data_dir: Path) -> Iterator[str]:
     process = subprocess.Popen(command, cwd=REPO_ROOT, env=env)
     base_url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"the API server exited with {process.returncode}")
-            try:
-                # Ready: the database answers and the inference engine has started (its imports would otherwise
-                # compete with the measurements for the CPU).
-                if httpx.get(f"{base_url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("the API server did not start")
-            time.sleep(0.2)
+        # Ready: the database answers and the inference engine has started (its imports would otherwise compete
+        # with the measurements for the CPU).
+        wait_until_healthy(base_url, process, SERVER_START_TIMEOUT_S, poll_s=0.2)
         yield base_url
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop(process, grace_s=30)
 
 
 # --- measurements ---------------------------------------------------------------------------------------------------
@@ -422,9 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     mode = "quick" if args.quick else "full"
     report = run_benchmark(QUICK if args.quick else FULL, mode, args.database_url)
-    print_table(report)
-    environment.write_report(args.out, report)
-    print(f"wrote {args.out}")
+    environment.publish_report(args.out, report, print_table)
     failures = [c for c in report["claims"].values() if c["claimed_twice"] or c["missed"]]
     if failures:
         print(f"ERROR: jobs claimed twice or missed: {json.dumps(failures)}", file=sys.stderr)

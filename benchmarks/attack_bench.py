@@ -76,11 +76,7 @@ def health_probed(url: str, interval_s: float = 0.05) -> Iterator[HealthProbe]:
 
 
 def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
+    return environment.proc_status_kib("VmRSS", pid) * 1024
 
 
 def send_raw(port: int, start: bytes, filler: int, *, chunk: int = 64 * 1024) -> tuple[bytes, int]:

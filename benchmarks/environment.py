@@ -10,8 +10,9 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import re
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,13 @@ def write_report(path: Path, report: dict[str, Any]) -> None:
     write_json_atomic(path, report)
 
 
+def publish_report(path: Path, report: dict[str, Any], print_table: Callable[[dict[str, Any]], None]) -> None:
+    """Print the report's table, write the JSON report to `path` and say where."""
+    print_table(report)
+    write_report(path, report)
+    print(f"wrote {path}")
+
+
 def machine_summary() -> dict[str, Any]:
     """The machine and its load when the benchmark starts (each benchmark adds what else it depends on)."""
     return {
@@ -74,6 +82,22 @@ def machine_summary() -> dict[str, Any]:
         "load_average_at_start": os.getloadavg(),
         "python": platform.python_version(),
     }
+
+
+def proc_status_kib(field_name: str, pid: int | str = "self") -> int:
+    """A kB field of Linux's `/proc/<pid>/status` (`VmRSS`: resident memory, `VmHWM`: its peak)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field_name + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field_name} not in /proc/{pid}/status")
+
+
+def search_group(pattern: str, text: str, flags: int = 0) -> str:
+    """The first group of `pattern`'s first match in `text` (a page's token, a /proc field); an error if none."""
+    match = re.search(pattern, text, flags)
+    if match is None:
+        raise ValueError(f"nothing matches {pattern!r}")
+    return match.group(1)
 
 
 @contextlib.contextmanager

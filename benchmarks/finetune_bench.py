@@ -32,6 +32,7 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -43,6 +44,7 @@ from finetune.datasets.formats import parse_record
 from finetune.datasets.synthetic import generate_chat_examples
 from finetune.run import make_lora_config
 from finetune.settings import FineTuneSettings
+from zaya_model import ZayaForCausalLM
 from zaya_model.cpu.compiled_layers import enable_compiled_layers
 from zaya_model.pretrain import train_tokenizer
 from zaya_model.training.balancing import BalancingBiasUpdater
@@ -147,7 +149,14 @@ def bank_batch(sizes: FinetuneSizes, vocab_size: int) -> dict[str, torch.Tensor]
     tokenizer = train_tokenizer(texts, vocab_size=min(sizes.tokenizer_vocab, vocab_size))
     if len(tokenizer) > vocab_size:
         raise SystemExit(f"tokenizer has {len(tokenizer)} tokens, the model only {vocab_size}")
-    features = TokenizedDataset([parse_record(record)[0] for record in records], tokenizer)
+    examples = []
+    for record in records:
+        example, problems = parse_record(record)
+        if example is None:
+            raise SystemExit(f"a synthetic chat is not a valid record: {problems}")
+        examples.append(example)
+    dataset = TokenizedDataset(examples, tokenizer)
+    features = [dataset[index] for index in range(len(dataset))]
     input_ids = [token for feature in features for token in feature["input_ids"]]
     labels = [label for feature in features for label in feature["labels"]]
     ends = list(itertools.accumulate(len(feature["input_ids"]) for feature in features))
@@ -166,15 +175,18 @@ def prepare_variant(variant: str, model_dir: str, sizes: FinetuneSizes):
     processed; `first_loss` receives the loss of the first step, taken before any optimizer update."""
     impl, rest = variant.split("_", 1)
     method, *options = rest.split("+")
-    model = mb.load_model(impl, model_dir, "zaya_model")
+    loaded = mb.load_model(impl, model_dir, "zaya_model")
     if "gc" in options:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        loaded.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if "compile" in options and impl == "ours":
-        enable_compiled_layers(model)
+        enable_compiled_layers(loaded)
+    model: torch.nn.Module = loaded
     if method == "lora":
         from peft import get_peft_model
 
-        model = get_peft_model(model, make_lora_config(model, lora_settings(sizes), tokenizer=None))
+        # Upstream's model has ours' module tree, all that `make_lora_config` reads of it.
+        lora_config = make_lora_config(cast(ZayaForCausalLM, loaded), lora_settings(sizes), tokenizer=None)
+        model = get_peft_model(loaded, lora_config)
     # Upstream compiled as `Trainer(torch_compile=True)` compiles the model it trains (PEFT's wrapper included).
     forward = torch.compile(model) if "compile" in options and impl == "upstream" else model
     balancing = BalancingBiasUpdater(model) if impl == "ours" and method == "full" else None
@@ -223,10 +235,10 @@ def measure_variant_memory(variant: str, model_dir: str, sizes: FinetuneSizes) -
     gc.collect()
     if not mb.reset_peak_rss():
         return {"error": "cannot reset the peak RSS (/proc/self/clear_refs is not writable)"}
-    baseline_kib = mb.proc_status_kib("VmRSS")
+    baseline_kib = environment.proc_status_kib("VmRSS")
     step()
     step()
-    peak_kib = mb.proc_status_kib("VmHWM")
+    peak_kib = environment.proc_status_kib("VmHWM")
     return {
         "peak_rss_mib": peak_kib / 1024,
         "peak_delta_mib": (peak_kib - baseline_kib) / 1024,
@@ -251,7 +263,7 @@ def run_benchmark(sizes: FinetuneSizes, mode: str, variants: tuple[str, ...]) ->
         "mode": mode,
         "machine": mb.machine_info(),
         "sizes": asdict(sizes),
-        "config": mb.model_config_kwargs(sizes),
+        "config": mb.model_config_kwargs(sizes.model, sizes.seq_len),
         "memory_method": MEMORY_METHOD,
         "stage_seconds": {},
     }
@@ -259,7 +271,7 @@ def run_benchmark(sizes: FinetuneSizes, mode: str, variants: tuple[str, ...]) ->
     fork_server_ready = mb.start_fork_server("zaya_model")
     with tempfile.TemporaryDirectory(prefix="zaya-ft-bench-") as model_dir:
         with stage("build the model and the batch"):
-            mb.save_random_ours(sizes, "zaya_model", model_dir)
+            mb.save_random_ours(report["config"], "zaya_model", model_dir)
             batch = bank_batch(sizes, sizes.model["vocab_size"])
             torch.save(batch, Path(model_dir) / BATCH_FILE)
         report["batch"] = {
@@ -299,16 +311,16 @@ def run_benchmark(sizes: FinetuneSizes, mode: str, variants: tuple[str, ...]) ->
                 for variant in variants
             }
     report["ratios"] = ratios(report)
-    report["targets"] = {
-        name: {
-            "kind": kind,
-            "bound": bound,
-            "ratio": report["ratios"][name],
-            "met": _met(report["ratios"][name], kind, bound),
-        }
+    report["targets"] = targets(report["ratios"])
+    return report
+
+
+def targets(measured: dict[str, float | None]) -> dict:
+    """Each target's bound, the measured ratio it bounds and whether it is met."""
+    return {
+        name: {"kind": kind, "bound": bound, "ratio": measured[name], "met": _met(measured[name], kind, bound)}
         for name, (kind, bound) in TARGETS.items()
     }
-    return report
 
 
 def best_variant(medians: dict, side: str, method: str) -> str:
@@ -376,15 +388,15 @@ def print_table(report: dict) -> None:
         rows.append((variant, "not measured", reason, "", "", ""))
     print(environment.format_rows(rows))
     print()
-    rows = [("ratio", "value", "target")]
+    ratio_rows = [("ratio", "value", "target")]
     for name, value in report["ratios"].items():
         target = report["targets"].get(name)
         text = ""
         if target is not None:
             sign = "<=" if target["kind"] == "max" else ">="
             text = f"{sign} {target['bound']}x {'met' if target['met'] else 'NOT met'}"
-        rows.append((name, fmt_ratio(value), text))
-    print(environment.format_rows(rows))
+        ratio_rows.append((name, fmt_ratio(value), text))
+    print(environment.format_rows(ratio_rows))
     print(
         f"batch {report['batch']['shape']} ({report['batch']['trained_tokens']} trained tokens), "
         f"{report['parameters']['total'] / 1e6:.1f}M params; same loss in every variant's first step "
@@ -410,9 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes, mode, variants = (QUICK, "quick", QUICK_VARIANTS) if args.quick else (FULL, "full", VARIANTS)
     report = run_benchmark(sizes, mode, variants)
     report["process"] = process
-    print_table(report)
-    environment.write_report(args.out, report)
-    print(f"wrote {args.out}")
+    environment.publish_report(args.out, report, print_table)
     return 0
 
 

@@ -57,6 +57,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -162,33 +163,21 @@ QUICK = Sizes(
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def config_kwargs(model: dict, seq_len: int) -> dict:
-    return dict(
-        model,
-        max_position_embeddings=max(4096, seq_len),
-        pad_token_id=mb.PAD,
-        bos_token_id=mb.BOS,
-        eos_token_id=mb.EOS,
-        tie_word_embeddings=True,
-        use_cache=True,
-    )
-
-
 def build_ours(model: dict, seq_len: int, device: torch.device) -> ZayaForCausalLM:
     """Our model with seeded random weights, built on `device`."""
     torch.manual_seed(0)
     with torch.device(device):
         built = ZayaForCausalLM._from_config(
-            ZayaConfig(**config_kwargs(model, seq_len)), attn_implementation="sdpa", dtype=torch.float32
+            ZayaConfig(**mb.model_config_kwargs(model, seq_len)), attn_implementation="sdpa", dtype=torch.float32
         )
     return built.eval()
 
 
-def upstream_copy(ours: ZayaForCausalLM, model: dict, seq_len: int) -> torch.nn.Module:
+def upstream_copy(ours: ZayaForCausalLM, model: dict, seq_len: int) -> transformers.ZayaForCausalLM:
     """Upstream `transformers.ZayaForCausalLM` with `ours`' weights, on its device, as model_bench loads it."""
     with torch.device(ours.device):
         upstream = transformers.ZayaForCausalLM._from_config(
-            transformers.ZayaConfig(**config_kwargs(model, seq_len)),
+            transformers.ZayaConfig(**mb.model_config_kwargs(model, seq_len)),
             attn_implementation="sdpa",
             experts_implementation="grouped_mm",
             dtype=torch.float32,
@@ -213,7 +202,7 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def check_against_cpu(sizes: Sizes, device: torch.device) -> dict:
     reference = build_ours(sizes.check_model, sizes.check_seq, torch.device("cpu"))
-    on_device = copy.deepcopy(reference).to(device)
+    on_device = copy.deepcopy(reference).to(device)  # type: ignore[arg-type]  # transformers' @wraps(Module.to) reads to mypy as unbound
     ids = mb.random_ids(2, sizes.check_seq, reference.config.vocab_size, seed=1)
     result: dict = {"model": sizes.check_model, "fp32_logits": {}}
     # The plain fp32 attention kernel: fused ones may round through TF32.
@@ -277,7 +266,7 @@ def compare_fp32(out: dict, expected: dict) -> dict:
 def check_bf16_greedy(reference: ZayaForCausalLM, sizes: Sizes, device: torch.device) -> dict:
     """Generation runs with the grouped-matmul experts; compiled layers are checked by the speed rows (same loss and
     gradient norm for train steps, same logits for prefill)."""
-    model = copy.deepcopy(reference).to(device, torch.bfloat16)
+    model = copy.deepcopy(reference).to(device, torch.bfloat16)  # type: ignore[arg-type]  # transformers' @wraps(Module.to) reads to mypy as unbound
     use_grouped_mm_experts(model)
     prompt = mb.random_ids(2, sizes.check_prompt, reference.config.vocab_size, seed=5)
     generated = mb.greedy_generate(model, prompt.to(device), sizes.check_new_tokens).cpu()
@@ -309,25 +298,10 @@ def check_bf16_greedy(reference: ZayaForCausalLM, sizes: Sizes, device: torch.de
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def matmul_tflops(device: torch.device, size: int) -> float:
     """Median TFLOP/s of a `size`^3 bf16 matmul on `device` (random data; 3 warm-ups, 5 timed batches of 5)."""
-    a, b = (torch.randn(size, size, device=device, dtype=torch.bfloat16) for _ in range(2))
-    for _ in range(3):
-        a @ b
-    samples = []
-    for _ in range(5):
-        synchronize(device)
-        start = time.perf_counter()
-        for _ in range(5):
-            a @ b
-        synchronize(device)
-        samples.append(5 * 2 * size**3 / (time.perf_counter() - start) / 1e12)
-    return statistics.median(samples)
+    gflops = mb.matmul_gflops(size, 5, dtype=torch.bfloat16, device=device, warmup=3, calls_per_sample=5)
+    return statistics.median(gflops) / 1e3
 
 
 class ShapeModels:
@@ -346,10 +320,18 @@ class ShapeModels:
             )
         self.upstream_agrees = self.same_logits_error <= FP32_TOLERANCE
 
+    def upstream_forward(self, impl: str) -> Callable[..., Any]:
+        """What runs upstream's forward for `impl`: the model, or the model compiled (`upstream_compiled`)."""
+        if impl != "upstream_compiled":
+            return self.upstream
+        if self.upstream_compiled is None:
+            raise RuntimeError(NOT_COMPILING)
+        return self.upstream_compiled
+
     def to(self, dtype: torch.dtype) -> None:
         if dtype != self.dtype:
-            self.ours.to(dtype)
-            self.upstream.to(dtype)
+            self.ours.to(dtype)  # type: ignore[arg-type]  # transformers' @wraps(Module.to) reads to mypy as unbound
+            self.upstream.to(dtype)  # type: ignore[arg-type]  # transformers' @wraps(Module.to) reads to mypy as unbound
             self.dtype = dtype
 
 
@@ -365,24 +347,11 @@ def first_call(run: Callable[[], dict], device: torch.device) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
-    synchronize(device)
+    mb.synchronize(device)
     start = time.perf_counter()
     result = run()
-    synchronize(device)
+    mb.synchronize(device)
     return {"first_call_s": time.perf_counter() - start, "peak_gib": peak_gib(device, before), **result}
-
-
-def time_interleaved(runners: dict[str, Callable[[], int]], repeats: int, device: torch.device) -> dict:
-    samples: dict[str, list[float]] = {name: [] for name in runners}
-    names = list(runners)
-    for repeat in range(repeats):
-        for name in names if repeat % 2 == 0 else reversed(names):
-            synchronize(device)
-            start = time.perf_counter()
-            tokens = runners[name]()
-            synchronize(device)
-            samples[name].append(tokens / (time.perf_counter() - start))
-    return samples
 
 
 def train_runners(models: ShapeModels, precision: str) -> tuple[dict, dict]:
@@ -399,9 +368,9 @@ def train_runners(models: ShapeModels, precision: str) -> tuple[dict, dict]:
     def runner(impl: str) -> tuple[Callable[[], dict], Callable[[], int]]:
         side = impl.split("_")[0]
         params_model = models.ours if side == "ours" else models.upstream
-        call = models.upstream_compiled if impl == "upstream_compiled" else params_model
 
         def backward() -> torch.Tensor:
+            call = models.ours if side == "ours" else models.upstream_forward(impl)
             if side == "ours":
                 set_ours_path(models.ours, impl == "ours_best", compiled_layers=models.compile)
             params_model.train()
@@ -435,8 +404,6 @@ def prefill_runners(models: ShapeModels) -> tuple[dict, dict]:
     ids = mb.random_ids(shape.prefill_batch, shape.seq_len, models.ours.config.vocab_size, seed=4).to(device)
 
     def runner(impl: str) -> Callable[[], torch.Tensor]:
-        call = models.upstream_compiled if impl == "upstream_compiled" else models.upstream
-
         def prefill() -> torch.Tensor:
             if impl.startswith("ours"):
                 set_ours_path(models.ours, impl == "ours_best", compiled_layers=models.compile)
@@ -445,7 +412,7 @@ def prefill_runners(models: ShapeModels) -> tuple[dict, dict]:
                     return models.ours(input_ids=ids, use_cache=True).logits
             models.upstream.eval()
             with torch.no_grad():
-                return call(input_ids=ids, use_cache=True).logits
+                return models.upstream_forward(impl)(input_ids=ids, use_cache=True).logits
 
         return prefill
 
@@ -532,10 +499,7 @@ def measure_row(models: ShapeModels, phase: str, precision: str, sizes: Sizes, p
     if logits:
         row["same_outputs"] = same_outputs(logits)
     del logits
-    for _ in range(sizes.warmup):
-        for step in steps.values():
-            step()
-    for impl, samples in time_interleaved(steps, sizes.repeats, device).items():
+    for impl, samples in mb.time_interleaved(steps, sizes.warmup, sizes.repeats, device).tokens_per_s.items():
         row["impls"][impl] |= {"tokens_per_s": samples, "median_tokens_per_s": statistics.median(samples)}
     if passes is not None:
         flops = mb.flops_per_token(models.ours, shape.seq_len, passes)
@@ -568,7 +532,7 @@ def summarise(row: dict) -> dict:
     ours = {impl: value for impl, value in speed.items() if impl.startswith("ours")}
     upstream = {impl: value for impl, value in speed.items() if impl.startswith("upstream")}
     if ours and upstream:
-        ours_best, upstream_best = max(ours, key=ours.get), max(upstream, key=upstream.get)
+        ours_best, upstream_best = max(ours, key=ours.__getitem__), max(upstream, key=upstream.__getitem__)
         out["best"] = {"ours": ours_best, "upstream": upstream_best}
         out["best_over_best"] = ours[ours_best] / upstream[upstream_best]
     losses = {impl: r["loss"] for impl, r in row["impls"].items() if "loss" in r}
@@ -671,28 +635,12 @@ def targets(report: dict) -> dict:
 
 
 def table(report: dict) -> str:
-    checks = report["checks"]
     lines = [
         f"{report['machine']['name']} ({report['machine']['device']}), torch {report['machine']['torch']}, "
         f"transformers {report['machine']['transformers']}; bf16 matmul {report['matmul_tflops']:.0f} TFLOP/s "
         f"({report['sizes']['matmul_size']}^3)",
+        checks_line(report["checks"]),
     ]
-    if "error" in checks:
-        lines.append(f"checks against the CPU reference: ERROR {checks['error']}")
-    else:
-        greedy = checks["bf16_greedy"]
-        lines.append(
-            "checks against the CPU reference: fp32 logits relative error "
-            + ", ".join(
-                f"{path} {fmt(r['relative_error'], '.1e')} ({r['compared_positions']}/{r['positions']} positions, "
-                f"{r['routing_flips']} near-tie routing flips)"
-                for path, r in checks["fp32_logits"].items()
-            )
-            + f" (<= {FP32_TOLERANCE}); bf16 greedy: {greedy['consistent_tokens']}/{greedy['tokens']} tokens "
-            f"consistent, {greedy['agree_with_reference_greedy']:.0%} equal to the fp32 reference's, logits relative "
-            f"error {greedy['logits_relative_error']:.1e} (<= {BF16_TOLERANCE}): "
-            + ("passed" if checks["passed"] else "FAILED")
-        )
     lines += [
         "",
         "| shape | phase | precision | ours eager | ours best | upstream eager | upstream compiled | eager/eager "
@@ -740,6 +688,25 @@ def table(report: dict) -> str:
         verdict = "not measured" if target["value"] is None else "met" if target["met"] else "NOT met"
         lines.append(f"- target {name}: {fmt(target['value'], '.2f')} (>= {target['min']}) {verdict}")
     return "\n".join(lines)
+
+
+def checks_line(checks: dict) -> str:
+    """The checks against the CPU reference, in one line."""
+    if "error" in checks:
+        return f"checks against the CPU reference: ERROR {checks['error']}"
+    greedy = checks["bf16_greedy"]
+    return (
+        "checks against the CPU reference: fp32 logits relative error "
+        + ", ".join(
+            f"{path} {fmt(r['relative_error'], '.1e')} ({r['compared_positions']}/{r['positions']} positions, "
+            f"{r['routing_flips']} near-tie routing flips)"
+            for path, r in checks["fp32_logits"].items()
+        )
+        + f" (<= {FP32_TOLERANCE}); bf16 greedy: {greedy['consistent_tokens']}/{greedy['tokens']} tokens "
+        f"consistent, {greedy['agree_with_reference_greedy']:.0%} equal to the fp32 reference's, logits relative "
+        f"error {greedy['logits_relative_error']:.1e} (<= {BF16_TOLERANCE}): "
+        + ("passed" if checks["passed"] else "FAILED")
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

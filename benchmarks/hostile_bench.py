@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import re
 import tempfile
 import threading
 import time
@@ -32,8 +31,7 @@ from benchmarks.load_test.stack import MODEL_NAME, Stack
 
 
 def memory_kib(pid: int) -> dict[str, int]:
-    status = Path(f"/proc/{pid}/status").read_text()
-    return {key: int(re.search(rf"^{key}:\s+(\d+) kB", status, re.M).group(1)) for key in ("VmRSS", "VmHWM")}
+    return {key: environment.proc_status_kib(key, pid) for key in ("VmRSS", "VmHWM")}
 
 
 class HealthProbe:
@@ -63,6 +61,7 @@ class HealthProbe:
 
 
 def measured(stack: Stack, name: str, action: Callable[[], str]) -> dict[str, object]:
+    assert stack.server is not None
     before = memory_kib(stack.server.pid)
     with HealthProbe(stack.url) as probe:
         started = time.perf_counter()
@@ -141,7 +140,7 @@ def page_views(stack: Stack) -> list[dict[str, object]]:
     rows = []
     with httpx.Client(base_url=stack.url, timeout=600) as console:
         login = console.get("/console/login", params={"next": "/console/"})
-        csrf = re.search(r'name="csrf" value="([^"]+)"', login.text).group(1)
+        csrf = environment.search_group(r'name="csrf" value="([^"]+)"', login.text)
         console.post("/console/session", data={"api_key": stack.keys["data"], "csrf": csrf, "next": "/console/"})
         for view in range(1, 4):
 

@@ -29,13 +29,18 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 import transformers
 
 from benchmarks import environment
 from benchmarks.environment import fmt, fmt_ratio, timed_stage
+from zaya_model import ZayaForCausalLM
 from zaya_model.training.runtime import prepare_training_process
+
+if TYPE_CHECKING:
+    from zaya_model.cpu.decode import CompiledDecoder
 
 DEFAULT_OUT = environment.default_out("model_bench")
 LOGITS_TOLERANCE = 1e-4
@@ -50,6 +55,8 @@ COMPILED_PATHS = {
     "decode_b8": "compiled layers + compiled decode steps",
 }
 PAD, BOS, EOS = 0, 2, 1
+# Either implementation: ours, or upstream's (`--ours transformers` puts upstream's in ours' place too).
+ZayaLM = ZayaForCausalLM | transformers.ZayaForCausalLM
 
 
 @dataclass(frozen=True)
@@ -126,10 +133,11 @@ QUICK = BenchSizes(
 )
 
 
-def model_config_kwargs(sizes: BenchSizes) -> dict:
+def model_config_kwargs(model: dict, seq_len: int) -> dict:
+    """The config of a benchmark model of shape `model` (`BenchSizes.model`) that reads rows of `seq_len` tokens."""
     return dict(
-        sizes.model,
-        max_position_embeddings=max(4096, sizes.seq_len),
+        model,
+        max_position_embeddings=max(4096, seq_len),
         pad_token_id=PAD,
         bos_token_id=BOS,
         eos_token_id=EOS,
@@ -152,7 +160,7 @@ def ours_classes(source: str):
     return source, transformers.ZayaConfig, transformers.ZayaForCausalLM
 
 
-def load_model(impl: str, model_dir: str, ours_source: str) -> torch.nn.Module:
+def load_model(impl: str, model_dir: str, ours_source: str) -> ZayaLM:
     if impl == "upstream":
         model = transformers.ZayaForCausalLM.from_pretrained(
             model_dir, dtype=torch.float32, attn_implementation="sdpa", experts_implementation="grouped_mm"
@@ -163,15 +171,15 @@ def load_model(impl: str, model_dir: str, ours_source: str) -> torch.nn.Module:
     return model.eval()
 
 
-def save_random_ours(sizes: BenchSizes, ours_source: str, model_dir: str) -> None:
+def save_random_ours(config_kwargs: dict, ours_source: str, model_dir: str) -> None:
     """Build our model with seeded random weights and save it: the one checkpoint both implementations load."""
     _, config_cls, model_cls = ours_classes(ours_source)
-    config = config_cls(**model_config_kwargs(sizes))
+    config = config_cls(**config_kwargs)
     torch.manual_seed(0)
     model_cls._from_config(config, dtype=torch.float32).save_pretrained(model_dir)
 
 
-def check_same_logits(ours: torch.nn.Module, upstream: torch.nn.Module, sizes: BenchSizes) -> float:
+def check_same_logits(ours: ZayaLM, upstream: ZayaLM, sizes: BenchSizes) -> float:
     """Max |Δ logits| of a full forward on random tokens; aborts the benchmark if the two models disagree."""
     ids = random_ids(2, min(sizes.seq_len, 64), ours.config.vocab_size, seed=1)
     with torch.no_grad():
@@ -181,7 +189,7 @@ def check_same_logits(ours: torch.nn.Module, upstream: torch.nn.Module, sizes: B
     return diff
 
 
-def greedy_tokens_identical(ours: torch.nn.Module, upstream: torch.nn.Module, sizes: BenchSizes) -> bool:
+def greedy_tokens_identical(ours: ZayaLM, upstream: ZayaLM, sizes: BenchSizes) -> bool:
     """Whether both models greedily generate the same tokens for the decode prompt (informative only: with random
     weights a near-tie between two logits can legitimately flip on rounding)."""
     prompt = random_ids(1, sizes.prompt_len, ours.config.vocab_size, seed=5)
@@ -190,7 +198,7 @@ def greedy_tokens_identical(ours: torch.nn.Module, upstream: torch.nn.Module, si
     )
 
 
-def grouped_mm_ops_used(model: torch.nn.Module, sizes: BenchSizes) -> list[str]:
+def grouped_mm_ops_used(model: ZayaLM, sizes: BenchSizes) -> list[str]:
     """Names of the grouped-matmul ops a forward of `model` ran (proof that `grouped_mm` experts are in use)."""
     ids = random_ids(1, min(sizes.seq_len, 32), model.config.vocab_size, seed=2)
     with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -209,7 +217,7 @@ def random_ids(batch: int, length: int, vocab_size: int, seed: int) -> torch.Ten
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def make_train_step(model: torch.nn.Module, sizes: BenchSizes) -> Callable[[], int]:
+def make_train_step(model: ZayaLM, sizes: BenchSizes) -> Callable[[], int]:
     ids = random_ids(sizes.train_batch, sizes.seq_len, model.config.vocab_size, seed=3)
     # Fused (one kernel for all tensors), as our trainers run it: the per-tensor default spent a quarter of this step.
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
@@ -226,7 +234,7 @@ def make_train_step(model: torch.nn.Module, sizes: BenchSizes) -> Callable[[], i
     return step
 
 
-def make_prefill(model: torch.nn.Module, sizes: BenchSizes) -> Callable[[], int]:
+def make_prefill(model: ZayaLM, sizes: BenchSizes) -> Callable[[], int]:
     ids = random_ids(sizes.prefill_batch, sizes.seq_len, model.config.vocab_size, seed=4)
 
     def prefill() -> int:
@@ -237,7 +245,7 @@ def make_prefill(model: torch.nn.Module, sizes: BenchSizes) -> Callable[[], int]
     return prefill
 
 
-def make_decode(model: torch.nn.Module, sizes: BenchSizes, batch: int) -> Callable[[], int]:
+def make_decode(model: ZayaLM, sizes: BenchSizes, batch: int) -> Callable[[], int]:
     prompt = random_ids(batch, sizes.prompt_len, model.config.vocab_size, seed=5)
 
     def decode() -> int:
@@ -246,12 +254,9 @@ def make_decode(model: torch.nn.Module, sizes: BenchSizes, batch: int) -> Callab
     return decode
 
 
-def has_compiled_paths(model: torch.nn.Module) -> bool:
-    """Whether the model is ours, which the compiled paths of `zaya_model.cpu` apply to; upstream's is not."""
-    return type(model).__module__.startswith("zaya_model.")
-
-
-def make_compiled_decode(model: torch.nn.Module, sizes: BenchSizes, batch: int, decoder) -> Callable[[], int]:
+def make_compiled_decode(
+    model: ZayaForCausalLM, sizes: BenchSizes, batch: int, decoder: CompiledDecoder
+) -> Callable[[], int]:
     """`make_decode` with every decode step through `decoder` (`zaya_model.cpu.decode.CompiledDecoder`)."""
     from zaya_model.cpu.decode import greedy_generate as compiled_greedy_generate
 
@@ -263,7 +268,7 @@ def make_compiled_decode(model: torch.nn.Module, sizes: BenchSizes, batch: int, 
     return decode
 
 
-def with_compiled_paths(model: torch.nn.Module, run: Callable[[], int], compiled: bool) -> Callable[[], int]:
+def with_compiled_paths(model: ZayaForCausalLM, run: Callable[[], int], compiled: bool) -> Callable[[], int]:
     """`run` with our model's compiled layers (`zaya_model.cpu.compiled_layers`) switched on or off, so that one
     model object is timed both ways."""
     from zaya_model.cpu.compiled_layers import enable_compiled_layers
@@ -275,12 +280,14 @@ def with_compiled_paths(model: torch.nn.Module, run: Callable[[], int], compiled
     return switched
 
 
-def greedy_generate(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
+def greedy_generate(model: ZayaLM, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
     """Exactly `new_tokens` greedy tokens per row; returns only the new tokens. No EOS token: `min_new_tokens` would
     hold rows to the length too, but through a logits processor that costs ~0.8 ms a step (it rebuilds a
     vocabulary-sized mask each time), a sixth of a compiled batch-1 step and the same for both implementations."""
     with torch.no_grad():
-        out = model.generate(
+        # transformers' `GenerativePreTrainedModel`, the self type of `generate`, lists attributes (`encoder`, ...)
+        # that a decoder-only model does not have.
+        out = model.generate(  # type: ignore[misc]
             input_ids=prompt,
             attention_mask=torch.ones_like(prompt),
             max_new_tokens=new_tokens,
@@ -294,7 +301,7 @@ def greedy_generate(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: in
     return generated
 
 
-def make_phase(phase: str, model: torch.nn.Module, sizes: BenchSizes) -> Callable[[], int]:
+def make_phase(phase: str, model: ZayaLM, sizes: BenchSizes) -> Callable[[], int]:
     if phase == "train_step":
         return make_train_step(model, sizes)
     if phase == "prefill":
@@ -310,8 +317,11 @@ class PhaseTiming:
     seconds: dict[str, list[float]] = field(default_factory=dict)
 
 
-def time_interleaved(runners: dict[str, Callable[[], int]], warmup: int, repeats: int) -> PhaseTiming:
-    """Warm up each runner, then alternate them (A B, B A, A B, ...) so drifting machine load hits both alike."""
+def time_interleaved(
+    runners: dict[str, Callable[[], int]], warmup: int, repeats: int, device: torch.device | None = None
+) -> PhaseTiming:
+    """Warm up each runner, then alternate them (A B, B A, A B, ...) so drifting machine load hits both alike; on a
+    GPU `device`, synchronised before and after each timed call."""
     names = list(runners)
     for _ in range(warmup):
         for name in names:
@@ -319,24 +329,25 @@ def time_interleaved(runners: dict[str, Callable[[], int]], warmup: int, repeats
     timing = PhaseTiming({n: [] for n in names}, {n: [] for n in names})
     for repeat in range(repeats):
         for name in names if repeat % 2 == 0 else reversed(names):
+            synchronize(device)
             start = time.perf_counter()
             tokens = runners[name]()
+            synchronize(device)
             elapsed = time.perf_counter() - start
             timing.seconds[name].append(elapsed)
             timing.tokens_per_s[name].append(tokens / elapsed)
     return timing
 
 
+def synchronize(device: torch.device | None) -> None:
+    """Wait for the work queued on a CUDA (or ROCm) `device`; nothing to wait for on the CPU."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Peak memory: one fresh subprocess per (implementation, phase)
 # --------------------------------------------------------------------------------------------------------------------
-
-
-def proc_status_kib(field_name: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field_name + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field_name} not in /proc/self/status")
 
 
 def reset_peak_rss() -> bool:
@@ -361,10 +372,10 @@ def measure_phase_memory(impl: str, phase: str, model_dir: str, sizes: BenchSize
     gc.collect()
     if reset_peak_rss():
         method = "VmHWM after phase - VmRSS before (peak reset via /proc/self/clear_refs)"
-        baseline_kib = proc_status_kib("VmRSS")
+        baseline_kib = environment.proc_status_kib("VmRSS")
         run()
         run()
-        peak_kib = proc_status_kib("VmHWM")
+        peak_kib = environment.proc_status_kib("VmHWM")
     else:
         method = "ru_maxrss after phase - ru_maxrss after load"
         baseline_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -461,7 +472,7 @@ def cache_tensors(obj, seen: set[int] | None = None) -> list[torch.Tensor]:
     return found
 
 
-def cache_bytes_per_token(model: torch.nn.Module, num_tokens: int) -> dict:
+def cache_bytes_per_token(model: transformers.PreTrainedModel, num_tokens: int) -> dict:
     """Prefill one sequence of `num_tokens` and sum the bytes of the tensors held by the returned cache."""
     ids = random_ids(1, num_tokens, model.config.vocab_size, seed=6)
     with torch.no_grad():
@@ -481,7 +492,7 @@ def cache_bytes_per_token(model: torch.nn.Module, num_tokens: int) -> dict:
     }
 
 
-def reference_transformer(sizes: BenchSizes, num_kv_heads: int) -> torch.nn.Module:
+def reference_transformer(sizes: BenchSizes, num_kv_heads: int) -> transformers.PreTrainedModel:
     """A standard Qwen3 transformer as wide as the benchmark model (same heads, head_dim and layers)."""
     m = sizes.model
     config = transformers.Qwen3Config(
@@ -503,7 +514,7 @@ def reference_transformer(sizes: BenchSizes, num_kv_heads: int) -> torch.nn.Modu
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def train_step_flops(model: torch.nn.Module, sizes: BenchSizes) -> dict:
+def train_step_flops(model: ZayaLM, sizes: BenchSizes) -> dict:
     """Analytic FLOPs of one train step (forward + backward; the AdamW update is O(params), ignored).
 
     FLOPs = 6 * N_active * T + 6 * L * (H * d) * S * T, with T = batch * seq tokens, where
@@ -525,15 +536,17 @@ def train_step_flops(model: torch.nn.Module, sizes: BenchSizes) -> dict:
     }
 
 
-def active_parameters(model: torch.nn.Module) -> int:
+def active_parameters(model: ZayaLM) -> int:
     """Parameters one token multiplies with, as the product counts them (`zaya_model.count_parameters`: the experts
     a top-1 token does not use left out), plus the tied embedding once, for the LM head matmul."""
     from zaya_model import count_parameters
 
-    return count_parameters(model)["active_non_embedding"] + model.config.vocab_size * model.config.hidden_size
+    # Upstream's model (`--ours transformers`) has ours' module tree, all that `count_parameters` reads.
+    counts = count_parameters(cast(ZayaForCausalLM, model))
+    return counts["active_non_embedding"] + model.config.vocab_size * model.config.hidden_size
 
 
-def flops_per_token(model: torch.nn.Module, seq_len: int, passes: int = 6) -> float:
+def flops_per_token(model: ZayaLM, seq_len: int, passes: int = 6) -> float:
     """`passes` * (active parameters + layers * query width * seq): multiply-adds (2) x forward + backward (3) for a
     train step (`passes` 6; 2 for a forward), plus causal attention (QK^T and PV over seq / 2 keys on average)."""
     config = model.config
@@ -541,16 +554,32 @@ def flops_per_token(model: torch.nn.Module, seq_len: int, passes: int = 6) -> fl
     return passes * (active_parameters(model) + attention)
 
 
-def matmul_gflops(size: int, repeats: int, bf16_autocast: bool) -> list[float]:
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16_autocast else contextlib.nullcontext()
+def matmul_gflops(
+    size: int,
+    repeats: int,
+    *,
+    bf16_autocast: bool = False,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | None = None,
+    warmup: int = 1,
+    calls_per_sample: int = 1,
+    clock: Callable[[], float] = time.perf_counter,
+) -> list[float]:
+    """GFLOP/s of a `size`^2 matmul of random `dtype` tensors (under bf16 autocast if asked): `warmup` untimed calls,
+    then `repeats` samples, each `calls_per_sample` calls timed by `clock` (on a GPU, synchronised around them)."""
+    a, b = (torch.randn(size, size, dtype=dtype, device=device) for _ in range(2))
+    autocast = torch.autocast(a.device.type, dtype=torch.bfloat16) if bf16_autocast else contextlib.nullcontext()
     samples = []
     with autocast:
-        a @ b  # warmup
-        for _ in range(repeats):
-            start = time.perf_counter()
+        for _ in range(warmup):
             a @ b
-            samples.append(2 * size**3 / (time.perf_counter() - start) / 1e9)
+        for _ in range(repeats):
+            synchronize(device)
+            start = clock()
+            for _ in range(calls_per_sample):
+                a @ b
+            synchronize(device)
+            samples.append(calls_per_sample * 2 * size**3 / (clock() - start) / 1e9)
     return samples
 
 
@@ -563,16 +592,9 @@ def bf16_matmul_probe() -> dict:
     """GFLOP/s of a `BF16_PROBE_SIZE`^2 matmul in bf16 and in fp32 (tensors already in the dtype, so no autocast
     casts are timed; each kernel compiled by a first call). Without hardware bf16 (AMX or AVX512-BF16) bf16 runs a
     slow reference kernel, ~1 s here, and loses to fp32."""
-    result = {"size": BF16_PROBE_SIZE}
+    result: dict = {"size": BF16_PROBE_SIZE}
     for name, dtype in (("bf16_gflops", torch.bfloat16), ("fp32_gflops", torch.float32)):
-        a, b = (torch.randn(BF16_PROBE_SIZE, BF16_PROBE_SIZE, dtype=dtype) for _ in range(2))
-        a @ b
-        samples = []
-        for _ in range(5):
-            start = time.perf_counter()
-            a @ b
-            samples.append(2 * BF16_PROBE_SIZE**3 / (time.perf_counter() - start) / 1e9)
-        result[name] = median(samples)
+        result[name] = median(matmul_gflops(BF16_PROBE_SIZE, 5, dtype=dtype))
     return result
 
 
@@ -594,7 +616,7 @@ def measure_bf16(model_dir: str, sizes: BenchSizes, ours_source: str) -> dict:
     runners = {impl: make_train_step(model, sizes) for impl, model in models.items()}
     ours = models["ours"]
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        if has_compiled_paths(ours):
+        if isinstance(ours, ZayaForCausalLM):  # the compiled paths of `zaya_model.cpu` are ours only
             runners["ours_eager"] = with_compiled_paths(ours, make_train_step(ours, sizes), False)
             runners["ours"] = with_compiled_paths(ours, runners["ours"], True)
             start = time.perf_counter()
@@ -649,7 +671,7 @@ def run_benchmark(sizes: BenchSizes, mode: str, ours_source_arg: str) -> dict:
         "ours_source": ours_source,
         "machine": machine_info(),
         "sizes": asdict(sizes),
-        "config": model_config_kwargs(sizes),
+        "config": model_config_kwargs(sizes.model, sizes.seq_len),
         "stage_seconds": {},
     }
     stage = functools.partial(timed_stage, report["stage_seconds"])
@@ -657,7 +679,7 @@ def run_benchmark(sizes: BenchSizes, mode: str, ours_source_arg: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="zaya-bench-") as model_dir:
         with stage("build ours, save it, load both from the checkpoint"):
             # Both timed models come from the same checkpoint, so they are loaded the same way.
-            save_random_ours(sizes, ours_source, model_dir)
+            save_random_ours(report["config"], ours_source, model_dir)
             ours = load_model("ours", model_dir, ours_source)
             upstream = load_model("upstream", model_dir, ours_source)
         models = {"ours": ours, "upstream": upstream}
@@ -670,19 +692,7 @@ def run_benchmark(sizes: BenchSizes, mode: str, ours_source_arg: str) -> dict:
             f"model: {flops['total_params'] / 1e6:.1f}M parameters, "
             f"{flops['active_params_per_token'] / 1e6:.1f}M active per token"
         )
-
-        grouped_ops = grouped_mm_ops_used(upstream, sizes)
-        report["upstream_experts"] = {
-            "implementation": upstream.config._experts_implementation,
-            "grouped_mm_ops_seen": grouped_ops,
-        }
-        if upstream.config._experts_implementation != "grouped_mm" or not grouped_ops:
-            raise SystemExit(f"upstream does not run grouped_mm experts: {report['upstream_experts']}")
-        report["attention_implementation"] = {n: m.config._attn_implementation for n, m in models.items()}
-        report["max_abs_logits_diff"] = check_same_logits(ours, upstream, sizes)
-        print(f"same weights: max |diff logits| = {report['max_abs_logits_diff']:.2e}")
-        report["greedy_tokens_identical"] = greedy_tokens_identical(ours, upstream, sizes)
-
+        check_models(models, sizes, report)
         with stage("wait for the fork server"):
             fork_server_ready.join()
         time_phases(models, sizes, report, stage)
@@ -693,28 +703,31 @@ def run_benchmark(sizes: BenchSizes, mode: str, ours_source_arg: str) -> dict:
             report["kv_state_bytes_per_token"] = measure_cache_sizes(model_dir, sizes, ours_source)
 
         with stage("peak memory (a fresh process per phase)"):
-            report["peak_memory_mib"] = {
-                phase: {
-                    impl: run_isolated(
-                        measure_phase_memory,
-                        impl,
-                        phase,
-                        model_dir,
-                        sizes,
-                        ours_source,
-                        timeout_s=sizes.worker_timeout_s,
-                    )
-                    for impl in ("ours", "upstream")
-                }
-                for phase in PHASES
-            }
+            report["peak_memory_mib"] = measure_peak_memory(model_dir, sizes, ours_source)
 
         with stage("matmul ceilings and bf16 autocast"):
             report["gflops"] = measure_gflops(report, flops, model_dir, sizes, ours_source)
     return report
 
 
-def time_phases(models: dict[str, torch.nn.Module], sizes: BenchSizes, report: dict, stage) -> None:
+def check_models(models: dict[str, ZayaLM], sizes: BenchSizes, report: dict) -> None:
+    """Record that the two models are set up as compared: upstream with its `grouped_mm` experts, the attention
+    implementations, the same logits (aborts otherwise) and whether their greedy tokens agree."""
+    ours, upstream = models["ours"], models["upstream"]
+    grouped_ops = grouped_mm_ops_used(upstream, sizes)
+    report["upstream_experts"] = {
+        "implementation": upstream.config._experts_implementation,
+        "grouped_mm_ops_seen": grouped_ops,
+    }
+    if upstream.config._experts_implementation != "grouped_mm" or not grouped_ops:
+        raise SystemExit(f"upstream does not run grouped_mm experts: {report['upstream_experts']}")
+    report["attention_implementation"] = {n: m.config._attn_implementation for n, m in models.items()}
+    report["max_abs_logits_diff"] = check_same_logits(ours, upstream, sizes)
+    print(f"same weights: max |diff logits| = {report['max_abs_logits_diff']:.2e}")
+    report["greedy_tokens_identical"] = greedy_tokens_identical(ours, upstream, sizes)
+
+
+def time_phases(models: dict[str, ZayaLM], sizes: BenchSizes, report: dict, stage) -> None:
     """Interleaved timing of every phase; fills the report's samples, seconds, medians, ratios and targets.
 
     Ours runs with its compiled paths (`zaya_model.cpu`: compiled layers for the train step and prefill, compiled
@@ -722,9 +735,8 @@ def time_phases(models: dict[str, torch.nn.Module], sizes: BenchSizes, report: d
     `ours_eager`."""
     report["samples"], report["seconds"], report["medians"] = {}, {}, {}
     ours = models["ours"]
-    compiled = has_compiled_paths(ours)
     decoder = None
-    if compiled:
+    if isinstance(ours, ZayaForCausalLM):  # the compiled paths of `zaya_model.cpu` are ours only
         from zaya_model.cpu.decode import CompiledDecoder
 
         decoder = CompiledDecoder(ours)
@@ -733,7 +745,7 @@ def time_phases(models: dict[str, torch.nn.Module], sizes: BenchSizes, report: d
     for phase in ("prefill", "decode_b1", "decode_b8", "train_step"):
         with stage(f"timing {phase}"):
             runners = {impl: make_phase(phase, model, sizes) for impl, model in models.items()}
-            if compiled:
+            if isinstance(ours, ZayaForCausalLM) and decoder is not None:
                 runners["ours_eager"] = with_compiled_paths(ours, make_phase(phase, ours, sizes), False)
                 if phase in ("decode_b1", "decode_b8"):
                     batch = sizes.decode_batches[phase == "decode_b8"]
@@ -765,24 +777,36 @@ def time_phases(models: dict[str, torch.nn.Module], sizes: BenchSizes, report: d
     }
 
 
+def measure_peak_memory(model_dir: str, sizes: BenchSizes, ours_source: str) -> dict:
+    """Each phase's peak memory, for each implementation, each in a fresh process."""
+    return {
+        phase: {
+            impl: run_isolated(
+                measure_phase_memory, impl, phase, model_dir, sizes, ours_source, timeout_s=sizes.worker_timeout_s
+            )
+            for impl in ("ours", "upstream")
+        }
+        for phase in PHASES
+    }
+
+
 def measure_cache_sizes(model_dir: str, sizes: BenchSizes, ours_source: str) -> dict:
     n = sizes.seq_len
-    results = {
+    caches = {
         "ours": cache_bytes_per_token(load_model("ours", model_dir, ours_source), n),
         "upstream": cache_bytes_per_token(load_model("upstream", model_dir, ours_source), n),
         "gqa_transformer": cache_bytes_per_token(reference_transformer(sizes, sizes.model["num_key_value_heads"]), n),
         "mha_transformer": cache_bytes_per_token(reference_transformer(sizes, sizes.model["num_attention_heads"]), n),
     }
-    per_token = {name: r["bytes_per_token"] for name, r in results.items()}
-    results["prefill_tokens"] = n
-    results["ratios"] = {
+    per_token = {name: r["bytes_per_token"] for name, r in caches.items()}
+    ratios = {
         "ours/upstream": ratio(per_token["ours"], per_token["upstream"]),
         "ours/gqa": ratio(per_token["ours"], per_token["gqa_transformer"]),
         "ours/mha": ratio(per_token["ours"], per_token["mha_transformer"]),
         "upstream/gqa": ratio(per_token["upstream"], per_token["gqa_transformer"]),
         "upstream/mha": ratio(per_token["upstream"], per_token["mha_transformer"]),
     }
-    return results
+    return {**caches, "prefill_tokens": n, "ratios": ratios}
 
 
 def measure_gflops(report: dict, flops: dict, model_dir: str, sizes: BenchSizes, ours_source: str) -> dict:
@@ -818,15 +842,35 @@ def measure_gflops(report: dict, flops: dict, model_dir: str, sizes: BenchSizes,
 # --------------------------------------------------------------------------------------------------------------------
 
 
+PHASE_LABELS = {
+    "train_step": "train step tok/s",
+    "prefill": "prefill tok/s",
+    "decode_b1": "greedy decode b1 tok/s",
+    "decode_b8": "greedy decode b8 tok/s",
+}
+
+
 def print_table(report: dict) -> None:
-    medians, ratios = report["medians"], report["ratios"]
-    rows = [("metric", "ours", "upstream", "ours/upstream", "target")]
-    labels = {
-        "train_step": "train step tok/s",
-        "prefill": "prefill tok/s",
-        "decode_b1": "greedy decode b1 tok/s",
-        "decode_b8": "greedy decode b8 tok/s",
-    }
+    rows: list[tuple[str, ...]] = [("metric", "ours", "upstream", "ours/upstream", "target")]
+    rows += speed_rows(report) + memory_rows(report) + gflops_rows(report)
+    print(environment.format_rows(rows))
+    print(
+        f"ours = {report['ours_source']}; max |diff logits| {report['max_abs_logits_diff']:.1e}; "
+        f"greedy tokens identical: {report['greedy_tokens_identical']}; "
+        f"{report['parameters']['total'] / 1e6:.1f}M params; {report['machine']['cpu']}"
+    )
+    print(
+        "ours/upstream: ours with its compiled paths against upstream eager; 'ours eager' rows: eager against eager. "
+        "Upstream is never compiled here: transformers compiles generate() only with a compilable cache, which its "
+        "zaya lacks (_can_compile_fullgraph = False); a torch.compile'd upstream train step and prefill is not "
+        "measured here (gpu_check's upstream_compiled rows)."
+    )
+
+
+def speed_rows(report: dict) -> list[tuple[str, ...]]:
+    """Each phase's tokens/s, ours (compiled paths) and ours eager against upstream, with the targets."""
+    medians, ratios, labels = report["medians"], report["ratios"], PHASE_LABELS
+    rows: list[tuple[str, ...]] = []
     for phase in PHASES:
         target = report["targets"].get(phase)
         target_text = "" if target is None else f">={target['min_ratio']}x {'met' if target['met'] else 'NOT met'}"
@@ -849,6 +893,12 @@ def print_table(report: dict) -> None:
                 f"ours above: {COMPILED_PATHS[phase]}, compiled first ({report['compile_seconds'][phase]:,.0f} s)",
             )
         )
+    return rows
+
+
+def memory_rows(report: dict) -> list[tuple[str, ...]]:
+    """Each phase's peak memory, and the KV + state bytes per token against plain transformers'."""
+    rows: list[tuple[str, ...]] = []
     for phase in PHASES:
         mem = report["peak_memory_mib"][phase]
         ours_mib, up_mib = mem["ours"].get("peak_mib"), mem["upstream"].get("peak_mib")
@@ -871,6 +921,12 @@ def print_table(report: dict) -> None:
             f"GQA {kv['gqa_transformer']['bytes_per_token']:,.0f}, MHA {kv['mha_transformer']['bytes_per_token']:,.0f}",
         )
     )
+    return rows
+
+
+def gflops_rows(report: dict) -> list[tuple[str, ...]]:
+    """The train step's GFLOP/s in fp32 and under bf16 autocast, against a plain matmul's."""
+    rows: list[tuple[str, ...]] = []
     for precision in ("fp32", "bf16_autocast"):
         g = report["gflops"][precision]
         if "error" in g:
@@ -902,18 +958,7 @@ def print_table(report: dict) -> None:
                     "",
                 )
             )
-    print(environment.format_rows(rows))
-    print(
-        f"ours = {report['ours_source']}; max |diff logits| {report['max_abs_logits_diff']:.1e}; "
-        f"greedy tokens identical: {report['greedy_tokens_identical']}; "
-        f"{report['parameters']['total'] / 1e6:.1f}M params; {report['machine']['cpu']}"
-    )
-    print(
-        "ours/upstream: ours with its compiled paths against upstream eager; 'ours eager' rows: eager against eager. "
-        "Upstream is never compiled here: transformers compiles generate() only with a compilable cache, which its "
-        "zaya lacks (_can_compile_fullgraph = False); a torch.compile'd upstream train step and prefill is not "
-        "measured here (gpu_check's upstream_compiled rows)."
-    )
+    return rows
 
 
 def quiet_transformers() -> None:
@@ -949,9 +994,7 @@ def main(argv: list[str] | None = None) -> int:
     mode = "quick" if args.quick else "full"
     report = run_benchmark(QUICK if args.quick else FULL, mode, args.ours)
     report["process"] = process
-    print_table(report)
-    environment.write_report(args.out, report)
-    print(f"wrote {args.out}")
+    environment.publish_report(args.out, report, print_table)
     return 0
 
 

@@ -53,6 +53,7 @@ import time
 from pathlib import Path
 
 from benchmarks import environment
+from benchmarks.environment import fmt
 
 DEFAULT_OUT = environment.default_out("pretrain_bench")
 # Our loop (eager, and with compiled layers); our model under Trainer; upstream's model under Trainer (eager, and
@@ -120,12 +121,15 @@ def selected_shapes(args: argparse.Namespace) -> list[dict]:
 
 
 def bf16_available() -> str | None:
-    """None when bf16 autocast is native here, else why not."""
+    """None when bf16 autocast is native here, else why not: `zaya pretrain --dtype bf16`'s own check (which also
+    asks Linux for AMX permission, without which bf16 matmuls can hang or die with SIGILL on AMX CPUs)."""
     import torch
 
-    if hasattr(torch.cpu, "_init_amx"):
-        torch.cpu._init_amx()  # without it bf16 matmuls can hang or die with SIGILL on AMX CPUs
-    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+    from zaya_model.pretrain.train import PretrainError, autocast_dtype
+
+    try:
+        autocast_dtype("bf16", torch.device("cpu"))
+    except PretrainError:
         return "no native bf16 (AVX512-BF16 or AMX) on this CPU"
     return None
 
@@ -292,20 +296,6 @@ def checkpoint_stall(corpus, tokenizer, directory: Path, settings) -> dict:
     return result
 
 
-def matmul_peak_gflops(dtype: str, size: int, repeats: int) -> float:
-    import torch
-
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    samples = []
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
-        a @ b  # warmup
-        for _ in range(repeats):
-            started = clock()
-            a @ b
-            samples.append(2 * size**3 / (clock() - started) / 1e9)
-    return statistics.median(samples)
-
-
 def make_corpus(directory: Path, cases: int) -> Path:
     from finetune.datasets.synthetic import generate_cases, render_case_file
 
@@ -326,10 +316,8 @@ def make_tokenizer(corpus: Path, directory: Path, vocab: int) -> Path:
 def run(args: argparse.Namespace) -> dict:
     import torch
     import transformers
-    from transformers import PreTrainedTokenizerFast
 
-    from benchmarks.model_bench import flops_per_token
-    from zaya_model import ZayaForCausalLM
+    from benchmarks.model_bench import matmul_gflops
     from zaya_model.pretrain.presets import PretrainSettings
 
     global clock
@@ -338,8 +326,13 @@ def run(args: argparse.Namespace) -> dict:
     bf16_reason = bf16_available()
     dtypes = ["fp32"] if bf16_reason else ["fp32", "bf16"]
     matmul_size = 512 if args.quick else 2048
-    peaks = {dtype: matmul_peak_gflops(dtype, matmul_size, 3 if args.quick else 5) for dtype in dtypes}
-    report = {
+    peaks = {
+        dtype: statistics.median(
+            matmul_gflops(matmul_size, 3 if args.quick else 5, bf16_autocast=dtype == "bf16", clock=clock)
+        )
+        for dtype in dtypes
+    }
+    report: dict = {
         "mode": "quick" if args.quick else "full",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": {
@@ -354,8 +347,8 @@ def run(args: argparse.Namespace) -> dict:
         "bf16_skipped": bf16_reason,
         "results": [],
     }
-    with tempfile.TemporaryDirectory() as scratch:
-        scratch = Path(scratch)
+    with tempfile.TemporaryDirectory() as scratch_dir:
+        scratch = Path(scratch_dir)
         corpus = make_corpus(scratch, 150 if args.quick else 600)
         for shape in selected_shapes(args):
             tokenizer = make_tokenizer(corpus, scratch / f"tokenizer-{shape['name']}", shape["vocab"])
@@ -374,61 +367,75 @@ def run(args: argparse.Namespace) -> dict:
             )
             for dtype in dtypes:
                 settings = base.replace(dtype=dtype)
-                impls = QUICK_IMPLS if args.quick else IMPLS
-                speeds = {impl: [] for impl in impls}
-                for round_ in range(shape["rounds"]):  # alternate the order: forward, then reversed
-                    for impl in impls if round_ % 2 == 0 else impls[::-1]:
-                        directory = scratch / f"{shape['name']}-{dtype}-{impl}-{round_}"
-                        if impl.startswith("ours"):
-                            speeds[impl] += measure_our_loop(
-                                corpus, tokenizer, directory, settings.replace(compile=impl == "ours_compiled")
-                            )
-                        else:
-                            speeds[impl] += measure_trainer(
-                                corpus,
-                                tokenizer,
-                                directory,
-                                settings,
-                                upstream=impl.startswith("upstream"),
-                                compiled=impl == "upstream_compiled",
-                            )
-                model = ZayaForCausalLM(settings.zaya_config(PreTrainedTokenizerFast.from_pretrained(tokenizer)))
-                flops = flops_per_token(model, settings.seq_len)
-                entry = {
-                    "shape": shape["name"],
-                    "dtype": dtype,
-                    "parameters": sum(p.numel() for p in model.parameters()),
-                    "tokens_per_step": settings.batch_size * settings.seq_len,
-                    "flops_per_token": flops,
-                    "tokens_per_s": speeds,
-                    "median_tokens_per_s": {impl: statistics.median(values) for impl, values in speeds.items()},
-                }
-                if args.quick:
-                    entry["not_measured"] = {"upstream_compiled": "--quick: compiling upstream on CPU takes minutes"}
-                entry |= ratios(entry["median_tokens_per_s"])
-                if dtype == "fp32" and args.clock == "wall":  # same global batch on 2 gloo processes
-                    for sharding in ("none", "fsdp"):
-                        directory = scratch / f"{shape['name']}-2proc-{sharding}"
-                        speeds = measure_two_processes(
-                            corpus, tokenizer, directory, settings.replace(sharding=sharding), args.threads
-                        )
-                        entry["tokens_per_s"][f"ours_2proc_{sharding}"] = speeds
-                        entry["median_tokens_per_s"][f"ours_2proc_{sharding}"] = statistics.median(speeds)
-                entry["gflops"] = {impl: speed * flops / 1e9 for impl, speed in entry["median_tokens_per_s"].items()}
-                entry["mfu_vs_matmul"] = {impl: value / peaks[dtype] for impl, value in entry["gflops"].items()}
-                entry["targets"] = targets(entry)
-                if dtype == "fp32":
-                    entry["checkpoint"] = checkpoint_stall(
-                        corpus, tokenizer, scratch / f"ckpt-{shape['name']}", settings
-                    )
+                entry = measure_shape(args, shape, settings, corpus, tokenizer, scratch, peaks[dtype])
                 report["results"].append(entry)
     return report
 
 
+def measure_shape(
+    args: argparse.Namespace, shape: dict, settings, corpus: Path, tokenizer: Path, scratch: Path, peak: float
+) -> dict:
+    """One shape at one dtype (`settings`): every implementation's tokens/s in alternating rounds, the ratios,
+    GFLOP/s and MFU against `peak` (the matmul's GFLOP/s in that dtype), the targets, the 2-process runs and (fp32)
+    the checkpoint stall."""
+    from transformers import PreTrainedTokenizerFast
+
+    from benchmarks.model_bench import flops_per_token
+    from zaya_model import ZayaForCausalLM
+
+    dtype = settings.dtype
+    impls = QUICK_IMPLS if args.quick else IMPLS
+    speeds: dict[str, list[float]] = {impl: [] for impl in impls}
+    for round_ in range(shape["rounds"]):  # alternate the order: forward, then reversed
+        for impl in impls if round_ % 2 == 0 else impls[::-1]:
+            directory = scratch / f"{shape['name']}-{dtype}-{impl}-{round_}"
+            if impl.startswith("ours"):
+                speeds[impl] += measure_our_loop(
+                    corpus, tokenizer, directory, settings.replace(compile=impl == "ours_compiled")
+                )
+            else:
+                speeds[impl] += measure_trainer(
+                    corpus,
+                    tokenizer,
+                    directory,
+                    settings,
+                    upstream=impl.startswith("upstream"),
+                    compiled=impl == "upstream_compiled",
+                )
+    model = ZayaForCausalLM(settings.zaya_config(PreTrainedTokenizerFast.from_pretrained(tokenizer)))
+    flops = flops_per_token(model, settings.seq_len)
+    entry: dict = {
+        "shape": shape["name"],
+        "dtype": dtype,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "tokens_per_step": settings.batch_size * settings.seq_len,
+        "flops_per_token": flops,
+        "tokens_per_s": speeds,
+        "median_tokens_per_s": {impl: statistics.median(values) for impl, values in speeds.items()},
+    }
+    if args.quick:
+        entry["not_measured"] = {"upstream_compiled": "--quick: compiling upstream on CPU takes minutes"}
+    entry |= ratios(entry["median_tokens_per_s"])
+    if dtype == "fp32" and args.clock == "wall":  # same global batch on 2 gloo processes
+        for sharding in ("none", "fsdp"):
+            directory = scratch / f"{shape['name']}-2proc-{sharding}"
+            two_processes = measure_two_processes(
+                corpus, tokenizer, directory, settings.replace(sharding=sharding), args.threads
+            )
+            entry["tokens_per_s"][f"ours_2proc_{sharding}"] = two_processes
+            entry["median_tokens_per_s"][f"ours_2proc_{sharding}"] = statistics.median(two_processes)
+    entry["gflops"] = {impl: speed * flops / 1e9 for impl, speed in entry["median_tokens_per_s"].items()}
+    entry["mfu_vs_matmul"] = {impl: value / peak for impl, value in entry["gflops"].items()}
+    entry["targets"] = targets(entry)
+    if dtype == "fp32":
+        entry["checkpoint"] = checkpoint_stall(corpus, tokenizer, scratch / f"ckpt-{shape['name']}", settings)
+    return entry
+
+
 def ratios(median: dict[str, float]) -> dict:
     """Eager against eager, best against best (each side's faster path, and which it was), and the model alone."""
-    ours_best = max(("ours", "ours_compiled"), key=median.get)
-    upstream_best = max((impl for impl in ("upstream", "upstream_compiled") if impl in median), key=median.get)
+    ours_best = max(("ours", "ours_compiled"), key=median.__getitem__)
+    upstream_best = max((impl for impl in ("upstream", "upstream_compiled") if impl in median), key=median.__getitem__)
     return {
         "ours_over_upstream": median["ours"] / median["upstream"],
         "best": {"ours": ours_best, "upstream": upstream_best},
@@ -464,13 +471,13 @@ def table(report: dict) -> str:
         speed, mfu = entry["median_tokens_per_s"], entry["mfu_vs_matmul"]
         lines.append(
             f"| {entry['shape']} | {entry['dtype']} | {speed['ours']:.0f} | {speed['ours_compiled']:.0f} | "
-            f"{speed['trainer']:.0f} | {speed['upstream']:.0f} | {_cell(speed.get('upstream_compiled'), '.0f')} | "
+            f"{speed['trainer']:.0f} | {speed['upstream']:.0f} | {fmt(speed.get('upstream_compiled'), '.0f')} | "
             f"{entry['ours_over_upstream']:.2f} | {entry['best_over_best']:.2f} "
             f"({entry['best']['ours']} / {entry['best']['upstream']}) | {entry['trainer_ours_over_upstream']:.2f} | "
             f"{entry['ours_over_trainer']:.2f} | {entry['gflops']['ours']:.1f} | {mfu['ours']:.1%} | "
             f"{mfu['ours_compiled']:.1%} | {mfu['trainer']:.1%} | {mfu['upstream']:.1%} | "
-            f"{_cell(mfu.get('upstream_compiled'), '.1%')} | {_cell(speed.get('ours_2proc_none'), '.0f')} | "
-            f"{_cell(speed.get('ours_2proc_fsdp'), '.0f')} |"
+            f"{fmt(mfu.get('upstream_compiled'), '.1%')} | {fmt(speed.get('ours_2proc_none'), '.0f')} | "
+            f"{fmt(speed.get('ours_2proc_fsdp'), '.0f')} |"
         )
     lines += [
         "",
@@ -500,10 +507,6 @@ def table(report: dict) -> str:
     if report["bf16_skipped"]:
         lines.append(f"\nbf16 not measured: {report['bf16_skipped']}")
     return "\n".join(lines)
-
-
-def _cell(value: float | None, spec: str) -> str:
-    return "n/a" if value is None else format(value, spec)
 
 
 def main(argv=None) -> int:

@@ -57,13 +57,8 @@ def timed(report: dict, phase: str) -> Iterator[None]:
 def run(args: argparse.Namespace, workdir: Path) -> dict:
     import torch
 
-    from finetune.datasets.sample import write_corpus, write_sample
+    from finetune.datasets.sample import write_sample
     from finetune.evaluate import evaluate_model
-    from finetune.run import FineTuneRun, run_finetune
-    from finetune.settings import FineTuneSettings
-    from zaya_model.pretrain.presets import get_preset
-    from zaya_model.pretrain.train import Pretrainer
-    from zaya_model.training.callbacks import TrainingHooks
 
     report: dict = {
         "date": datetime.date.today().isoformat(),
@@ -82,6 +77,34 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
         "models": {},
     }
     started, started_cpu = time.monotonic(), cpu_seconds()
+    base_dir = prepare_base(args, workdir, report)
+    files = write_sample(
+        workdir / "data",
+        args.train,
+        n_validation=args.valid,
+        variant=args.variant,
+        validation_variant=args.validation_variant,
+    )
+    train_file, valid_file = files["train.jsonl"]["path"], files["validation.jsonl"]["path"]
+    if not args.skip_base:
+        with timed(report, "evaluate_base"):
+            report["models"]["base"] = _scores(evaluate_model(base_dir, valid_file))
+    for method in args.methods:
+        report["models"][method] = finetune_and_evaluate(
+            method, args, base_dir, train_file, valid_file, workdir, report
+        )
+    report["seconds"]["total"] = round(time.monotonic() - started, 1)
+    report["cpu_seconds"]["total"] = round(cpu_seconds() - started_cpu, 1)
+    report["seconds_idle_estimate"]["total"] = round(report["cpu_seconds"]["total"] / report["threads"], 1)
+    return report
+
+
+def prepare_base(args: argparse.Namespace, workdir: Path, report: dict) -> str:
+    """The base model's directory: `--base`, or pretrained here on the synthetic corpus (recorded in the report)."""
+    from finetune.datasets.sample import write_corpus
+    from zaya_model.pretrain.presets import get_preset
+    from zaya_model.pretrain.train import Pretrainer
+
     settings = get_preset(args.preset)
     if args.pretrain_steps is not None:
         settings = settings.replace(max_steps=args.pretrain_steps)
@@ -99,18 +122,17 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
         report["pretrain_tokens"] = pretrained.step * settings.batch_size * settings.grad_accum * settings.seq_len
         report["parameters"] = sum(parameter.numel() for parameter in pretrainer.model.parameters())
         base_dir = str(workdir / "base")
+    return base_dir
 
-    files = write_sample(
-        workdir / "data",
-        args.train,
-        n_validation=args.valid,
-        variant=args.variant,
-        validation_variant=args.validation_variant,
-    )
-    train_file, valid_file = files["train.jsonl"]["path"], files["validation.jsonl"]["path"]
-    if not args.skip_base:
-        with timed(report, "evaluate_base"):
-            report["models"]["base"] = _scores(evaluate_model(base_dir, valid_file))
+
+def finetune_and_evaluate(
+    method: str, args: argparse.Namespace, base_dir: str, train_file: str, valid_file: str, workdir: Path, report: dict
+) -> dict:
+    """Fine-tune the base with `method` and score the result on the validation file (timed in the report)."""
+    from finetune.evaluate import evaluate_model
+    from finetune.run import FineTuneRun, run_finetune
+    from finetune.settings import FineTuneSettings
+    from zaya_model.training.callbacks import TrainingHooks
 
     class Resolved(TrainingHooks):
         def __init__(self) -> None:
@@ -120,29 +142,26 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
             if data and "n_epochs" in data:
                 self.hyperparameters = {k: data[k] for k in ("n_epochs", "batch_size", "learning_rate")}
 
-    for method in args.methods:
-        options = {"method": method}
-        if args.max_steps is not None:
-            options["max_steps"] = args.max_steps
-        hooks = Resolved()
-        run_config = FineTuneRun(
-            base_dir, train_file, str(workdir / method), settings=FineTuneSettings.from_options(**options)
-        )
-        with timed(report, f"finetune_{method}"):
-            result = run_finetune(run_config, hooks)
-        adapter = result.output_dir if method == "lora" else None
-        with timed(report, f"evaluate_{method}"):
-            scores = evaluate_model(base_dir if adapter else result.output_dir, valid_file, adapter_dir=adapter)
-        report["models"][method] = {
-            **_scores(scores),
-            "hyperparameters": hooks.hyperparameters,
-            "steps": result.metrics.get("step"),
-            "train_loss": result.metrics.get("train_loss"),
-        }
-    report["seconds"]["total"] = round(time.monotonic() - started, 1)
-    report["cpu_seconds"]["total"] = round(cpu_seconds() - started_cpu, 1)
-    report["seconds_idle_estimate"]["total"] = round(report["cpu_seconds"]["total"] / report["threads"], 1)
-    return report
+    options = {"method": method}
+    if args.max_steps is not None:
+        options["max_steps"] = args.max_steps
+    hooks = Resolved()
+    run_config = FineTuneRun(
+        base_dir, train_file, str(workdir / method), settings=FineTuneSettings.from_options(**options)
+    )
+    with timed(report, f"finetune_{method}"):
+        result = run_finetune(run_config, hooks)
+    if result.output_dir is None:
+        raise SystemExit(f"fine-tuning ({method}) ended {result.status}, with no model to evaluate")
+    adapter = result.output_dir if method == "lora" else None
+    with timed(report, f"evaluate_{method}"):
+        scores = evaluate_model(base_dir if adapter else result.output_dir, valid_file, adapter_dir=adapter)
+    return {
+        **_scores(scores),
+        "hyperparameters": hooks.hyperparameters,
+        "steps": result.metrics.get("step"),
+        "train_loss": result.metrics.get("train_loss"),
+    }
 
 
 def _scores(evaluation: dict) -> dict:
@@ -226,9 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         workdir = args.workdir or Path(scratch)
         workdir.mkdir(parents=True, exist_ok=True)
         report = run(args, workdir)
-    print_table(report)
-    environment.write_report(args.out, report)
-    print(f"wrote {args.out}")
+    environment.publish_report(args.out, report, print_table)
     return 0
 
 

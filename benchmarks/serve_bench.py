@@ -68,7 +68,7 @@ from pathlib import Path
 
 from benchmarks import environment
 from benchmarks.environment import REPO_ROOT
-from benchmarks.load_test.stack import MODEL_NAME, Stack, free_port
+from benchmarks.load_test.stack import MODEL_NAME, Stack, free_port, stop
 
 DEFAULT_OUT = environment.default_out("serve_bench")
 SERVER_START_TIMEOUT_S = 600
@@ -274,23 +274,32 @@ async def drive(system: str, path: str, concurrency: int, per_client: int, drive
     results: list[tuple[int, float]] = []
     counts: list[int] = []
 
-    async def client() -> None:
+    async def client(one_request: Callable[[], Awaitable[tuple[int, float]]]) -> None:
         for _ in range(per_client):
-            results.append(await driver.one_request())
+            results.append(await one_request())
 
     cpu_before = cpu_seconds(driver.roles)
     start = time.perf_counter()
     if driver.one_batch is not None:
         for _ in range(per_client):
             counts += await driver.one_batch(concurrency)
+    elif driver.one_request is not None:
+        await asyncio.gather(*(client(driver.one_request) for _ in range(concurrency)))
     else:
-        await asyncio.gather(*(client() for _ in range(concurrency)))
+        raise ValueError(f"{system} {path}: its driver sends neither requests nor batches")
     seconds = time.perf_counter() - start
     cpu = {role: used - cpu_before[role] for role, used in cpu_seconds(driver.roles).items()}
     counts += [tokens for tokens, _ in results]
     check_token_counts(f"{system} {path}, {concurrency} clients", counts, driver.max_tokens, concurrency * per_client)
     ttft = [ttft for _, ttft in results]
     return Load(system, path, concurrency, driver.threads, sum(counts), seconds, ttft, cpu, len(counts))
+
+
+def streamed(tokens: int, ttft: float | None) -> tuple[int, float]:
+    """(tokens, time to first token) of a streamed request; one that streamed nothing has no first token."""
+    if ttft is None:
+        raise RuntimeError("a request streamed no token")
+    return tokens, ttft
 
 
 def check_token_counts(what: str, counts: list[int], max_tokens: int, requests: int) -> None:
@@ -347,7 +356,7 @@ async def our_engine(kind: str, checkpoint: Path, prompt: list[int], sizes: Size
         async for delta in engine.generate(model, prompt, params):
             ttft = ttft if ttft is not None else time.perf_counter() - start
             tokens = delta.completion_tokens
-        return tokens, ttft
+        return streamed(tokens, ttft)
 
     try:
         driver = await warmed_in_process(one_request, f"{kind} engine", sizes.max_tokens)
@@ -374,17 +383,18 @@ async def qwen_engine(checkpoint: Path, prompt: list[int], sizes: Sizes):
     from server.engines.vllm import engine_core_executor
 
     placement = vllm_cpu_placement()
-    llm = None
+    llm: AsyncLLM | None = None
     params = SamplingParams(
         temperature=0.0, max_tokens=sizes.max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA
     )
 
     async def one_request() -> tuple[int, float]:
+        assert llm is not None, "started by start()"
         start, ttft, tokens = time.perf_counter(), None, 0
         async for output in llm.generate({"prompt_token_ids": prompt}, params, secrets.token_hex(8)):
             ttft = ttft if ttft is not None else time.perf_counter() - start
             tokens += len(output.outputs[0].token_ids)
-        return tokens, ttft
+        return streamed(tokens, ttft)
 
     async def start() -> tuple[int, float]:
         nonlocal llm
@@ -568,11 +578,25 @@ async def vllm_openai_server(checkpoint: Path, prompt: list[int], sizes: Sizes, 
                     pin_process(placement.compute, process.pid)
             yield driver
     finally:
-        server.terminate()
+        stop(server, grace_s=60)
+
+
+async def _until_healthy(client, server: subprocess.Popen, name: str, log_path: Path) -> None:
+    """Poll the server's `/health` through `client` (an aiohttp session) until it answers 200; an error with the
+    tail of its log if it exits first or takes longer than `SERVER_START_TIMEOUT_S`."""
+    import aiohttp
+
+    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+    while True:
+        if server.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{name} did not start: {log_path.read_text()[-3000:]}")
         try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
+            async with client.get("/health") as health:
+                if health.status == 200:
+                    return
+        except aiohttp.ClientConnectionError:
+            pass
+        await asyncio.sleep(0.2)
 
 
 @contextlib.asynccontextmanager
@@ -614,20 +638,10 @@ async def _streamed_server(
                 if ttft is None and FIRST_TOKEN in tail:
                     ttft = time.perf_counter() - start
         events = [line for line in tail.split(b"\n") if line.startswith(b"data: {")]
-        return json.loads(events[-1][len(b"data: ") :])["usage"]["completion_tokens"], ttft
+        return streamed(json.loads(events[-1][len(b"data: ") :])["usage"]["completion_tokens"], ttft)
 
     try:
-        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-        while True:
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{name} did not start: {log_path.read_text()[-3000:]}")
-            try:
-                async with client.get("/health") as health:
-                    if health.status == 200:
-                        break
-            except aiohttp.ClientConnectionError:
-                pass
-            await asyncio.sleep(0.2)
+        await _until_healthy(client, server, name, log_path)
         tokens, _ = await one_request()  # loads the model in the server
         check_token_counts(f"{name} warm-up", [tokens], sizes.max_tokens, 1)
         served = psutil.Process(server.pid)
@@ -740,6 +754,7 @@ def load_for_generate(system: str, checkpoint: str):
     import torch
     import transformers
 
+    model: transformers.PreTrainedModel
     if system == "generate-upstream":
         model = transformers.ZayaForCausalLM.from_pretrained(
             checkpoint, dtype=torch.float32, attn_implementation="sdpa", experts_implementation="grouped_mm"
@@ -872,7 +887,7 @@ def api_vs_upstream(loads: list[Load], sizes: Sizes, not_run: dict[str, str]) ->
     """Our API (streaming clients, each answer exactly `max_tokens`) against upstream `generate()` on the same
     weights in the same run: `c` clients against one static batch of `c` sequences, per engine."""
     by = {(load.system, load.path, load.concurrency): load.tokens_per_s for load in loads}
-    rows = {}
+    rows: dict[str, object] = {}
     for system in SYSTEMS:
         if system in not_run:
             rows[system] = not_run[system]
@@ -1010,17 +1025,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from server.engines.threads import run_on_own_thread
-
     environment.set_vllm_defaults()
     args = parse_args(argv)
     sizes = SMOKE if args.smoke else FULL
     if args.requests:
         sizes = Sizes(**{**asdict(sizes), "requests_per_client": args.requests})
+    loads, not_run, stages = measure_loads(args, sizes)
+    report = {
+        "mode": "smoke" if args.smoke else "full",
+        "client": args.client,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": environment.machine_summary(),
+        "vllm_cpu_placement": _placement_summary(),
+        "sizes": asdict(sizes),
+        "upstream_generate": upstream_generate_setup(),
+        "not_run": not_run,
+        "loads": [load.summary() for load in loads],
+        "api_vs_upstream_generate": api_vs_upstream(loads, sizes, not_run),
+        "ratios": ratios(loads, sizes),
+        "stage_seconds": stages,
+    }
+    environment.write_report(args.out, report)
+    print(table(loads))
+    print(json.dumps(report["ratios"], indent=2))
+    print()
+    print(headline_table(report))
+    print(f"report: {args.out}")
+    return 0
+
+
+def measure_loads(args: argparse.Namespace, sizes: Sizes) -> tuple[list[Load], dict[str, str], dict[str, float]]:
+    """Every selected system's loads, the systems not run (with why) and each stage's seconds."""
+    from server.engines.threads import run_on_own_thread
+
     stages: dict[str, float] = {}
     loads: list[Load] = []
-    with tempfile.TemporaryDirectory(prefix="serve-bench-") as workdir:
-        workdir = Path(workdir)
+    with tempfile.TemporaryDirectory(prefix="serve-bench-") as scratch:
+        workdir = Path(scratch)
         started = time.perf_counter()
         # Off the main thread, which must not run torch ops before the in-process local engine is measured
         # (`server.engines.threads`: it would slow every op of the engine's compute thread).
@@ -1038,7 +1079,7 @@ def main(argv: list[str] | None = None) -> int:
         for system in systems_run:
             kind, env = SYSTEMS[system]
             os.environ.update(env)
-            systems = {}
+            systems: dict[tuple[str, str], contextlib.AbstractAsyncContextManager] = {}
             # The API server's engine and the one driven directly run in alternating rounds (the API's overhead is
             # their difference), with vLLM's Qwen3-MoE, the speed reference, beside our compiled vLLM engine, and
             # `generate()` (upstream's and ours) beside the local engine.
@@ -1069,28 +1110,7 @@ def main(argv: list[str] | None = None) -> int:
             started = time.perf_counter()
             loads += asyncio.run(alternating_loads(generate_systems(zaya_dir, prompt, sizes), sizes))
             stages["generate"] = time.perf_counter() - started
-
-    report = {
-        "mode": "smoke" if args.smoke else "full",
-        "client": args.client,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": environment.machine_summary(),
-        "vllm_cpu_placement": _placement_summary(),
-        "sizes": asdict(sizes),
-        "upstream_generate": upstream_generate_setup(),
-        "not_run": not_run,
-        "loads": [load.summary() for load in loads],
-        "api_vs_upstream_generate": api_vs_upstream(loads, sizes, not_run),
-        "ratios": ratios(loads, sizes),
-        "stage_seconds": stages,
-    }
-    environment.write_report(args.out, report)
-    print(table(loads))
-    print(json.dumps(report["ratios"], indent=2))
-    print()
-    print(headline_table(report))
-    print(f"report: {args.out}")
-    return 0
+    return loads, not_run, stages
 
 
 if __name__ == "__main__":  # vLLM spawns processes: everything runs under this guard

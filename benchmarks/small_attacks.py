@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,6 +28,7 @@ import httpx
 import psutil
 
 from benchmarks import environment
+from benchmarks.load_test.stack import free_port, stop, wait_until_healthy
 from server.db.migrations import upgrade
 from server.db.models import Role
 from server.db.session import make_engine, make_sessionmaker, session_scope
@@ -41,31 +40,26 @@ HEALTH_POLL_S = 0.02
 
 
 def _serve(directory: Path, database_url: str) -> tuple[subprocess.Popen[bytes], str]:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     environment = {**os.environ, "ZAYA_DATABASE_URL": database_url, "ZAYA_DATA_DIR": str(directory / "data")}
     command = [sys.executable, "-m", "uvicorn", "server.app:app", "--port", str(port), "--log-level", "warning"]
     server = subprocess.Popen(command, env=environment)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health").status_code == 200:
-                return server, url
-        except httpx.TransportError:
-            time.sleep(0.2)
-    server.kill()
-    raise RuntimeError("the server did not start")
+    try:
+        wait_until_healthy(url, server, 120, poll_s=0.2)
+    except RuntimeError:
+        server.kill()
+        raise
+    return server, url
 
 
 def _console_cookie_after_sign_out(url: str, secret: str) -> str:
     with httpx.Client(base_url=url) as browser:
         page = browser.get("/console/login")
-        csrf = re.search(r'name="csrf" value="([^"]+)"', page.text).group(1)
+        csrf = environment.search_group(r'name="csrf" value="([^"]+)"', page.text)
         browser.post("/console/session", data={"api_key": secret, "csrf": csrf, "next": "/console/"})
         page = browser.get("/console/playground", headers={"Accept": "text/html"})
-        token = re.search(r'<meta name="csrf-token" content="([^"]+)">', page.text).group(1)
+        token = environment.search_group(r'<meta name="csrf-token" content="([^"]+)">', page.text)
         copied = browser.cookies["zaya_console"]
         browser.post("/console/session/end", data={"csrf": token})
     return copied
@@ -167,8 +161,7 @@ def main() -> None:
                     f"{row['health_worst_ms']:.0f} ms | {row['rss_growth_mib']:+.1f} MiB |"
                 )
         finally:
-            server.terminate()
-            server.wait(timeout=30)
+            stop(server, grace_s=30)
     if args.attack in "forged turns":
         timings = _forged_turn_encoding()
         report["forged_turn_encoding_ms"] = timings

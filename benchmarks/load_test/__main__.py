@@ -156,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                 title = f"overload: {args.overload_users} streaming clients, {overload['seconds']} s"
                 print(table(title, overload["endpoints"]), "\n")
             report["recovered_after_s"] = wait_for_recovery(stack)
+            assert stack.server is not None
             report["server_alive"] = stack.server.poll() is None
             report["health"] = httpx.get(f"{stack.url}/health").status_code if report["server_alive"] else None
             report["job_states"] = job_states(stack)

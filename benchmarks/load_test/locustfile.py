@@ -18,6 +18,7 @@ import time
 from collections import defaultdict
 
 from locust import HttpUser, between, constant, events, task
+from locust.clients import HttpSession
 
 from benchmarks.load_test.shedding import refusal_problem, shed_statuses
 
@@ -63,6 +64,8 @@ def _judge(response) -> None:
 
 
 class ChatMixin:
+    client: HttpSession  # set by the `HttpUser` this is mixed into
+
     def stream_chat(self, name: str, max_tokens: int) -> float:
         """One streamed chat; returns the `Retry-After` seconds of a refusal (0 otherwise)."""
         body = {
@@ -115,8 +118,11 @@ class AnalystUser(ChatMixin, HttpUser):
 
     @task(2)
     def chat(self) -> None:
-        body = {"model": MODEL, "messages": [{"role": "user", "content": random.choice(PROMPTS)}]}
-        body["max_tokens"] = MAX_TOKENS
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": random.choice(PROMPTS)}],
+            "max_tokens": MAX_TOKENS,
+        }
         with self.client.post(
             "/v1/chat/completions", json=body, headers=_auth("analyst"), catch_response=True, name="chat"
         ) as response:

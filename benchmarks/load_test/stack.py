@@ -34,6 +34,40 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def wait_until_healthy(
+    url: str, process: subprocess.Popen | None, timeout_s: float, poll_s: float, log: Path | None = None
+) -> None:
+    """Poll `url`'s `/health` every `poll_s` seconds until it answers 200; an error if `process` exits first or
+    `timeout_s` seconds pass (with the tail of the server's `log`, where it has one)."""
+    log_tail = "" if log is None else f":\n{Stack.tail(log)}"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode}{log_tail}")
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(poll_s)
+    raise RuntimeError(f"the server did not become healthy in {timeout_s} s{log_tail}")
+
+
+def stop(process: subprocess.Popen, grace_s: float = 30) -> None:
+    """SIGTERM, then SIGKILL if `process` is still running after `grace_s` seconds."""
+    process.terminate()
+    wait_or_kill(process, grace_s)
+
+
+def wait_or_kill(process: subprocess.Popen, grace_s: float) -> None:
+    """Wait up to `grace_s` seconds for `process` to exit, then SIGKILL it."""
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 def build_model(directory: Path) -> Path:
     """The tiny model `zaya run` bootstraps, after one training step (near-random weights): fast, and all the engine
     needs."""
@@ -64,19 +98,23 @@ class Stack:
         self.data_dir = Path(self.data_dir).resolve()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.database_url = self.database_url or f"sqlite:///{self.data_dir / 'zaya.db'}"
-        self.log_dir = Path(self.log_dir or self.data_dir)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     @property
+    def logs(self) -> Path:
+        """Where the processes' logs go: `log_dir`, or the data dir."""
+        return Path(self.log_dir or self.data_dir)
+
+    @property
     def server_log(self) -> Path:
-        return self.log_dir / "server.log"
+        return self.logs / "server.log"
 
     @property
     def worker_log(self) -> Path:
-        return self.log_dir / "workers.log"
+        return self.logs / "workers.log"
 
     def process_env(self) -> dict[str, str]:
         return {
@@ -138,17 +176,8 @@ class Stack:
         return self.server
 
     def wait_until_healthy(self, timeout: float = START_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.server is not None and self.server.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.server.returncode}:\n{self.tail(self.server_log)}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)  # each /health checks the schema: polling harder slows the engine's start
-        raise RuntimeError(f"the server did not become healthy in {timeout} s:\n{self.tail(self.server_log)}")
+        # Every 0.5 s: each /health checks the schema, and polling harder slows the engine's start.
+        wait_until_healthy(self.url, self.server, timeout, poll_s=0.5, log=self.server_log)
 
     def start_worker(self, *extra: str) -> subprocess.Popen:
         arguments = ["worker", "--lease-seconds", "5", "--heartbeat-seconds", "0.5", "--poll-seconds", "0.2", *extra]
@@ -169,11 +198,7 @@ class Stack:
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
         for process in processes:
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            wait_or_kill(process, 30)
 
     def __enter__(self) -> Stack:
         return self

@@ -73,3 +73,22 @@ def test_rows_are_aligned_under_a_rule():
     assert piped.splitlines() == ["a   | bb", "----+---", "ccc | d"]
     assert environment.fmt(None) == "n/a" and environment.fmt(1234.5) == "1,234"
     assert environment.fmt_ratio(1.234) == "1.23x"
+
+
+def test_search_group_answers_the_first_group_or_fails():
+    assert environment.search_group(r'name="csrf" value="([^"]+)"', '<input name="csrf" value="t0k">') == "t0k"
+    with pytest.raises(ValueError, match="nothing matches"):
+        environment.search_group(r"VmHWM:\s+(\d+) kB", "VmRSS: 12 kB")
+
+
+def test_proc_status_fields_are_read_in_kib():
+    assert environment.proc_status_kib("VmHWM") >= environment.proc_status_kib("VmRSS", os.getpid()) > 0
+    with pytest.raises(RuntimeError, match="NoSuchField not in /proc/self/status"):
+        environment.proc_status_kib("NoSuchField")
+
+
+def test_publish_report_prints_the_table_then_writes(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    environment.publish_report(path, {"mode": "quick"}, lambda report: print(f"table of {report['mode']}"))
+    assert capsys.readouterr().out == f"table of quick\nwrote {path}\n"
+    assert json.loads(path.read_text()) == {"mode": "quick"}
