@@ -46,9 +46,11 @@ test-vllm: install-vllm
 	VLLM_CPU_KVCACHE_SPACE=1 VLLM_NO_USAGE_STATS=1 $(VLLM_VENV)/bin/pytest -p no:cacheprovider --vllm \
 		-n $(PYTEST_WORKERS) --dist loadfile $$(find tests -name 'test_vllm_*.py' | sort)
 
+# mypy reads its files and rules from pyproject.toml (strict on server/ and finetune/).
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 # Debian's chromium for the console's browser tests (driven by Playwright; `playwright install` is never run). The
 # test uses the `chromium` on PATH, as this check does.
