@@ -5,7 +5,7 @@ Labels come from `tokenize_example` (the one place that decides trained tokens):
 example, each row concatenated as `DataCollatorWithFlattening` does: `position_ids` restart at 0 for each example, so
 the model masks attention, convolutions and the value shift per example, and each example's first label is -100, so
 no example predicts or sees another's tokens. Bounding the rows matters: attention over a row costs the square of its
-length, and one row holding a whole batch of 32 chats trained ~8x slower per token than rows of one chat's length.
+length, so one row holding a whole batch of chats trains far slower per token than rows of one chat's length.
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ the size of the whole expert stack, and backpropagating through it computes a fu
 step would cost as much as full fine-tuning. `expert_weight` hands the experts the frozen `W` and the two factors
 instead; each expert then computes `x W^T + scaling * (x rhs^T) lhs^T`, whose extra cost is rank-sized.
 
-Registering the parametrization also evaluates it once (torch's consistency check): a `baddbmm` over every expert
-stack, ~64 ms of a 1.1 s LoRA step of the 112M benchmark model. `peft_expert_weights` reads the factors from PEFT's
-wrappers directly when they hold one active adapter, so the MoE block calls the experts without that registration.
+Registering the parametrization also evaluates it once (torch's consistency check): a `baddbmm` over every expert stack,
+a noticeable share of a LoRA step. `peft_expert_weights` reads the factors from PEFT's wrappers directly when they hold
+one active adapter, so the MoE block calls the experts without that registration.
 
 Any other parametrization (several adapters at once, low-precision weights, user code) is read as PEFT defines it:
 the materialised weight, with no low-rank part.

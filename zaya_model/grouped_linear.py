@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 
 # Up to this many rows `weight @ inputs^T` reads an expert's weight faster than `inputs @ weight^T` (MKL's
-# transposed path): 1.4-1.9x for 4-8 rows of a cold [1024, 512] expert here, as a short prompt's prefill gives.
+# transposed path), as for the few rows per expert of a short prompt's prefill.
 FEW_ROWS = 16
-# CPU matmuls in bf16/fp16 run in oneDNN, which compiles a kernel for each new shape (~2 ms on an AMX Xeon, 10x
+# CPU matmuls in bf16/fp16 run in oneDNN, which compiles a kernel for each new shape (costing far more than
 # the matmul) and caches it. Group sizes change every step, so larger groups are padded to a multiple of this many
 # rows: the shapes then repeat and hit the cache.
 LOW_PRECISION_ROW_MULTIPLE = 32

@@ -94,7 +94,7 @@ class ZayaRotaryEmbedding(nn.Module):
 def apply_partial_rope(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
     """Rotate-half RoPE of `states` [batch, seq, heads, head_dim] with `ZayaRotaryEmbedding`'s tables."""
     half = rotary_dim // 2
-    # Slices joined by `cat`: an `index_select` along the last dimension gathers element by element (8x slower).
+    # Slices joined by `cat`: an `index_select` along the last dimension gathers element by element (much slower).
     swapped = torch.cat((states[..., half:rotary_dim], states[..., :half], states[..., rotary_dim:]), dim=-1)
     return torch.addcmul(states * cos, swapped, sin)
 

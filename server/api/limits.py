@@ -22,8 +22,9 @@ from server.settings import Settings
 
 UPLOAD_PATHS = frozenset({"/v1/files"})
 # FastAPI looks each query parameter up in the whole list once per dependency that declares query parameters: time
-# quadratic in their number, on the event loop (3,000 took 3.8 s here, blocking every other request). No route
-# takes anywhere near this many (a job listing: 16 metadata filters and a few more).
+# quadratic in their number, on the event loop, where thousands block every other request for seconds
+# (benchmarks/RESULTS.md, "Smaller attacks against the API server"). No route takes anywhere near this many (a job
+# listing: 16 metadata filters and a few more).
 MAX_QUERY_PARAMETERS = 64
 # Multipart boundaries, part headers and the small form fields around the file part.
 MULTIPART_OVERHEAD_BYTES = 1024**2

@@ -47,7 +47,7 @@ def ensure_local_model(settings: Settings, *, train_steps: int | None = None) ->
         directory = (settings.data_dir / "models" / BOOTSTRAP_MODEL_NAME).resolve()
         if not (directory / "config.json").is_file():  # a finished earlier bootstrap is reused
             print(f"model: none registered; training a tiny ZAYA model on synthetic bank cases into {directory} ...")
-            # Off this thread: the API server started next would otherwise decode ~2x slower (`server.engines.threads`).
+            # Off this thread: the API server started next would otherwise decode slower (`server.engines.threads`).
             run_on_own_thread(build_tiny_model, directory, train_steps=train_steps)
         with session_scope(sessions) as session:
             version = registry.register_version(

@@ -1,16 +1,15 @@
 """The request path's writes (audit entries, inference records, a key's last use), committed in batches by one
 thread.
 
-Each such write used to be a transaction of its own in Starlette's thread pool. Under load that cost far more than
-the write: SQLAlchemy running in pool threads beside the busy event loop hands the GIL back and forth for every
-driver call, and each write paid a transaction (a connection check, BEGIN and COMMIT: three round trips on
-PostgreSQL). Measured with 32 streaming clients, an inference request's two inserts cost ~3 ms of server CPU that
-way, against ~0.3 ms through this writer.
+A transaction per write in Starlette's thread pool costs far more than the write under load: SQLAlchemy running in
+pool threads beside the busy event loop hands the GIL back and forth for every driver call, and each write pays a
+transaction (a connection check, BEGIN and COMMIT: three round trips on PostgreSQL). Batched on one thread, an
+inference request's inserts cost the server a small fraction of that CPU.
 
 `RowWriter` is group commit: one thread takes every write waiting at that moment and runs them in one transaction,
 each run of writes of the same statement as one executemany (a multi-row INSERT). Statements are module constants,
-so writes of one kind share a statement object. A caller still awaits the commit of its own write, so a response
-follows its rows onto disk as before. When a batch fails, its writes are retried one by one, so a row that cannot be
+so writes of one kind share a statement object. A caller awaits the commit of its own write, so a response is
+sent only once its rows are on disk. When a batch fails, its writes are retried one by one, so a row that cannot be
 stored (or its error) never fails another request's write. The thread starts on the first write and ends after a
 few idle seconds.
 """

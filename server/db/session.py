@@ -76,8 +76,8 @@ class RequestReads:
 
     On SQLite they run on the event loop: a WAL reader never waits for a writer, and an indexed lookup takes a
     fraction of a millisecond of CPU, less than handing it to a pool thread costs under load (the thread and the busy
-    event loop trade the GIL for every driver call: 2 reads cost ~2.8 ms of server CPU per request that way with 32
-    streaming clients). On PostgreSQL (a network round trip) they run in the thread pool."""
+    event loop trade the GIL for every driver call, which costs more server CPU than the reads themselves). On
+    PostgreSQL (a network round trip) they run in the thread pool."""
 
     def __init__(self, engine: Engine) -> None:
         self.sessions = make_autocommit_sessionmaker(engine)

@@ -5,8 +5,7 @@ for its next byte, and a tail that could be the start of a stop string waits unt
 string (the choice ends there, the stop string itself is never shown) or stops matching.
 
 The text grows by `tokenizers`' `DecodeStream`, which decodes a few tokens around the new one: a token costs the
-same at the end of a long answer as at its start (decoding all tokens again each time cost ~200 µs per token by the
-2,000th).
+same at the end of a long answer as at its start (decoding all tokens again each time costs more with every token).
 """
 
 from __future__ import annotations

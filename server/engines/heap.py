@@ -1,9 +1,9 @@
 """Keep Python's cyclic garbage collector off a serving process's startup heap.
 
-Once imports (torch, transformers, vLLM) are done and an engine has started, the API server holds ~730,000 objects
-the collector tracks, and every full collection walks them all: 0.55 s measured in the server under 32 streaming
-clients, a pause in every stream. Freezing the heap then (`gc.freeze`, as vLLM's own server does after its start)
-takes those objects out of the collector's generations: a full collection afterwards took 0.03 s.
+Once imports (torch, transformers, vLLM) are done and an engine has started, the API server holds hundreds of
+thousands of objects the collector tracks, and every full collection walks them all: under streaming load, a long
+pause in every stream. Freezing the heap then (`gc.freeze`, as vLLM's own server does after its start) takes those
+objects out of the collector's generations, so a full collection afterwards walks only what came later.
 """
 
 from __future__ import annotations
@@ -18,6 +18,6 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
-# The inference service's, once its engine started: once per process, since a collection costs ~0.5 s there and a
-# test process starts many apps.
+# The inference service's, once its engine started: once per process, since a collection there is slow and a test
+# process starts many apps.
 freeze_startup_heap = functools.cache(freeze_heap)

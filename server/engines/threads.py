@@ -2,8 +2,8 @@
 
 torch's OpenMP runtime (libgomp) gives each thread that runs a parallel op a pool of worker threads, kept until
 that thread exits. Once the process holds more pool threads than cores, libgomp's workers stop spin-waiting
-between parallel regions, and every op then waits for them to wake up: a batch-1 decode step of model_bench's
-model took 5.6 ms when only the decoding thread had run torch ops, and 12.2 ms when another, idle thread had too.
+between parallel regions, and every op then waits for them to wake up: a small model's batch-1 decode step slows
+markedly once a second thread, even an idle one, has run torch ops.
 So the local engine runs its forward passes on one compute thread, and other torch work in a serving process
 (loading weights, bootstrapping a model before the server starts) runs on a thread that ends with that work.
 The event loop's thread runs none; neither do executor threads, which outlive their work.

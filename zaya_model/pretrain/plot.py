@@ -33,7 +33,7 @@ def write_loss_plot(metrics_path: Path, png_path: Path) -> None:
     train, validation = read_losses(metrics_path)
     if not train:  # the step-0 checkpoint: nothing trained yet
         return
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # imported on first use: ~1 s
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # imported on first use: slow to import
     from matplotlib.figure import Figure
 
     figure = Figure(figsize=(7, 4), dpi=100)

@@ -163,7 +163,7 @@ def build_optimizers(model: torch.nn.Module, settings: PretrainSettings) -> list
         else:
             plain.append(parameter)
     groups = [{"params": decayed, "weight_decay": settings.weight_decay}, {"params": plain, "weight_decay": 0.0}]
-    # fused: one kernel for all parameters (CPU and CUDA/ROCm); the per-tensor default took ~4x longer per step here.
+    # fused: one kernel for all parameters (CPU and CUDA/ROCm); the per-tensor default makes each step much longer.
     adamw = torch.optim.AdamW(groups, lr=settings.lr, betas=(0.9, 0.95), fused=True)
     optimizers: list[torch.optim.Optimizer] = [adamw]
     if matrices:
@@ -430,7 +430,7 @@ class Pretrainer:
             return None
         learning_rate = self.schedulers[0].get_last_lr()[0]
         # Every rank updates the biases from the global counts (the routers found once: walking the module tree
-        # each step cost ~2% of a `tiny` step).
+        # each step is a measurable share of a small model's step).
         for router in self.balancing.routers:
             if router.routed_token_counts is not None:
                 self.dist.sum_(router.routed_token_counts)

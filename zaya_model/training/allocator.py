@@ -1,10 +1,9 @@
 """Keeping freed memory inside a training process.
 
-A training step frees and re-allocates the same large buffers (activations, gradients, tens of MB each) on every
-step. glibc serves blocks that large with `mmap` and unmaps them on free, so every step faults hundreds of MB of
-fresh, zeroed pages in again: ~20% of a full fine-tuning step of the 112M benchmark model on a 2-core CPU. With
-`mmap` off for allocations and the heap never trimmed, freed blocks are reused instead. The peak is unchanged; the
-process just stays at it between steps (measured: 3.30 GB peak either way, 1.9 s -> 1.55 s per step), until
+A training step frees and re-allocates the same large buffers (activations, gradients, tens of MB each) on every step.
+glibc serves blocks that large with `mmap` and unmaps them on free, so every step faults hundreds of MB of fresh, zeroed
+pages in again, a sizeable share of a fine-tuning step on a small CPU. With `mmap` off for allocations and the heap
+never trimmed, freed blocks are reused instead. The peak is unchanged; the process just stays at it between steps, until
 `release_freed_memory` hands it back (a worker, between jobs).
 """
 

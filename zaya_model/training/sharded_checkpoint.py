@@ -8,14 +8,14 @@ into M processes (or into one unsharded model) and DCP reshards. The rest of the
 tokenizer) is `Checkpointer`'s. It is not a `save_pretrained` directory: the trainer exports the final model by
 gathering the full state dict.
 
-Saves are asynchronous (`dcp.async_save`): training stalls while DCP stages the state into a CPU copy, then a
-background thread writes the shards. The backend keeps one stager, whose CPU copy is allocated at the first save and
-reused by later ones (a save starts only after the previous write finished): a fresh 1.3 GB copy of the 112M bench
-model's weights and AdamW state stalled training 0.39 s, mostly page faults; refilling the kept one 0.14 s. (So a rank
-holds a CPU copy of its shards between saves, not only during them; the peak is the same.) The writer thread
-coordinates ranks over a dedicated gloo group so it never interleaves with the training step's collectives. On rank 0
-`Checkpointer`'s writer thread waits for that write (DCP's coordinator writes `.metadata` only after every rank
-reported its shard written), then adds the rest, fsyncs and renames the directory into place.
+Saves are asynchronous (`dcp.async_save`): training stalls while DCP stages the state into a CPU copy, then a background
+thread writes the shards. The backend keeps one stager, whose CPU copy is allocated at the first save and reused by
+later ones (a save starts only after the previous write finished): a fresh copy stalls training mostly on page faults,
+which refilling the kept one avoids. (So a rank holds a CPU copy of its shards between saves, not only during them; the
+peak is the same.) The writer thread coordinates ranks over a dedicated gloo group so it never interleaves with the
+training step's collectives. On rank 0 `Checkpointer`'s writer thread waits for that write (DCP's coordinator writes
+`.metadata` only after every rank reported its shard written), then adds the rest, fsyncs and renames the directory into
+place.
 """
 
 from __future__ import annotations
