@@ -68,6 +68,15 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(f"vLLM suite not in this run: {len(left_out)} files (`make test-vllm` runs them)")
 
 
+@pytest.fixture(autouse=True)
+def ieee_floats_after_each_test():
+    """`zaya finetune` and `zaya pretrain` run in-process flush subnormal floats to zero in the thread that runs them
+    (`prepare_training_process`: a training process owns its threads). A later test on the same worker would inherit
+    that, and hypothesis refuses to draw floats where subnormals read as zero: restore IEEE behaviour after each test."""
+    yield
+    torch.set_flush_denormal(False)
+
+
 @pytest.fixture
 def tiny_config():
     from zaya_model import ZayaConfig
