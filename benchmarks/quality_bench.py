@@ -108,6 +108,8 @@ def prepare_base(args: argparse.Namespace, workdir: Path, report: dict) -> str:
     settings = get_preset(args.preset)
     if args.pretrain_steps is not None:
         settings = settings.replace(max_steps=args.pretrain_steps)
+    if args.split_digits is not None:
+        settings = settings.replace(tokenizer_split_digits=args.split_digits)
     settings = settings.replace(eval_every=settings.max_steps, save_every=settings.max_steps)
     report["pretrain_steps"] = settings.max_steps
     if args.base is not None:  # a base pretrained by an earlier run of this benchmark
@@ -119,6 +121,7 @@ def prepare_base(args: argparse.Namespace, workdir: Path, report: dict) -> str:
             pretrainer = Pretrainer(str(corpus), str(workdir / "base"), settings, progress=False)
             pretrained = pretrainer.train()
         report["pretrain_val_loss"] = pretrained.val_loss
+        report["split_digits"] = settings.tokenizer_split_digits
         report["pretrain_tokens"] = pretrained.step * settings.batch_size * settings.grad_accum * settings.seq_len
         report["parameters"] = sum(parameter.numel() for parameter in pretrainer.model.parameters())
         base_dir = str(workdir / "base")
@@ -194,7 +197,8 @@ def print_table(report: dict) -> None:
     seconds = ", ".join(f"{name} {value} s" for name, value in report["seconds"].items())
     idle = ", ".join(f"{name} {value} s" for name, value in report["seconds_idle_estimate"].items())
     print(
-        f"preset {report['preset']} ({report['pretrain_steps']} steps on {report['corpus_cases']} case files), "
+        f"preset {report['preset']} ({report['pretrain_steps']} steps on {report['corpus_cases']} case files"
+        f"{', digits split' if report.get('split_digits') else ''}), "
         f"variant {report['variant']}, {report['n_train']} training chats, {report['n_valid']} held-out; "
         f"wall clock: {seconds}; idle estimate (CPU s / {report['threads']} threads): {idle}"
     )
@@ -209,6 +213,11 @@ def main(argv: list[str] | None = None) -> int:
         "--bare-corpus", action="store_true", help="case files without their closing notes (disposition, reason)"
     )
     parser.add_argument("--pretrain-steps", type=int, metavar="N", help="instead of the preset's")
+    parser.add_argument(
+        "--split-digits",
+        action=argparse.BooleanOptionalAction,
+        help="the tokenizer writes numbers digit by digit (or not), instead of as the preset says",
+    )
     parser.add_argument("--train", type=int, default=600, metavar="N", help="training chats (default 600)")
     parser.add_argument("--valid", type=int, default=60, metavar="N", help="held-out chats (default 60)")
     parser.add_argument("--max-steps", type=int, metavar="N", help="cap each fine-tune's optimizer steps")
