@@ -125,18 +125,5 @@ class ZayaCache(Cache):
         layer = self.layers[layer_idx]
         layer.conv_state, layer.shift_state = conv_state, shift_state
 
-    def state_nbytes(self) -> int:
-        """Bytes held for keys, values and CCA state (used sizes, not spare capacity)."""
-        total = 0
-        for layer in self.layers:
-            if layer.keys is not None and layer.values is not None:
-                per_slot = layer.keys[:, :, :1].numel() * layer.keys.element_size()
-                per_slot += layer.values[:, :, :1].numel() * layer.values.element_size()
-                total += per_slot * layer.length
-            for state in (layer.conv_state, layer.shift_state):
-                if state is not None:
-                    total += state.numel() * state.element_size()
-        return total
-
 
 __all__ = ["ZayaCache", "ZayaCacheLayer"]
