@@ -117,7 +117,7 @@ def print_table(report: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--corpus", type=int, default=3000, metavar="N", help="pretraining case files (3000)")
-    parser.add_argument("--pretrain-steps", type=int, metavar="N", help="instead of the cpu preset's 150")
+    parser.add_argument("--pretrain-steps", type=int, metavar="N", help="instead of the cpu preset's")
     parser.add_argument("--train", type=int, default=600, metavar="N", help="training chats (default 600)")
     parser.add_argument("--valid", type=int, default=30, metavar="N", help="held-out chats (default 30)")
     parser.add_argument("--steps", type=int, metavar="N", help="cap the LoRA optimizer steps (default: auto epochs)")

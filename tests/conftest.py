@@ -72,7 +72,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 def ieee_floats_after_each_test():
     """`zaya finetune` and `zaya pretrain` run in-process flush subnormal floats to zero in the thread that runs them
     (`prepare_training_process`: a training process owns its threads). A later test on the same worker would inherit
-    that, and hypothesis refuses to draw floats where subnormals read as zero: restore IEEE behaviour after each test."""
+    that, and hypothesis refuses to draw floats where subnormals read as zero: IEEE behaviour is restored after each
+    test."""
     yield
     torch.set_flush_denormal(False)
 

@@ -1,11 +1,11 @@
 """Pretraining presets: a model shape plus the training settings that suit it.
 
-`tiny` trains on 2 CPU cores in a minute or two (a few million parameters, short rows); `cpu` is smaller but reads
-rows of 512 tokens, long enough for chat fine-tuning on bank case files; `bootstrap` is the model `zaya run` trains
-in seconds when none is registered; `zaya1-base` is the full ZAYA1-base shape (`ZayaConfig.zaya1_base()`) with
-settings in the spirit of its pretraining (Muon + AdamW, long warmup, 4k rows), meant for an accelerator cluster.
-The model's vocabulary follows the tokenizer, so `model` holds every `ZayaConfig` field except the token ids and
-vocabulary size.
+`tiny` trains on 2 CPU cores in a minute or two (a few million parameters, short rows); `cpu` is the CPU
+fine-tuning recipe's base (twice as wide, rows of 512 tokens, long enough for chat fine-tuning on bank case files);
+`bootstrap` is the model `zaya run` trains in seconds when none is registered; `zaya1-base` is the full ZAYA1-base
+shape (`ZayaConfig.zaya1_base()`) with settings in the spirit of its pretraining (Muon + AdamW, long warmup, 4k
+rows), meant for an accelerator cluster. The model's vocabulary follows the tokenizer, so `model` holds every
+`ZayaConfig` field except the token ids and vocabulary size.
 """
 
 from __future__ import annotations
@@ -57,12 +57,16 @@ PRESETS: dict[str, PretrainSettings] = {
     "tiny": _TINY,
     # Sized for 2 CPU cores and chat fine-tuning on short documents: rows of 512 tokens hold a whole bank case file
     # and its chat wrapping (~250-500 tokens), so the model learns to attend as far back as a fine-tuning example
-    # reaches (`tiny`'s 128-token rows never train attention beyond 128 tokens); a narrower, shallower `tiny`
-    # otherwise. `benchmarks/quality_bench.py` pretrains it on the synthetic bank corpus and fine-tunes it.
+    # reaches (`tiny`'s 128-token rows never train attention beyond 128 tokens). `tiny` twice as wide with twice the
+    # experts, read for 1.4M tokens: of the shapes in benchmarks/RESULTS.md's quality table, the one whose fine-tunes
+    # get every held-out disposition right with pretraining, a fine-tune and its evaluation within 30 minutes on 2
+    # cores. `benchmarks/quality_bench.py` pretrains it on the synthetic bank corpus and fine-tunes it.
     "cpu": _TINY.replace(
-        model=_TINY.model
-        | dict(hidden_size=96, num_hidden_layers=2, head_dim=24, moe_intermediate_size=192, router_hidden_size=48),
+        model=_TINY.model | dict(hidden_size=256, head_dim=64, num_experts=8, router_hidden_size=128),
         seq_len=512,
+        batch_size=8,
+        max_steps=350,
+        warmup_steps=35,
     ),
     # The model `zaya run` starts with when none is registered (`finetune/bootstrap.py`): trained in seconds on
     # rendered bank chats, small enough for tests to train their own; 2,048 positions, the context the local engine
