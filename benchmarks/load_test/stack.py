@@ -39,18 +39,21 @@ def wait_until_healthy(
 ) -> None:
     """Poll `url`'s `/health` every `poll_s` seconds until it answers 200; an error if `process` exits first or
     `timeout_s` seconds pass (with the tail of the server's `log`, where it has one)."""
-    log_tail = "" if log is None else f":\n{Stack.tail(log)}"
+
+    def failure(message: str) -> RuntimeError:  # the log's tail as it is when the wait fails
+        return RuntimeError(message if log is None else f"{message}:\n{Stack.tail(log)}")
+
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process is not None and process.poll() is not None:
-            raise RuntimeError(f"the server exited with {process.returncode}{log_tail}")
+            raise failure(f"the server exited with {process.returncode}")
         try:
             if httpx.get(f"{url}/health", timeout=5).status_code == 200:
                 return
         except httpx.TransportError:
             pass
         time.sleep(poll_s)
-    raise RuntimeError(f"the server did not become healthy in {timeout_s} s{log_tail}")
+    raise failure(f"the server did not become healthy in {timeout_s} s")
 
 
 def stop(process: subprocess.Popen, grace_s: float = 30) -> None:
