@@ -344,9 +344,11 @@ async def our_engine(kind: str, checkpoint: Path, prompt: list[int], sizes: Size
     """Our `Engine` of `kind` serving `checkpoint` in this process, with the batch bound the API server gets."""
     from server.engines import create_engine
     from server.engines.base import ModelRef, SamplingParams
-    from server.settings import LocalEngineSettings, Settings
+    from server.settings import Settings
 
-    settings = Settings(engine=kind, local_engine=LocalEngineSettings(max_batch_size=max(sizes.concurrency)))
+    # The `ZAYA_LOCAL_ENGINE_*` settings the API server reads too (compile included), with its batch bound.
+    local = Settings().local_engine.model_copy(update={"max_batch_size": max(sizes.concurrency)})
+    settings = Settings(engine=kind, local_engine=local)
     engine = create_engine(settings)
     model = ModelRef("bench", checkpoint)
     params = SamplingParams(max_tokens=sizes.max_tokens, temperature=0.0, ignore_eos=True)

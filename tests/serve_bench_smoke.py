@@ -15,11 +15,12 @@ MAX_TOKENS = 16  # --smoke: every request is exactly this long
 SHORT_CLIENTS = 4
 
 
-def run_quick_serve_bench(out: Path, *args: str) -> tuple[dict, str]:
+def run_quick_serve_bench(out: Path, *args: str, env: dict[str, str] | None = None) -> tuple[dict, str]:
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.serve_bench", "--smoke", "--out", str(out), *args],
         cwd=REPO_ROOT,
-        env={**os.environ, "ZAYA_VLLM_CPU_RESERVED_CORES": "1"},  # the vLLM engines on their own core(s)
+        # The vLLM engines on their own core(s); `env` on top.
+        env={**os.environ, "ZAYA_VLLM_CPU_RESERVED_CORES": "1", **(env or {})},
         capture_output=True,
         text=True,
         timeout=900,  # ~3 min here for the larger part
