@@ -8,25 +8,19 @@ concurrent requests of mixed prompt lengths, for the base and a LoRA adapter (`-
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 from vllm_helpers import ENGINE_ENV, build_adapter, build_checkpoint, hf_greedy, random_prompts
 
+from benchmarks.load_test.stack import free_port, stop, wait_until_healthy
+
 pytestmark = pytest.mark.slow
 
 STARTUP_TIMEOUT_S = 300
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -44,28 +38,15 @@ def server(tmp_path_factory):
         "--max-model-len", "256", "--max-num-seqs", "8", "--max-num-batched-tokens", "32",
         "--enable-lora", "--max-lora-rank", "8", "--max-loras", "1", "--lora-modules", f"tuned={root / 'tuned'}",
     ]  # fmt: skip
-    log = open(root / "server.log", "w")  # noqa: SIM115 (open for the server's lifetime)
+    log_path = root / "server.log"
+    log = open(log_path, "w")  # noqa: SIM115 (open for the server's lifetime)
     process = subprocess.Popen(command, env={**os.environ, **ENGINE_ENV}, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"vLLM's server did not start:\n{(root / 'server.log').read_text()[-4000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
+        wait_until_healthy(url, process, STARTUP_TIMEOUT_S, poll_s=0.5, log=log_path)
         yield url, model, adapter
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop(process, grace_s=60)
         log.close()
 
 
