@@ -10,7 +10,8 @@ ZAYA1-ratio model; quick: a micro model) and dtype
   streaming tokenization and packing of its rows), as `zaya pretrain` runs by default (`ours`) and with `--compile`
   (`ours_compiled`: compiled layers, compiled in the warm-up step);
 - **Trainer**: the same model, initial weights, packed rows, batch, optimizer settings and schedule under
-  `transformers.Trainer` (rows pre-packed in memory, no balancing update);
+  `transformers.Trainer` (rows pre-packed in memory and taken in our loop's order, so each timed step trains the
+  same batch in both loops; no balancing update);
 - **upstream**: the same `Trainer` run with upstream `transformers.ZayaForCausalLM` (`grouped_mm` experts, sdpa;
   loaded as `benchmarks.model_bench` loads it) from a checkpoint of the same initial weights, on the same rows (the run
   aborts if its logits differ from ours), eager (`upstream`) and compiled as transformers compiles a model for
@@ -282,6 +283,7 @@ def measure_trainer(
         disable_tqdm=True,
         dataloader_num_workers=0,
         seed=settings.seed,
+        train_sampling_strategy="sequential",  # our loop's batches in its order: the timed steps do the same work
     )
     trainer = Trainer(
         model=model,
