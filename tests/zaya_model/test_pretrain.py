@@ -329,7 +329,6 @@ def _native_bf16() -> bool:
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-@pytest.mark.skipif(not _native_bf16(), reason="needs a CPU with native bf16 (AVX512-BF16 or AMX), as CI's has")
 @pytest.mark.parametrize("scale", [0.01, 10.0])  # a norm within max_norm (left alone), and one clipped
 def test_clip_gradients_matches_torch_clip_grad_norm_bit_for_bit(scale):
     generator = torch.Generator().manual_seed(0)
@@ -350,6 +349,7 @@ def test_clip_gradients_matches_torch_clip_grad_norm_bit_for_bit(scale):
     assert ours[-1].grad is None
 
 
+@pytest.mark.skipif(not _native_bf16(), reason="needs a CPU with native bf16 (AVX512-BF16 or AMX), as CI's has")
 def test_bf16_autocast_trains_close_to_fp32_with_fp32_master_weights(corpus, tokenizer_dir, tmp_path):
     settings = MICRO.replace(max_steps=3)
     Pretrainer(corpus, tmp_path / "fp32", settings, tokenizer_path=tokenizer_dir).train()
