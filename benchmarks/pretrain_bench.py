@@ -1,7 +1,7 @@
 """Pretraining speed on CPU: our training loop against transformers' `Trainer` and upstream `zaya`, MFU, checkpoints.
 
 Run: `python -m benchmarks.pretrain_bench [--quick] [--threads N] [--clock wall|cpu] [--shapes NAME ...]
-[--out benchmarks/results/pretrain_bench.json]`
+[--impls NAME ...] [--out benchmarks/results/pretrain_bench.json]`
 
 For each model shape (full: the `tiny` and `cpu` presets (`cpu` is the CPU fine-tuning recipe's base) and a 512-wide
 ZAYA1-ratio model; quick: a micro model) and dtype
@@ -10,7 +10,8 @@ ZAYA1-ratio model; quick: a micro model) and dtype
   streaming tokenization and packing of its rows), as `zaya pretrain` runs by default (`ours`) and with `--compile`
   (`ours_compiled`: compiled layers, compiled in the warm-up step);
 - **Trainer**: the same model, initial weights, packed rows, batch, optimizer settings and schedule under
-  `transformers.Trainer` (rows pre-packed in memory, no balancing update);
+  `transformers.Trainer` (rows pre-packed in memory and taken in our loop's order, so each timed step trains the
+  same batch in both loops; no balancing update);
 - **upstream**: the same `Trainer` run with upstream `transformers.ZayaForCausalLM` (`grouped_mm` experts, sdpa;
   loaded as `benchmarks.model_bench` loads it) from a checkpoint of the same initial weights, on the same rows (the run
   aborts if its logits differ from ours), eager (`upstream`) and compiled as transformers compiles a model for
@@ -35,6 +36,9 @@ ZAYA1-ratio model; quick: a micro model) and dtype
 - **checkpoint stall** (fp32): how long training paused per checkpoint (the CPU copy; the write runs in the
   background) next to what a synchronous `save_pretrained` of the same model takes in the training thread, for the
   replicated format and for the sharded (DCP) format of `--sharding fsdp` (1 process).
+`--impls` times only the implementations named (e.g. `--impls ours trainer`); a ratio or target that needs one
+left out is reported as absent (null), and the 2-process runs and the checkpoint stall (our loop's) run only with
+`ours`.
 The benchmark's processes are prepared as `zaya pretrain`'s is (`zaya_model.training.runtime`: freed memory kept for
 reuse, subnormal floats flushed to zero).
 Absolute numbers depend on the machine and its load: compare within one run.
@@ -79,6 +83,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="time steps by the wall clock or by the process's CPU time (a shared machine; use with --threads 1)",
     )
     parser.add_argument("--shapes", nargs="+", metavar="NAME", help="only these shapes (default: all of the mode's)")
+    parser.add_argument(
+        "--impls",
+        nargs="+",
+        choices=IMPLS,
+        metavar="NAME",
+        help=f"only these implementations, of {', '.join(IMPLS)} (default: all of the mode's; --quick leaves out "
+        "upstream_compiled)",
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON report path")
     args = parser.parse_args(argv)
     if args.threads < 1:
@@ -118,6 +130,20 @@ def selected_shapes(args: argparse.Namespace) -> list[dict]:
     if unknown:
         raise SystemExit(f"--shapes: unknown {sorted(unknown)}; choose from {[s['name'] for s in available]}")
     return [shape for shape in available if shape["name"] in args.shapes]
+
+
+def selected_impls(args: argparse.Namespace) -> tuple[str, ...]:
+    """The implementations to time, in `IMPLS` order: `--impls`, else the mode's."""
+    if args.impls:
+        return tuple(impl for impl in IMPLS if impl in args.impls)
+    return QUICK_IMPLS if args.quick else IMPLS
+
+
+def not_measured(args: argparse.Namespace, impls: tuple[str, ...]) -> dict[str, str]:
+    """Why each implementation left out of `impls` was not timed."""
+    if not args.impls and args.quick:
+        return {"upstream_compiled": "--quick: compiling upstream on CPU takes minutes"}
+    return {impl: "not in --impls" for impl in IMPLS if impl not in impls}
 
 
 def bf16_available() -> str | None:
@@ -257,6 +283,7 @@ def measure_trainer(
         disable_tqdm=True,
         dataloader_num_workers=0,
         seed=settings.seed,
+        train_sampling_strategy="sequential",  # our loop's batches in its order: the timed steps do the same work
     )
     trainer = Trainer(
         model=model,
@@ -384,7 +411,7 @@ def measure_shape(
     from zaya_model import ZayaForCausalLM
 
     dtype = settings.dtype
-    impls = QUICK_IMPLS if args.quick else IMPLS
+    impls = selected_impls(args)
     speeds: dict[str, list[float]] = {impl: [] for impl in impls}
     for round_ in range(shape["rounds"]):  # alternate the order: forward, then reversed
         for impl in impls if round_ % 2 == 0 else impls[::-1]:
@@ -413,10 +440,10 @@ def measure_shape(
         "tokens_per_s": speeds,
         "median_tokens_per_s": {impl: statistics.median(values) for impl, values in speeds.items()},
     }
-    if args.quick:
-        entry["not_measured"] = {"upstream_compiled": "--quick: compiling upstream on CPU takes minutes"}
+    if skipped := not_measured(args, impls):
+        entry["not_measured"] = skipped
     entry |= ratios(entry["median_tokens_per_s"])
-    if dtype == "fp32" and args.clock == "wall":  # same global batch on 2 gloo processes
+    if dtype == "fp32" and args.clock == "wall" and "ours" in impls:  # same global batch on 2 gloo processes
         for sharding in ("none", "fsdp"):
             directory = scratch / f"{shape['name']}-2proc-{sharding}"
             two_processes = measure_two_processes(
@@ -427,32 +454,45 @@ def measure_shape(
     entry["gflops"] = {impl: speed * flops / 1e9 for impl, speed in entry["median_tokens_per_s"].items()}
     entry["mfu_vs_matmul"] = {impl: value / peak for impl, value in entry["gflops"].items()}
     entry["targets"] = targets(entry)
-    if dtype == "fp32":
+    if dtype == "fp32" and "ours" in impls:
         entry["checkpoint"] = checkpoint_stall(corpus, tokenizer, scratch / f"ckpt-{shape['name']}", settings)
     return entry
 
 
 def ratios(median: dict[str, float]) -> dict:
-    """Eager against eager, best against best (each side's faster path, and which it was), and the model alone."""
-    ours_best = max(("ours", "ours_compiled"), key=median.__getitem__)
-    upstream_best = max((impl for impl in ("upstream", "upstream_compiled") if impl in median), key=median.__getitem__)
+    """Eager against eager, best against best (each side's faster path of those timed, and which it was), and the
+    model alone; a ratio is None (absent) when an implementation it needs was not timed."""
+
+    def ratio(numerator: str | None, denominator: str | None) -> float | None:
+        if numerator not in median or denominator not in median:
+            return None
+        return median[numerator] / median[denominator]
+
+    def best(candidates: tuple[str, str]) -> str | None:
+        return max((impl for impl in candidates if impl in median), key=median.__getitem__, default=None)
+
+    ours_best, upstream_best = best(("ours", "ours_compiled")), best(("upstream", "upstream_compiled"))
     return {
-        "ours_over_upstream": median["ours"] / median["upstream"],
+        "ours_over_upstream": ratio("ours", "upstream"),
         "best": {"ours": ours_best, "upstream": upstream_best},
-        "best_over_best": median[ours_best] / median[upstream_best],
-        "ours_over_trainer": median["ours"] / median["trainer"],
-        "trainer_ours_over_upstream": median["trainer"] / median["upstream"],
+        "best_over_best": ratio(ours_best, upstream_best),
+        "ours_over_trainer": ratio("ours", "trainer"),
+        "trainer_ours_over_upstream": ratio("trainer", "upstream"),
     }
 
 
 def targets(entry: dict) -> dict:
-    """Issue 3's and issue 36's targets for one (shape, dtype) result: value, bound and whether it is met."""
+    """Issue 3's and issue 36's targets for one (shape, dtype) result: value, bound and whether it is met (value and
+    met None when an implementation the target needs was not timed)."""
     checks = {"best_over_best": (entry["best_over_best"], TARGET_BEST_OVER_BEST)}
     for impl in ("ours", "ours_compiled"):
-        checks[f"mfu_vs_matmul_{impl}"] = (entry["mfu_vs_matmul"][impl], TARGET_MFU)
+        checks[f"mfu_vs_matmul_{impl}"] = (entry["mfu_vs_matmul"].get(impl), TARGET_MFU)
     if entry["dtype"] == "fp32":
         checks["ours_over_upstream"] = (entry["ours_over_upstream"], TARGET_OURS_OVER_UPSTREAM)
-    return {name: {"value": value, "min": bound, "met": value >= bound} for name, (value, bound) in checks.items()}
+    return {
+        name: {"value": value, "min": bound, "met": None if value is None else value >= bound}
+        for name, (value, bound) in checks.items()
+    }
 
 
 def table(report: dict) -> str:
@@ -468,17 +508,20 @@ def table(report: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for entry in report["results"]:
-        speed, mfu = entry["median_tokens_per_s"], entry["mfu_vs_matmul"]
-        lines.append(
-            f"| {entry['shape']} | {entry['dtype']} | {speed['ours']:.0f} | {speed['ours_compiled']:.0f} | "
-            f"{speed['trainer']:.0f} | {speed['upstream']:.0f} | {fmt(speed.get('upstream_compiled'), '.0f')} | "
-            f"{entry['ours_over_upstream']:.2f} | {entry['best_over_best']:.2f} "
-            f"({entry['best']['ours']} / {entry['best']['upstream']}) | {entry['trainer_ours_over_upstream']:.2f} | "
-            f"{entry['ours_over_trainer']:.2f} | {entry['gflops']['ours']:.1f} | {mfu['ours']:.1%} | "
-            f"{mfu['ours_compiled']:.1%} | {mfu['trainer']:.1%} | {mfu['upstream']:.1%} | "
-            f"{fmt(mfu.get('upstream_compiled'), '.1%')} | {fmt(speed.get('ours_2proc_none'), '.0f')} | "
-            f"{fmt(speed.get('ours_2proc_fsdp'), '.0f')} |"
-        )
+        speed, mfu, best = entry["median_tokens_per_s"], entry["mfu_vs_matmul"], entry["best"]
+        best_pair = f" ({best['ours']} / {best['upstream']})" if entry["best_over_best"] is not None else ""
+        cells = [
+            *(fmt(speed.get(impl), ".0f") for impl in IMPLS),
+            fmt(entry["ours_over_upstream"], ".2f"),
+            fmt(entry["best_over_best"], ".2f") + best_pair,
+            fmt(entry["trainer_ours_over_upstream"], ".2f"),
+            fmt(entry["ours_over_trainer"], ".2f"),
+            fmt(entry["gflops"].get("ours"), ".1f"),
+            *(fmt(mfu.get(impl), ".1%") for impl in IMPLS),
+            fmt(speed.get("ours_2proc_none"), ".0f"),
+            fmt(speed.get("ours_2proc_fsdp"), ".0f"),
+        ]
+        lines.append(f"| {entry['shape']} | {entry['dtype']} | " + " | ".join(cells) + " |")
     lines += [
         "",
         "Targets: best/best >= 1 each dtype (issue 36); ours/upstream eager >= 2x in fp32 (issue 3); ours "
@@ -486,9 +529,10 @@ def table(report: dict) -> str:
     ]
     for entry in report["results"]:
         for name, target in entry["targets"].items():
+            verdict = {None: "absent", True: "met", False: "NOT met"}[target["met"]]
             lines.append(
-                f"- {entry['shape']} {entry['dtype']} {name}: {target['value']:.2f} (>= {target['min']}) "
-                + ("met" if target["met"] else "NOT met")
+                f"- {entry['shape']} {entry['dtype']} {name}: {fmt(target['value'], '.2f')} (>= {target['min']}) "
+                + verdict
             )
         for impl, reason in entry.get("not_measured", {}).items():
             lines.append(f"- {entry['shape']} {entry['dtype']} {impl} not measured: {reason}")

@@ -84,3 +84,44 @@ def test_full_shapes_include_the_recipe_preset_and_are_selectable():
     assert pretrain_bench.CLOCKS[args.clock] is time.process_time
     with pytest.raises(SystemExit, match="unknown"):
         pretrain_bench.selected_shapes(pretrain_bench.parse_args(["--shapes", "huge"]))
+
+
+def test_impls_choose_what_runs_and_ratios_without_an_implementation_are_absent():
+    from benchmarks import pretrain_bench
+
+    assert pretrain_bench.selected_impls(pretrain_bench.parse_args([])) == pretrain_bench.IMPLS
+    assert pretrain_bench.selected_impls(pretrain_bench.parse_args(["--quick"])) == pretrain_bench.QUICK_IMPLS
+    args = pretrain_bench.parse_args(["--impls", "trainer", "ours"])
+    assert pretrain_bench.selected_impls(args) == ("ours", "trainer")  # in IMPLS order
+    assert pretrain_bench.not_measured(args, ("ours", "trainer")) == {
+        impl: "not in --impls" for impl in ("ours_compiled", "upstream", "upstream_compiled")
+    }
+    with pytest.raises(SystemExit):
+        pretrain_bench.parse_args(["--impls", "nothing"])
+
+    median = {"ours": 1200.0, "trainer": 1000.0}
+    entry = {"shape": "tiny", "dtype": "fp32", **pretrain_bench.ratios(median)}
+    assert entry["ours_over_trainer"] == 1.2
+    assert entry["ours_over_upstream"] is None and entry["best_over_best"] is None
+    assert entry["trainer_ours_over_upstream"] is None and entry["best"] == {"ours": "ours", "upstream": None}
+    entry |= {
+        "median_tokens_per_s": median,
+        "gflops": {impl: speed * 1e-6 for impl, speed in median.items()},
+        "mfu_vs_matmul": {impl: speed * 1e-8 for impl, speed in median.items()},
+        "not_measured": pretrain_bench.not_measured(args, ("ours", "trainer")),
+    }
+    entry["targets"] = pretrain_bench.targets(entry)
+    assert entry["targets"]["best_over_best"] == {"value": None, "min": 1.0, "met": None}
+    assert entry["targets"]["mfu_vs_matmul_ours_compiled"]["met"] is None
+    assert entry["targets"]["mfu_vs_matmul_ours"] == {"value": 1.2e-5, "min": 0.5, "met": False}
+
+    report = {
+        "machine": {"clock": "cpu", "threads": 1},
+        "matmul": {"size": 2048, "gflops": {"fp32": 100.0}},
+        "results": [entry],
+        "bf16_skipped": None,
+    }
+    table = pretrain_bench.table(report)
+    assert "| tiny | fp32 | 1200 | n/a | 1000 | n/a | n/a | n/a | n/a | n/a | 1.20 |" in table
+    assert "- tiny fp32 best_over_best: n/a (>= 1.0) absent" in table
+    assert "- tiny fp32 upstream not measured: not in --impls" in table

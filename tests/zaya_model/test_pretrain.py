@@ -20,7 +20,7 @@ from zaya_model import ZayaForCausalLM
 from zaya_model.cpu.compiled_layers import compiled_layers_enabled
 from zaya_model.pretrain.plot import read_losses
 from zaya_model.pretrain.tokenizer import train_tokenizer
-from zaya_model.pretrain.train import Pretrainer, PretrainError
+from zaya_model.pretrain.train import Pretrainer, PretrainError, clip_gradients
 from zaya_model.training.callbacks import TrainingHooks
 from zaya_model.training.checkpoint_dirs import latest_checkpoint
 from zaya_model.training.checkpointer import Checkpointer, load_training_state
@@ -327,6 +327,26 @@ def _native_bf16() -> bool:
     if hasattr(torch.cpu, "_init_amx"):
         torch.cpu._init_amx()
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+@pytest.mark.parametrize("scale", [0.01, 10.0])  # a norm within max_norm (left alone), and one clipped
+def test_clip_gradients_matches_torch_clip_grad_norm_bit_for_bit(scale):
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(64, 32), (32,), (8, 4, 16)]
+    grads = [torch.randn(shape, generator=generator) * scale for shape in shapes]
+    ours = [torch.nn.Parameter(torch.zeros(shape)) for shape in shapes]
+    reference = [torch.nn.Parameter(torch.zeros(shape)) for shape in shapes]
+    for parameter, other, grad in zip(ours, reference, grads, strict=True):
+        parameter.grad, other.grad = grad.clone(), grad.clone()
+    ours.append(torch.nn.Parameter(torch.zeros(3)))  # without a gradient: skipped, as torch skips it
+
+    norm = clip_gradients(ours, 1.0)
+
+    expected = torch.nn.utils.clip_grad_norm_(reference, 1.0)
+    assert torch.equal(norm, expected) and (norm > 1.0) == (scale > 1.0)
+    for parameter, other in zip(ours, reference, strict=False):
+        assert torch.equal(parameter.grad, other.grad)
+    assert ours[-1].grad is None
 
 
 @pytest.mark.skipif(not _native_bf16(), reason="needs a CPU with native bf16 (AVX512-BF16 or AMX), as CI's has")

@@ -175,6 +175,20 @@ def build_optimizers(model: torch.nn.Module, settings: PretrainSettings) -> list
     return optimizers
 
 
+def clip_gradients(parameters: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` with the same norm and the same gradients after it, as a plain tensor, except
+    that gradients whose norm is within `max_norm` are left as they are instead of multiplied by exactly 1: one pass
+    over every gradient saved on each step that does not clip (most steps of a long run). Its host read of the
+    coefficient is one the caller makes anyway when it checks the norm is finite."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    total_norm = torch.nn.utils.get_total_norm(grads)
+    norm = local_scalar(total_norm)
+    # The coefficient as clip_grads_with_norm_ computes it; a NaN norm (a rolled-back step) scales nothing.
+    if bool(torch.clamp(max_norm / (norm + 1e-6), max=1.0) < 1.0):
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm)
+    return norm
+
+
 def autocast_dtype(setting: str, device: torch.device) -> torch.dtype | None:
     """The autocast dtype for a `dtype` setting, or None for plain fp32."""
     if setting == "fp32":
@@ -424,7 +438,7 @@ class Pretrainer:
         if not is_sharded(self.model):  # FSDP reduce-scatters the gradients during backward
             self.dist.sum_gradients(self.parameters)
         max_norm = self.settings.max_grad_norm if self.settings.max_grad_norm > 0 else float("inf")
-        grad_norm = local_scalar(torch.nn.utils.clip_grad_norm_(self.parameters, max_norm))
+        grad_norm = clip_gradients(self.parameters, max_norm)
         if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
             self._rollback(batch_index, loss.item(), grad_norm.item())
             return None
