@@ -75,6 +75,7 @@ def notes(args: argparse.Namespace) -> dict:
     import torch
     from transformers import AutoTokenizer
 
+    from finetune.datasets.sample import closed_case_text
     from finetune.datasets.styles import get_style
     from finetune.datasets.synthetic import explain_disposition, generate_cases, render_case_file
     from zaya_model import ZayaForCausalLM
@@ -87,7 +88,7 @@ def notes(args: argparse.Namespace) -> dict:
     ]
     misses = []
     for case in cases:
-        text = f"{render_case_file(case, style)}\nClosing note:\n"
+        text = closed_case_text(render_case_file(case, style), note="")
         prompt = [tokenizer.bos_token_id, *tokenizer(text, add_special_tokens=False)["input_ids"]]
         with torch.no_grad():
             output = model.generate(

@@ -61,6 +61,12 @@ def write_sample(
     return written
 
 
+def closed_case_text(case_file: str, note: str) -> str:
+    """A closed case as the corpus holds it: the case file, then the investigator's closing note (`note=""` gives the
+    text a base model continues with the note)."""
+    return f"{case_file}\nClosing note:\n{note}"
+
+
 def write_corpus(
     path: str | Path, n_cases: int, *, closed: bool = True, seed: int = CORPUS_SEED, variant: str = "standard"
 ) -> Path:
@@ -73,6 +79,6 @@ def write_corpus(
     texts = (render_case_file(case, style) for case in cases)
     if closed:
         notes = (explain_disposition(case, style) for case in cases)
-        texts = (f"{text}\nClosing note:\n{note}" for text, note in zip(texts, notes, strict=True))
+        texts = (closed_case_text(text, note) for text, note in zip(texts, notes, strict=True))
     write_text_atomic(path, "".join(json.dumps({"text": text}) + "\n" for text in texts))
     return path
