@@ -1,12 +1,16 @@
 """Does a model copy values from its context? Two probes behind the quality table's copying rows.
 
-Run: `python -m benchmarks.copy_probe induction [--distance 200] [--rope-theta 5e6] [--steps 400]` or
+Run: `python -m benchmarks.copy_probe induction [--distance 100] [--offset varied|fixed] [--steps 2000]` or
 `python -m benchmarks.copy_probe notes --base DIR [--cases 40]`
 
-- **induction**: a fresh two-layer ZAYA learns to repeat a block of random tokens that it read `--distance` tokens
-  earlier (loss on the repeat only). The loss falls from ln(vocab) to near 0 once the model copies; the step where it
-  first falls below 1 nat is reported. Copying a value from a case file into an answer is the same skill at a case
-  file's distance (100-300 tokens), so this shows what the RoPE base and the distance do to how soon it is learned.
+- **induction**: a fresh ZAYA (two layers unless `--layers`) learns to repeat a block of random tokens it has just
+  read (loss on the repeat only). The loss falls from ln(vocab) to near 0 once the model copies; the step where it
+  first falls below 1 nat is reported. With `--offset varied` (the default) each row's block has its own length,
+  from 8 tokens to `--distance`, so the copy sits a different distance back in every row: the model has to find the
+  earlier occurrence of the current token and copy what followed it (an induction head), the skill that copies a
+  value from a case file into an answer. With `--offset fixed` every block is `--distance` long, and a head that
+  attends a fixed number of tokens back solves it without matching content: far easier, and not the skill the
+  answers need.
 - **notes**: a pretrained base (`zaya pretrain`'s output, trained on `zaya data sample`'s corpus of closed cases)
   writes the closing note of held-out flagged case files, greedy; exact match against the investigator's note. A
   base that copies writes the case's similarity score, country and deposit count; one that does not writes the
@@ -27,7 +31,24 @@ from benchmarks import environment
 DEFAULT_OUT = environment.default_out("copy_probe")
 VOCAB = 256
 COPIED_LOSS = 1.0  # nats: well below ln(VOCAB) = 5.5, the loss of a model that does not copy
+MIN_BLOCK = 8  # the shortest block `--offset varied` repeats
 NOTES_SEED = 100  # held-out cases: other than the corpus's (`write_corpus`, seed 7) and the chats' (seeds 1, 2)
+
+
+def copy_batch(rows: int, distance: int, varied: bool):
+    """`(input_ids, labels)`: each row is BOS, a block of random tokens and its repeat, then random tokens up to
+    `2 * distance + 1`; labels only on the repeat's tokens after its first (each one is predictable from the block).
+    `varied`: each row's block is `MIN_BLOCK` to `distance` tokens long; otherwise every block is `distance` long."""
+    import torch
+
+    ids = torch.randint(3, VOCAB, (rows, 2 * distance + 1))
+    ids[:, 0] = 0
+    labels = torch.full_like(ids, -100)
+    lengths = torch.randint(MIN_BLOCK, distance + 1, (rows,)) if varied else torch.full((rows,), distance)
+    for row, length in enumerate(lengths.tolist()):
+        ids[row, 1 + length : 1 + 2 * length] = ids[row, 1 : 1 + length]
+        labels[row, 2 + length : 1 + 2 * length] = ids[row, 2 + length : 1 + 2 * length]
+    return ids, labels
 
 
 def induction(args: argparse.Namespace) -> dict:
@@ -40,7 +61,7 @@ def induction(args: argparse.Namespace) -> dict:
     config = ZayaConfig(
         vocab_size=VOCAB,
         hidden_size=args.width,
-        num_hidden_layers=2,
+        num_hidden_layers=args.layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=args.width // 4,
@@ -57,10 +78,7 @@ def induction(args: argparse.Namespace) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     losses, copied_at = [], None
     for step in range(1, args.steps + 1):
-        block = torch.randint(3, VOCAB, (args.batch, args.distance))
-        ids = torch.cat([torch.zeros(args.batch, 1, dtype=torch.long), block, block], dim=1)
-        labels = ids.clone()
-        labels[:, : args.distance + 2] = -100  # the repeat's tokens after its first: each is read `distance` back
+        ids, labels = copy_batch(args.batch, args.distance, varied=args.offset == "varied")
         loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
         optimizer.step()
@@ -105,9 +123,10 @@ def print_table(report: dict) -> None:
     rows: list[tuple[object, ...]]
     if report["probe"] == "induction":
         rows = [
-            ("distance", "rope theta", "rotary share", "steps", "final loss", "copied at step"),
+            ("offset", "distance", "rope theta", "rotary share", "steps", "final loss", "copied at step"),
             (
-                report["distance"],
+                report["offset"],
+                report["distance"] if report["offset"] == "fixed" else f"{MIN_BLOCK}-{report['distance']}",
                 f"{report['rope_theta']:g}",
                 report["partial_rotary_factor"],
                 report["steps"],
@@ -130,12 +149,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     group = parser.add_argument_group("induction")
-    group.add_argument("--distance", type=int, default=200, help="tokens between a token and its copy")
+    group.add_argument("--distance", type=int, default=100, help="tokens between a token and its copy (the most)")
+    group.add_argument(
+        "--offset", choices=("varied", "fixed"), default="varied", help="each row's distance its own, or all the same"
+    )
     group.add_argument("--rope-theta", type=float, default=5e6, help="RoPE base (ZAYA1's: 5e6)")
     group.add_argument("--partial-rotary-factor", type=float, default=0.5, help="share of each head RoPE rotates")
     group.add_argument("--width", type=int, default=128)
-    group.add_argument("--batch", type=int, default=4)
-    group.add_argument("--steps", type=int, default=400)
+    group.add_argument("--layers", type=int, default=2)
+    group.add_argument("--batch", type=int, default=16)
+    group.add_argument("--steps", type=int, default=2000)
     group.add_argument("--lr", type=float, default=3e-3)
     group = parser.add_argument_group("notes")
     group.add_argument("--base", help="a pretrained base model directory")
@@ -144,6 +167,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.probe == "notes" and args.base is None:
         parser.error("notes needs --base")
+    if args.distance < MIN_BLOCK:
+        parser.error(f"--distance must be at least {MIN_BLOCK}")
     return args
 
 
