@@ -91,10 +91,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         help=f"only these implementations, of {', '.join(IMPLS)} (default: all of the mode's; --quick leaves out "
         "upstream_compiled)",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        help="alternating rounds per shape and dtype, each running every implementation once (default 2, 1 with "
+        "--quick; more rounds narrow the medians on a noisy machine)",
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON report path")
     args = parser.parse_args(argv)
     if args.threads < 1:
         parser.error("--threads must be at least 1")
+    if args.rounds is not None and args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     return args
 
 
@@ -413,7 +421,8 @@ def measure_shape(
     dtype = settings.dtype
     impls = selected_impls(args)
     speeds: dict[str, list[float]] = {impl: [] for impl in impls}
-    for round_ in range(shape["rounds"]):  # alternate the order: forward, then reversed
+    rounds = args.rounds or shape["rounds"]
+    for round_ in range(rounds):  # alternate the order: forward, then reversed
         for impl in impls if round_ % 2 == 0 else impls[::-1]:
             directory = scratch / f"{shape['name']}-{dtype}-{impl}-{round_}"
             if impl.startswith("ours"):
@@ -436,6 +445,7 @@ def measure_shape(
         "dtype": dtype,
         "parameters": sum(p.numel() for p in model.parameters()),
         "tokens_per_step": settings.batch_size * settings.seq_len,
+        "rounds": rounds,
         "flops_per_token": flops,
         "tokens_per_s": speeds,
         "median_tokens_per_s": {impl: statistics.median(values) for impl, values in speeds.items()},

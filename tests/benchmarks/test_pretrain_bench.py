@@ -36,6 +36,7 @@ def test_quick_pretrain_benchmark_reports_speed_mfu_and_checkpoint_stall(tmp_pat
     assert all(_positive(value) for value in report["matmul"]["gflops"].values())
     assert [entry["dtype"] for entry in report["results"]] == dtypes
     for entry in report["results"]:
+        assert entry["rounds"] == 1  # the micro shape's
         for impl in ("ours", "ours_compiled", "trainer", "upstream"):
             # --quick times 3 steps after the 2 untimed ones, each between two readings of the benchmark's clock
             assert len(entry["tokens_per_s"][impl]) == 3 and all(map(_positive, entry["tokens_per_s"][impl]))
@@ -82,6 +83,10 @@ def test_full_shapes_include_the_recipe_preset_and_are_selectable():
     (recipe,) = pretrain_bench.selected_shapes(args)
     assert recipe["model"] == PRESETS["cpu"].model and recipe["seq_len"] == PRESETS["cpu"].seq_len
     assert pretrain_bench.CLOCKS[args.clock] is time.process_time
+    assert args.rounds is None  # each shape's own number of rounds
+    assert pretrain_bench.parse_args(["--rounds", "6"]).rounds == 6
+    with pytest.raises(SystemExit):
+        pretrain_bench.parse_args(["--rounds", "0"])
     with pytest.raises(SystemExit, match="unknown"):
         pretrain_bench.selected_shapes(pretrain_bench.parse_args(["--shapes", "huge"]))
 
