@@ -11,10 +11,13 @@ PYTEST_WORKERS ?= 2
 # Debian packages are installed only when missing (CI runs as root on a Debian machine).
 APT_INSTALL := apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q
 
-.PHONY: install install-vllm system-packages test suites test-vllm lint browser screenshots run bench demo clean
+.PHONY: install install-vllm python-venv system-packages test suites test-vllm lint browser screenshots run bench demo clean
 
-$(STAMP): pyproject.toml
-	$(PYTHON) -c 'import ensurepip' 2>/dev/null || ($(APT_INSTALL) python3-venv)
+# Both environments need Python's venv module (Debian ships it apart); checked once when they install side by side.
+python-venv:
+	@$(PYTHON) -c 'import ensurepip' 2>/dev/null || ($(APT_INSTALL) python3-venv)
+
+$(STAMP): pyproject.toml | python-venv
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch first and pinned: an unpinned resolve would pull a multi-GB CUDA build.
@@ -29,8 +32,7 @@ install: $(STAMP)
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-$(VLLM_STAMP): pyproject.toml
-	$(PYTHON) -c 'import ensurepip' 2>/dev/null || ($(APT_INSTALL) python3-venv)
+$(VLLM_STAMP): pyproject.toml | python-venv
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
@@ -77,7 +79,9 @@ screenshots: install browser
 # this machine's), else private ones it starts in a temporary directory for the run and removes after it. One pytest
 # worker per core in each (tests are isolated: own database schema, temp dirs and free ports); much of a test's time
 # is spent waiting on the servers and processes it starts, so the two runs side by side keep the cores busy.
-test: install lint system-packages install-vllm
+# The two environments install side by side (mostly downloading and unpacking), lint once the first is there.
+test: system-packages
+	$(MAKE) --no-print-directory -j 2 --output-sync=target lint install-vllm
 	$(BIN)/python tests/private_services.py -- $(MAKE) --no-print-directory suites
 
 suites:

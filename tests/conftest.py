@@ -15,6 +15,9 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Servers that tests start decode eagerly: compiling the local engine's decode steps costs each server minutes of
+# CPU in the background, and has tests of its own (tests/server/test_engine_compiled.py, which asks for it).
+os.environ.setdefault("ZAYA_LOCAL_ENGINE_COMPILE", "false")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -4,8 +4,8 @@ The blocks become one bash script (`set -euo pipefail`); a Python block runs thr
 after `<!-- readme-test: background -->` starts a server: it runs in the background, and the next block starts once
 the server's `/health` answers 200 (a later background block stops the earlier one first). A block after
 `<!-- readme-test: not run ... -->` is the command that runs this test (`make test`). Sizes shrink through the
-environment (every `zaya` option reads `ZAYA_<COMMAND>_<OPTION>`), and the servers listen on a free port in place of
-the README's 8000. A command that drifts from the code fails here.
+environment (every `zaya` option reads `ZAYA_<COMMAND>_<OPTION>`), the servers decode eagerly, and they listen on a
+free port in place of the README's 8000. A command that drifts from the code fails here.
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ SMALL_SIZES = {
     "ZAYA_PRETRAIN_BATCH_SIZE": "2",
     "ZAYA_FINETUNE_MAX_STEPS": "20",
 }
+# The servers decode eagerly: compiling the local engine's decode steps has tests of its own
+# (tests/server/test_engine_compiled.py) and would cost each server minutes of CPU here.
+EAGER_LOCAL_ENGINE = {"ZAYA_LOCAL_ENGINE_COMPILE": "false"}
 HEALTH_WAIT_S = 900
 SCRIPT_TIMEOUT_S = 2400
 # Each server's process group, so that the test stops it even when the script itself is killed.
@@ -140,7 +143,7 @@ def test_the_readme_runs_as_written(tmp_path):
         if not key.startswith(("ZAYA_", "OPENAI_")) and key not in ("PYTHONPATH",)
     }
     port = free_port()
-    environment.update(SMALL_SIZES, ZAYA_PORT=str(port), PYTHONPATH=str(ROOT))
+    environment.update(SMALL_SIZES, **EAGER_LOCAL_ENGINE, ZAYA_PORT=str(port), PYTHONPATH=str(ROOT))
     (tmp_path / "readme.sh").write_text(script(readme_blocks(), port))
     process = subprocess.Popen(
         ["bash", "readme.sh"],
