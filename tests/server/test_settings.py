@@ -15,12 +15,13 @@ def test_engine_sections_read_their_prefixed_variables(monkeypatch, tmp_path):
     monkeypatch.setenv("ZAYA_ENGINE", "vllm")
     monkeypatch.setenv("ZAYA_LOCAL_ENGINE_MAX_BATCH_SIZE", "3")
     monkeypatch.setenv("ZAYA_LOCAL_ENGINE_MAX_QUEUED_REQUESTS", "0")
+    monkeypatch.setenv("ZAYA_LOCAL_ENGINE_COMPILE", "false")
     monkeypatch.setenv("ZAYA_VLLM_DTYPE", "bfloat16")
     monkeypatch.setenv("ZAYA_VLLM_MAX_NUM_BATCHED_TOKENS", "4096")
     monkeypatch.setenv("ZAYA_VLLM_ENFORCE_EAGER", "true")
     settings = Settings()
     assert (settings.data_dir, settings.engine) == (tmp_path, "vllm")
-    assert settings.local_engine == LocalEngineSettings(max_batch_size=3, max_queued_requests=0)
+    assert settings.local_engine == LocalEngineSettings(max_batch_size=3, max_queued_requests=0, compile=False)
     assert settings.vllm == VLLMEngineSettings(dtype="bfloat16", max_num_batched_tokens=4096, enforce_eager=True)
 
 
