@@ -191,7 +191,7 @@ def run_guidellm(served: Served, profile: str, requests: int, *, prompt_tokens: 
     benchmark = _guidellm_benchmark(command, served, report)
     # guidellm 0.8 may end a run while a request it sent is still in flight (seen on a loaded machine: 2 created,
     # 1 processed, 1 processing, the run over 0.1 s after the first answer): its scheduler stopped early, not our
-    # server, which would leave guidellm waiting instead. Such a run counts nothing; it is run once more.
+    # server, which would leave guidellm waiting instead. Such a run is discarded and run once more.
     if benchmark["scheduler_state"]["processing_requests"]:
         benchmark = _guidellm_benchmark(command, served, report)
     return benchmark
