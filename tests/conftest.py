@@ -16,7 +16,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Servers that tests start decode eagerly: compiling the local engine's decode steps costs each server minutes of
-# CPU in the background, and has tests of its own (tests/server/test_engine_compiled.py, which asks for it).
+# CPU in the background, during which `/health` answers 503 "warming" (clients such as guidellm check it first), and
+# it has tests of its own (tests/server/test_engine_compiled.py, which asks for it). Every process a test starts
+# inherits this; the README test, which clears `ZAYA_*`, sets it again.
 os.environ.setdefault("ZAYA_LOCAL_ENGINE_COMPILE", "false")
 
 import pytest  # noqa: E402

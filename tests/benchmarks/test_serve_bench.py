@@ -11,15 +11,11 @@ from serve_bench_smoke import CLIENTS, MAX_TOKENS, engine_and_api_loads, loads_b
 from benchmarks import serve_bench
 
 NO_VLLM = "not run (no vLLM environment)"
-# The local engine eager (in the API server and in-process alike): its compiled decode steps are what the vLLM suite's
-# part 2 (`test_vllm_serve_bench_other_engines.py`) serves and tests/server/test_engine_compiled.py checks; compiling
-# them here twice per run took most of these tests' time.
-EAGER_LOCAL_ENGINE = {"ZAYA_LOCAL_ENGINE_COMPILE": "false"}
 
 
 @pytest.mark.slow
 def test_smoke_run_compares_the_local_api_with_upstream_generate(tmp_path):
-    report, stdout = run_quick_serve_bench(tmp_path / "serve_bench.json", "--systems", "local", env=EAGER_LOCAL_ENGINE)
+    report, stdout = run_quick_serve_bench(tmp_path / "serve_bench.json", "--systems", "local")
     loads = loads_by_key(report)  # every request exactly MAX_TOKENS long
     [threads] = {load["threads"] for load in report["loads"] if load["path"] == "generate"}
     expected = engine_and_api_loads("local")
@@ -58,7 +54,7 @@ def test_guidellm_can_send_the_api_loads(tmp_path):
     every answer exactly `max_tokens` long, its CPU counted as the client's."""
     skip = ["engine", "generate", "requests", "qwen3-moe"]
     arguments = ("--systems", "local", "--client", "guidellm", "--skip", *skip)
-    report, _ = run_quick_serve_bench(tmp_path / "serve_bench.json", *arguments, env=EAGER_LOCAL_ENGINE)
+    report, _ = run_quick_serve_bench(tmp_path / "serve_bench.json", *arguments)
     assert report["client"] == "guidellm"
     loads = loads_by_key(report)  # every request exactly MAX_TOKENS long
     assert set(loads) == {("local", "api", 0, clients) for clients in CLIENTS}

@@ -12,11 +12,6 @@ from benchmarks.load_test.stack import MODEL_NAME, Stack, build_model
 
 from .processes import assert_no_secret_logged
 
-# The local engine decodes eagerly: these tests are about processes dying and sharing state, and compiling the decode
-# steps in the background after each server's first chat is work they never use (tests/server/test_engine_compiled.py
-# checks the compiled engine).
-EAGER_ENGINE = {"ZAYA_LOCAL_ENGINE_COMPILE": "false"}
-
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> Path:
@@ -30,7 +25,7 @@ def stack(tmp_path, model_dir, fresh_database) -> Iterator[Stack]:
     """A migrated stack with the model registered and a key per role; processes are started by the test."""
     with (
         fresh_database(tmp_path) as database_url,
-        Stack(tmp_path / "data", database_url=database_url, log_dir=tmp_path, env=dict(EAGER_ENGINE)) as prepared,
+        Stack(tmp_path / "data", database_url=database_url, log_dir=tmp_path) as prepared,
     ):
         prepared.prepare(model_dir)
         yield prepared

@@ -12,9 +12,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    # Eager decoding: while the engine compiles a loaded model, /health answers 503 `warming`, and guidellm checks
-    # /health before it starts (compiled decoding has tests of its own).
-    env = {"ZAYA_ENGINE": "local", "ZAYA_LOCAL_ENGINE_COMPILE": "false"}
+    env = {"ZAYA_ENGINE": "local"}
     with serve(tmp_path_factory.mktemp("clients-local"), env) as served:
         yield served
 
