@@ -11,8 +11,12 @@ import sys
 from contextlib import AbstractContextManager
 from pathlib import Path
 
-# Two busy cores oversubscribed by OpenMP make timings swing wildly; tests stay single-threaded and offline.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Tests stay single-threaded and offline. Every process a test starts (servers, workers, training processes, the
+# README's commands) inherits one OpenMP thread, whatever the caller's environment says (the Makefile exports 2 for
+# `make run`): `make test` runs four pytest workers on two cores, and OpenMP threads oversubscribed like that spend
+# their time waiting at barriers for threads that are not running (beside three busy processes, the README's script
+# took 192 s with one thread a process and 758 s with two; its 20-step fine-tuning job 42 s against 523 s).
+os.environ["OMP_NUM_THREADS"] = "1"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Servers that tests start decode eagerly: compiling the local engine's decode steps costs each server minutes of

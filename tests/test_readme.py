@@ -82,7 +82,8 @@ def script(blocks: list[Block], port: int) -> str:
     ]
     for number, block in enumerate(blocks, start=1):
         code = block.code.replace(README_ADDRESS, address)
-        lines.append(f"echo; echo '--- README block {number} ({block.language})'")  # a block may end mid-line
+        # A block may end mid-line; the script's seconds so far tell a slow block from a slow script.
+        lines.append(f'echo; echo "--- README block {number} ({block.language}) at ${{SECONDS}} s"')
         if block.directive.startswith("not run"):
             continue
         if block.language == "python":
