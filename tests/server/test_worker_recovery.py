@@ -154,7 +154,6 @@ def start_worker(settings, log_path: Path) -> subprocess.Popen:
         **os.environ,
         "ZAYA_DATABASE_URL": settings.database_url,
         "ZAYA_DATA_DIR": str(settings.data_dir),
-        "OMP_NUM_THREADS": "1",
     }
     command = [sys.executable, "-m", "zaya_cli", "worker", "--lease-seconds", "5", "--heartbeat-seconds", "0.5"]
     command += ["--poll-seconds", "0.2"]
