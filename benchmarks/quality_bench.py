@@ -10,6 +10,10 @@ Run: `python -m benchmarks.quality_bench [--smoke] [--out benchmarks/results/qua
    size and learning rate, `finetune.auto`), each scored on the held-out chats by `finetune.evaluate`: teacher-forced
    loss, greedy answers' exact match and their `Disposition` accuracy.
 
+`--copy-start-steps N` and `--copy-rows K` set the pretraining's copying start and copying rows
+(`zaya_model/pretrain/copying.py`) instead of the preset's; the report holds the step the start copied from and the
+base's final loss on held-out copying rows. `pretrain_tokens` counts the corpus rows' tokens only.
+
 `--variant` words, orders and formats the corpus and the chats differently (`zaya data sample --variant`: ledger,
 memo or an integer seed), so the recipe is checked on a wording it was not tuned on.
 
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import resource
 import sys
@@ -103,15 +108,19 @@ def prepare_base(args: argparse.Namespace, workdir: Path, report: dict) -> str:
     """The base model's directory: `--base`, or pretrained here on the synthetic corpus (recorded in the report)."""
     from finetune.datasets.sample import write_corpus
     from zaya_model.pretrain.presets import get_preset
-    from zaya_model.pretrain.train import Pretrainer
+    from zaya_model.pretrain.train import METRICS_FILE, Pretrainer
 
-    settings = get_preset(args.preset)
-    if args.pretrain_steps is not None:
-        settings = settings.replace(max_steps=args.pretrain_steps)
-    if args.split_digits is not None:
-        settings = settings.replace(tokenizer_split_digits=args.split_digits)
+    overrides = {
+        "max_steps": args.pretrain_steps,
+        "tokenizer_split_digits": args.split_digits,
+        "copy_start_steps": args.copy_start_steps,
+        "copy_rows": args.copy_rows,
+    }
+    settings = get_preset(args.preset).replace(**{key: value for key, value in overrides.items() if value is not None})
     settings = settings.replace(eval_every=settings.max_steps, save_every=settings.max_steps)
     report["pretrain_steps"] = settings.max_steps
+    report["copy_start_steps"] = settings.copy_start_steps
+    report["copy_rows"] = settings.copy_rows
     if args.base is not None:  # a base pretrained by an earlier run of this benchmark
         base_dir = str(args.base)
         report["base"] = base_dir
@@ -121,11 +130,26 @@ def prepare_base(args: argparse.Namespace, workdir: Path, report: dict) -> str:
             pretrainer = Pretrainer(str(corpus), str(workdir / "base"), settings, progress=False)
             pretrained = pretrainer.train()
         report["pretrain_val_loss"] = pretrained.val_loss
+        report |= _copying_report(workdir / "base" / METRICS_FILE)
         report["split_digits"] = settings.tokenizer_split_digits
-        report["pretrain_tokens"] = pretrained.step * settings.batch_size * settings.grad_accum * settings.seq_len
+        corpus_rows = settings.batch_size - settings.copy_rows
+        report["pretrain_tokens"] = pretrained.step * corpus_rows * settings.grad_accum * settings.seq_len  # corpus
         report["parameters"] = sum(parameter.numel() for parameter in pretrainer.model.parameters())
         base_dir = str(workdir / "base")
     return base_dir
+
+
+def _copying_report(metrics_path: Path) -> dict:
+    """The copying start's length and the step it copied from, and the final copying loss (`zaya pretrain`'s
+    metrics; empty for a run without copying rows)."""
+    report: dict = {}
+    for line in metrics_path.read_text().splitlines():
+        record = json.loads(line)
+        if record.get("event") == "copying_start":
+            report["copying_start"] = {key: record[key] for key in ("steps", "copying_from", "copying_loss")}
+        elif record.get("event") == "eval" and "copying_loss" in record:
+            report["copying_loss"] = record["copying_loss"]
+    return report
 
 
 def finetune_and_evaluate(
@@ -196,9 +220,16 @@ def print_table(report: dict) -> None:
     print(environment.format_rows(rows))
     seconds = ", ".join(f"{name} {value} s" for name, value in report["seconds"].items())
     idle = ", ".join(f"{name} {value} s" for name, value in report["seconds_idle_estimate"].items())
+    copying = ""
+    if "copying_start" in report:
+        start = report["copying_start"]
+        copies = f"copies from step {start['copying_from']}" if start["copying_from"] else "does not copy yet"
+        copying += f", copying start of {start['steps']} steps ({copies})"
+    if report.get("copy_rows"):
+        copying += f", {report['copy_rows']} copying rows a batch (copying loss {report['copying_loss']:.3f})"
     print(
         f"preset {report['preset']} ({report['pretrain_steps']} steps on {report['corpus_cases']} case files"
-        f"{', digits split' if report.get('split_digits') else ''}), "
+        f"{', digits split' if report.get('split_digits') else ''}{copying}), "
         f"variant {report['variant']}, {report['n_train']} training chats, {report['n_valid']} held-out; "
         f"wall clock: {seconds}; idle estimate (CPU s / {report['threads']} threads): {idle}"
     )
@@ -218,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         action=argparse.BooleanOptionalAction,
         help="the tokenizer writes numbers digit by digit (or not), instead of as the preset says",
     )
+    parser.add_argument("--copy-start-steps", type=int, metavar="N", help="copying start's cap (preset's)")
+    parser.add_argument("--copy-rows", type=int, metavar="K", help="copying rows per batch (preset's)")
     parser.add_argument("--train", type=int, default=600, metavar="N", help="training chats (default 600)")
     parser.add_argument("--valid", type=int, default=60, metavar="N", help="held-out chats (default 60)")
     parser.add_argument("--max-steps", type=int, metavar="N", help="cap each fine-tune's optimizer steps")
@@ -243,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error(f"{flag}: {error}")
     if args.smoke:
         args.preset, args.corpus, args.pretrain_steps = "cpu", 40, 2
+        args.copy_start_steps, args.copy_rows = 2, 1
         args.train, args.valid, args.max_steps = 6, 3, 2
 
     from zaya_model.training.runtime import prepare_training_process

@@ -43,9 +43,12 @@ def test_smoke_quality_benchmark_scores_base_lora_and_full(tmp_path):
     for phase, seconds in report["cpu_seconds"].items():  # the idle estimate: CPU seconds over the threads
         assert math.isclose(report["seconds_idle_estimate"][phase], round(seconds / report["threads"], 1))
     assert report["variant"] == "ledger" and report["parameters"] > 0 and report["pretrain_tokens"] > 0
+    # --smoke runs the copying start (2 steps) and a copying row in each batch
+    assert report["copying_start"]["steps"] == 2 and report["copy_rows"] == 1 and report["copying_loss"] > 0
     table = done.stdout
     assert "disposition" in table and "exact match" in table and f"{report['models']['base']['loss']:.3f}" in table
     assert "variant ledger" in table and "idle estimate" in table
+    assert "copying start of 2 steps (does not copy yet), 1 copying rows a batch" in table
     refused = subprocess.run(
         [sys.executable, "-m", "benchmarks.quality_bench", "--smoke", "--variant", "prose"],
         cwd=REPO_ROOT,

@@ -440,15 +440,18 @@ def test_bad_input_fails_before_training_and_keeps_checkpoints(corpus, tokenizer
     assert "no training documents" in capsys.readouterr().err
 
 
-def test_two_processes_match_one_with_twice_the_batch_and_resume_on_one(corpus, tokenizer_dir, tmp_path):
+# With copying rows each rank takes its share of the copying start's rows and of each batch's copying rows.
+@pytest.mark.parametrize("copying", [{}, {"copy_start_steps": 2, "copy_rows": 1}], ids=["corpus", "copying"])
+def test_two_processes_match_one_with_twice_the_batch_and_resume_on_one(corpus, tokenizer_dir, tmp_path, copying):
     import multiprocessing
 
-    settings = MICRO.replace(max_steps=4, batch_size=4)
+    per_rank = MICRO.replace(max_steps=4, batch_size=2, **copying)
+    settings = per_rank.replace(batch_size=4, copy_rows=2 * per_rank.copy_rows)
     Pretrainer(corpus, tmp_path / "one", settings, tokenizer_path=tokenizer_dir).train()
 
     # Two gloo ranks with half the batch each (forked: no second interpreter start-up), stopped after step 2...
     context = multiprocessing.get_context("fork")
-    args = (tmp_path / "init", corpus, tmp_path / "two", settings.replace(batch_size=2), tokenizer_dir, 2)
+    args = (tmp_path / "init", corpus, tmp_path / "two", per_rank, tokenizer_dir, 2)
     ranks = [context.Process(target=train_rank, args=(rank, 2, *args)) for rank in range(2)]
     for process in ranks:
         process.start()

@@ -243,12 +243,12 @@ class PackedStream:
             pending = list(state["pending_ids"])
             self.waiting = [(pending, list(state["pending_positions"]))] if pending else []
         self.buffer = [tuple(list(part) if isinstance(part, list) else part for part in row) for row in state["buffer"]]
-        self.rng.setstate(_as_rng_state(state["rng"]))
+        self.rng.setstate(as_rng_state(state["rng"]))
         self.batches_drawn = state["batches_drawn"]
         self._documents = None  # reopened at the saved byte offset on the next read
 
 
-def _as_rng_state(state) -> tuple:
+def as_rng_state(state) -> tuple:
     # A round trip through torch.save may turn the state's inner tuple into a list.
     version, internal, gauss = state
     return version, tuple(internal), gauss

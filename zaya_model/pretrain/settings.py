@@ -67,6 +67,15 @@ class PretrainSettings(BaseModel):
         description="best_fit: a document that fits in a row is never split (rows padded where none fits); "
         "concatenate: documents end to end, cut every seq_len tokens",
     )
+    # Copying rows (`copying.py`): random token blocks, each repeated, loss on the repeats.
+    copy_start_steps: Annotated[int, Field(ge=0)] = Field(
+        0,
+        description="copying start: before the corpus, train on copying rows alone until the model copies (loss "
+        "under 1 nat, then 50 steps more), at most this many steps (0: none)",
+    )
+    copy_rows: Annotated[int, Field(ge=0)] = Field(
+        0, description="rows of each micro-batch that are copying rows instead of corpus rows (keeps the model copying)"
+    )
     max_rollbacks: Annotated[int, Field(ge=0)] = Field(
         3, description="rollbacks to the last checkpoint after a non-finite loss before giving up"
     )
@@ -95,6 +104,26 @@ class PretrainSettings(BaseModel):
             # Muon orthogonalises each whole matrix; FSDP hands the optimizer only a row shard of it.
             raise PydanticCustomError("invalid_combination", "fsdp needs optimizer adamw (Muon needs whole matrices)")
         return sharding
+
+    @field_validator("copy_rows")
+    @classmethod
+    def _leaves_corpus_rows(cls, copy_rows: int, info: ValidationInfo) -> int:
+        batch_size = info.data.get("batch_size")
+        if batch_size is not None and copy_rows >= batch_size:
+            raise PydanticCustomError(
+                "too_many", "must be less than batch_size ({batch_size})", {"batch_size": batch_size}
+            )
+        return copy_rows
+
+    @field_validator("copy_start_steps", "copy_rows")
+    @classmethod
+    def _rows_hold_a_repeated_block(cls, value: int, info: ValidationInfo) -> int:
+        from .copying import MIN_SEQ_LEN
+
+        seq_len = info.data.get("seq_len")
+        if value and seq_len is not None and seq_len < MIN_SEQ_LEN:
+            raise PydanticCustomError("too_short", "copying rows need seq_len >= {minimum}", {"minimum": MIN_SEQ_LEN})
+        return value
 
     @property
     def max_positions(self) -> int:

@@ -59,6 +59,7 @@ import shutil
 import signal
 import threading
 import time
+from collections import deque
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,10 +79,12 @@ from ..training.checkpoint_dirs import latest_checkpoint
 from ..training.checkpointer import Checkpointer
 from ..training.distributed import DistributedContext
 from ..training.sharding import is_sharded, local_scalar, shard_model
+from .copying import COPIED_LOSS, STEPS_AFTER_COPYING, CopyingRows
 from .corpus import (
     CorpusError,
     PackedStream,
     PackingSpec,
+    as_rng_state,
     corpus_files,
     corpus_fingerprint,
     is_validation,
@@ -100,7 +103,8 @@ LOSS_PLOT_FILE = "loss.png"
 TOKENIZER_DIR = "tokenizer"
 CHECKPOINTS_DIR = "checkpoints"
 # Settings a resumed run must share with the run that wrote the checkpoints (the rest may change, e.g. max_steps).
-# The global batch (batch_size x processes) must match too: a run may resume on a different number of processes.
+# The global batch (batch_size x processes) and its copying rows (copy_rows x processes) must match too: a run may
+# resume on a different number of processes.
 RESUME_INVARIANTS = (
     "model",
     "tokenizer_vocab_size",
@@ -249,6 +253,13 @@ class Pretrainer:
         self.balancing = BalancingBiasUpdater(self.model, lr=settings.balancing_lr)
         spec = self._packing_spec()
         self.stream = PackedStream(self.files, self.tokenizer, spec, shuffle_buffer=settings.shuffle_buffer)
+        # Copying rows: those mixed into the batches, the start's, and fixed held-out ones, from seeds of their own.
+        self.copying = CopyingRows(self.tokenizer, settings.seq_len, seed=settings.seed)
+        self.copying_held_out = (
+            CopyingRows(self.tokenizer, settings.seq_len, seed=settings.seed + 2).next_batch(settings.batch_size)
+            if settings.copy_rows or settings.copy_start_steps
+            else None
+        )
         self.validation = validation_rows(self.files, self.tokenizer, spec, settings.eval_rows)
         self.step = 0
         self.skipped_batches: set[int] = set()
@@ -293,7 +304,10 @@ class Pretrainer:
         # What a resume needs besides the model and optimizers, each with state_dict() / load_state_dict(); the
         # trainer's own entry (step, skipped batches, RNG) is loaded last, so its RNG state is the one that holds.
         states: dict[str, Stateful] = {f"scheduler{i}": scheduler for i, scheduler in enumerate(self.schedulers)}
-        states |= {"balancing": self.balancing, "data": self.stream, "trainer": self}
+        states |= {"balancing": self.balancing, "data": self.stream}
+        if self.settings.copy_rows:  # a resume keeps the copying rows (`_check_run_file`), so its checkpoints hold this
+            states["copying"] = self.copying
+        states["trainer"] = self
         return Checkpointer(
             self.output / CHECKPOINTS_DIR,
             self.model,
@@ -325,6 +339,7 @@ class Pretrainer:
         current: dict[str, Any] = {
             "settings": self.settings.model_dump(),
             "global_batch_size": self.settings.batch_size * self.dist.world_size,
+            "global_copy_rows": self.settings.copy_rows * self.dist.world_size,
             "corpus": corpus_fingerprint(self.files),
         }
         if resumed and run_path.is_file():
@@ -333,6 +348,8 @@ class Pretrainer:
             changed = [k for k in RESUME_INVARIANTS if saved[k] != current["settings"][k]]
             if previous.get("global_batch_size") != current["global_batch_size"]:
                 changed.append("batch_size x processes")
+            if previous.get("global_copy_rows", 0) != current["global_copy_rows"]:
+                changed.append("copy_rows x processes")
             if changed:
                 raise PretrainError(
                     f"{self.output} holds a run with different settings ({', '.join(changed)}); "
@@ -380,7 +397,7 @@ class Pretrainer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = state["step"]
         self.skipped_batches = set(state["skipped_batches"])
-        random.setstate(_python_rng_state(state["rng"]["python"]))
+        random.setstate(as_rng_state(state["rng"]["python"]))
         torch.set_rng_state(state["rng"]["torch"])
         if "cuda" in state["rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
@@ -412,10 +429,19 @@ class Pretrainer:
             self._log({"event": "skipped_batch", "batch": index, "step": self.step})
 
     def _next_local_batch(self) -> dict[str, torch.Tensor]:
-        """This rank's rows of the next global batch (every rank reads the same stream, so no state diverges)."""
-        size = self.settings.batch_size
-        batch = self.stream.next_batch(size * self.dist.world_size)
-        return {key: value[self.dist.rank * size : (self.dist.rank + 1) * size] for key, value in batch.items()}
+        """This rank's rows of the next global batch: its corpus rows, then its copying rows when `copy_rows` is set
+        (every rank reads the same stream and draws the same copying rows, so no state diverges)."""
+        copies = self.settings.copy_rows
+        batch = self._local_rows(self.stream.next_batch, self.settings.batch_size - copies)
+        if not copies:
+            return batch
+        copying = self._local_rows(self.copying.next_batch, copies)
+        return {key: torch.cat([value, copying[key]]) for key, value in batch.items()}
+
+    def _local_rows(self, draw, rows: int) -> dict[str, torch.Tensor]:
+        """This rank's `rows` of a global batch that `draw(rows * world_size)` returns."""
+        batch = draw(rows * self.dist.world_size)
+        return {key: value[self.dist.rank * rows : (self.dist.rank + 1) * rows] for key, value in batch.items()}
 
     def _forward_loss(self, batch: dict[str, torch.Tensor], num_items: torch.Tensor) -> torch.Tensor:
         batch = {key: value.to(self.device) for key, value in batch.items()}
@@ -423,10 +449,9 @@ class Pretrainer:
         with context:
             return self.model(**batch, use_cache=False, num_items_in_batch=num_items).loss
 
-    def train_step(self) -> dict[str, Any] | None:
-        """One optimizer step; returns its metrics, or None when a non-finite step was rolled back."""
-        started = time.perf_counter()
-        batch_index, batches = self._next_step_batches()
+    def _backward(self, batches: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward and backward over a step's micro-batches, gradients summed over the ranks and clipped: the global
+        mean token loss and the gradient norm before clipping."""
         num_items = torch.stack([(batch["labels"][:, 1:] != -100).sum() for batch in batches]).sum().to(self.device)
         self.dist.sum_(num_items)  # each rank's loss is its share of the global mean
         loss = torch.zeros((), device=self.device)
@@ -438,21 +463,30 @@ class Pretrainer:
         if not is_sharded(self.model):  # FSDP reduce-scatters the gradients during backward
             self.dist.sum_gradients(self.parameters)
         max_norm = self.settings.max_grad_norm if self.settings.max_grad_norm > 0 else float("inf")
-        grad_norm = clip_gradients(self.parameters, max_norm)
+        return loss, clip_gradients(self.parameters, max_norm)
+
+    def _balance(self) -> dict[str, Any]:
+        """Update the routers' balancing biases from the step's routing counts, summed over the ranks (the routers
+        found once: walking the module tree each step is a measurable share of a small model's step)."""
+        for router in self.balancing.routers:
+            if router.routed_token_counts is not None:
+                self.dist.sum_(router.routed_token_counts)
+        return self.balancing.step()
+
+    def train_step(self) -> dict[str, Any] | None:
+        """One optimizer step; returns its metrics, or None when a non-finite step was rolled back."""
+        started = time.perf_counter()
+        batch_index, batches = self._next_step_batches()
+        loss, grad_norm = self._backward(batches)
         if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
             self._rollback(batch_index, loss.item(), grad_norm.item())
             return None
         learning_rate = self.schedulers[0].get_last_lr()[0]
-        # Every rank updates the biases from the global counts (the routers found once: walking the module tree
-        # each step is a measurable share of a small model's step).
-        for router in self.balancing.routers:
-            if router.routed_token_counts is not None:
-                self.dist.sum_(router.routed_token_counts)
         for optimizer, scheduler in zip(self.optimizers, self.schedulers, strict=True):
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-        balance = self.balancing.step()
+        balance = self._balance()
         self.step += 1
         tokens = sum(batch["input_ids"].numel() for batch in batches) * self.dist.world_size
         return {
@@ -527,6 +561,72 @@ class Pretrainer:
         self.model.train()
         return total / max(count, 1)
 
+    @torch.no_grad()
+    def copying_loss(self) -> float | None:
+        """Mean loss on fixed held-out copying rows (None when the run uses none): under 1 nat while the model
+        copies, ln(vocabulary) or more when it does not."""
+        if self.copying_held_out is None:
+            return None
+        self.model.eval()
+        context = torch.autocast(self.device.type, dtype=self.autocast) if self.autocast else nullcontext()
+        with context:
+            batch = {key: value.to(self.device) for key, value in self.copying_held_out.items()}
+            loss = self.model(**batch, use_cache=False).loss.item()
+        self.model.train()
+        return loss
+
+    def _evaluate_and_log(self) -> None:
+        self.last_val_loss = self.evaluate()
+        record = {"event": "eval", "step": self.step, "val_loss": self.last_val_loss}
+        if self.copying_held_out is not None:
+            record["copying_loss"] = self.copying_loss()
+        self._log(record)
+
+    def _copying_start(self) -> bool:
+        """Train on copying rows alone until the model copies (`copying.py`): until the mean loss of the last 10
+        steps falls under COPIED_LOSS, then STEPS_AFTER_COPYING steps more, at most `copy_start_steps`. Rows of the
+        run's batch shape, AdamW at the peak learning rate without decay, whose state is dropped afterwards. Not
+        checkpointed: it is deterministic from the seed, so a run stopped during it (False) starts it again."""
+        settings = self.settings
+        rows = CopyingRows(self.tokenizer, settings.seq_len, seed=settings.seed + 1)
+        optimizer = torch.optim.AdamW(self.parameters, lr=settings.lr, weight_decay=0.0)
+        recent: deque[float] = deque(maxlen=10)
+        copying_from: int | None = None
+        bar = self._progress_bar(settings.copy_start_steps, initial=0, desc="copying start")
+        try:
+            for step in range(1, settings.copy_start_steps + 1):
+                batches = [self._local_rows(rows.next_batch, settings.batch_size) for _ in range(settings.grad_accum)]
+                loss, grad_norm = self._backward(batches)
+                if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
+                    raise PretrainError(f"copying start: non-finite loss at step {step}; try a lower --lr")
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                self._balance()
+                recent.append(loss.item())
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{recent[-1]:.3f}")
+                stop_reason = self._stop_reason()
+                if stop_reason is not None:
+                    self._log({"event": "stopped", "reason": stop_reason, "step": 0, "copying_start_step": step})
+                    self.hooks.on_event("info", f"stopped during the copying start ({stop_reason}); nothing saved")
+                    return False
+                if copying_from is None and len(recent) == recent.maxlen and sum(recent) / len(recent) < COPIED_LOSS:
+                    copying_from = step
+                if copying_from is not None and step >= copying_from + STEPS_AFTER_COPYING:
+                    break
+        finally:
+            if bar is not None:
+                bar.close()
+        record = {"steps": step, "copying_from": copying_from, "copying_loss": round(sum(recent) / len(recent), 4)}
+        self._log({"event": "copying_start", **record})
+        if copying_from is None:
+            message = f"copying start: the model does not copy yet after {step} steps (loss {record['copying_loss']})"
+            self.hooks.on_event("warning", message, record)
+        else:
+            self.hooks.on_event("info", f"copying start: copies from step {copying_from}, {step} steps", record)
+        return True
+
     # ----- the run -----
 
     def train(self, until_step: int | None = None) -> PretrainResult:
@@ -534,10 +634,12 @@ class Pretrainer:
         settings = self.settings
         target = settings.max_steps if until_step is None else min(until_step, settings.max_steps)
         previous_handler = self._install_sigterm_handler()
-        bar = self._progress_bar(target)
+        bar = self._progress_bar(target, initial=self.step, desc="pretrain")
         metrics: dict[str, Any] | None = None
         try:
             if self.saved_step is None:
+                if settings.copy_start_steps and not self._copying_start():
+                    return PretrainResult(0, "interrupted", None, None)
                 self._save()  # step 0: the first rollback target (a rollback waits for it to be on disk)
             while self.step < target:
                 if settings.step_timeout_s > 0:
@@ -564,13 +666,11 @@ class Pretrainer:
                     self.hooks.on_event("info", f"stopped at step {self.step}: {stop_reason}", {"step": self.step})
                     return PretrainResult(self.step, "interrupted", metrics["loss"], self.last_val_loss)
                 if self.step % settings.eval_every == 0 or self.step % settings.save_every == 0:
-                    self.last_val_loss = self.evaluate()
-                    self._log({"event": "eval", "step": self.step, "val_loss": self.last_val_loss})
+                    self._evaluate_and_log()
                 if self.step % settings.save_every == 0:
                     self._save(val_loss=self.last_val_loss)
             if self.step != self.saved_step:
-                self.last_val_loss = self.evaluate()
-                self._log({"event": "eval", "step": self.step, "val_loss": self.last_val_loss})
+                self._evaluate_and_log()
                 self._save(val_loss=self.last_val_loss)
             self.checkpointer.wait()
             self._drain_checkpoint_timings()
@@ -642,12 +742,12 @@ class Pretrainer:
 
         return signal.signal(signal.SIGTERM, request_stop)
 
-    def _progress_bar(self, target: int):
+    def _progress_bar(self, target: int, initial: int, desc: str):
         if not self.progress or not self.dist.is_main:
             return None
         from tqdm import tqdm
 
-        return tqdm(total=target, initial=self.step, desc="pretrain", unit="step", dynamic_ncols=True)
+        return tqdm(total=target, initial=initial, desc=desc, unit="step", dynamic_ncols=True)
 
     def _write_loss_plot(self, step: int) -> None:
         """Redraw the loss curve next to the checkpoints (runs on the checkpoint writer thread, rank 0)."""
@@ -666,8 +766,3 @@ class Pretrainer:
             return
         with (self.output / METRICS_FILE).open("a") as handle:
             handle.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
-
-
-def _python_rng_state(state) -> tuple:
-    version, internal, gauss = state
-    return version, tuple(internal), gauss
