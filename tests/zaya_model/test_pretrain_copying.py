@@ -6,6 +6,8 @@ from pretrain_helpers import MICRO, metrics, step_losses
 from pydantic import ValidationError
 from transformers import PreTrainedTokenizerFast
 
+from zaya_cli.main import main
+from zaya_model import ZayaForCausalLM
 from zaya_model.pretrain import train as pretrain_train
 from zaya_model.pretrain.copying import IGNORE_INDEX, MAX_BLOCK, MIN_BLOCK, CopyingRows
 from zaya_model.pretrain.train import Pretrainer
@@ -170,3 +172,18 @@ def test_a_stop_during_the_copying_start_saves_nothing_and_a_rerun_starts_over(c
     straight = Pretrainer(corpus, tmp_path / "straight", settings, tokenizer_path=tokenizer_dir)
     straight.train()
     assert step_losses(tmp_path / "run") == pytest.approx(step_losses(tmp_path / "straight"), abs=1e-6)
+
+
+def test_cli_cpu_copy_preset_runs_the_copying_start_and_copying_rows(corpus, tmp_path):
+    output = tmp_path / "run"
+    argv = ["pretrain", "--preset", "cpu-copy", "--data", str(corpus), "--output", str(output), "--no-progress"]
+    argv += ["--max-steps", "2", "--copy-start-steps", "3", "--seq-len", "64", "--batch-size", "3"]
+    argv += ["--vocab-size", "320", "--eval-every", "2", "--save-every", "2"]
+    assert main(argv) == 0
+    events = metrics(output)
+    assert [e["steps"] for e in events if e.get("event") == "copying_start"] == [3]
+    assert [e["step"] for e in events if "copying_loss" in e and e.get("event") == "eval"] == [2]
+    state = torch.load(output / "checkpoints" / "checkpoint-2" / "training_state.pt", weights_only=False)
+    assert "copying" in state  # the preset's 2 copying rows a batch, their position saved
+    config = ZayaForCausalLM.from_pretrained(output).config
+    assert (config.hidden_size, config.num_hidden_layers, config.num_experts) == (128, 4, 8)
