@@ -254,7 +254,7 @@ class Pretrainer:
         spec = self._packing_spec()
         self.stream = PackedStream(self.files, self.tokenizer, spec, shuffle_buffer=settings.shuffle_buffer)
         # Copying rows: those mixed into the batches, the start's, and fixed held-out ones, from seeds of their own.
-        self.copying = CopyingRows(self.tokenizer, settings.seq_len, seed=settings.seed)
+        self.copying = CopyingRows(self.tokenizer, settings.seq_len, settings.seed) if settings.copy_rows else None
         self.copying_held_out = (
             CopyingRows(self.tokenizer, settings.seq_len, seed=settings.seed + 2).next_batch(settings.batch_size)
             if settings.copy_rows or settings.copy_start_steps
@@ -305,7 +305,7 @@ class Pretrainer:
         # trainer's own entry (step, skipped batches, RNG) is loaded last, so its RNG state is the one that holds.
         states: dict[str, Stateful] = {f"scheduler{i}": scheduler for i, scheduler in enumerate(self.schedulers)}
         states |= {"balancing": self.balancing, "data": self.stream}
-        if self.settings.copy_rows:  # a resume keeps the copying rows (`_check_run_file`), so its checkpoints hold this
+        if self.copying is not None:  # a resume keeps copy_rows (`_check_run_file`), so its checkpoints hold this
             states["copying"] = self.copying
         states["trainer"] = self
         return Checkpointer(
@@ -433,7 +433,7 @@ class Pretrainer:
         (every rank reads the same stream and draws the same copying rows, so no state diverges)."""
         copies = self.settings.copy_rows
         batch = self._local_rows(self.stream.next_batch, self.settings.batch_size - copies)
-        if not copies:
+        if self.copying is None:
             return batch
         copying = self._local_rows(self.copying.next_batch, copies)
         return {key: torch.cat([value, copying[key]]) for key, value in batch.items()}
