@@ -119,8 +119,6 @@ def prepare_base(args: argparse.Namespace, workdir: Path, report: dict) -> str:
     settings = get_preset(args.preset).replace(**{key: value for key, value in overrides.items() if value is not None})
     settings = settings.replace(eval_every=settings.max_steps, save_every=settings.max_steps)
     report["pretrain_steps"] = settings.max_steps
-    report["copy_start_steps"] = settings.copy_start_steps
-    report["copy_rows"] = settings.copy_rows
     if args.base is not None:  # a base pretrained by an earlier run of this benchmark
         base_dir = str(args.base)
         report["base"] = base_dir
@@ -130,6 +128,8 @@ def prepare_base(args: argparse.Namespace, workdir: Path, report: dict) -> str:
             pretrainer = Pretrainer(str(corpus), str(workdir / "base"), settings, progress=False)
             pretrained = pretrainer.train()
         report["pretrain_val_loss"] = pretrained.val_loss
+        report["copy_start_steps"] = settings.copy_start_steps
+        report["copy_rows"] = settings.copy_rows
         report |= _copying_report(workdir / "base" / METRICS_FILE)
         report["split_digits"] = settings.tokenizer_split_digits
         corpus_rows = settings.batch_size - settings.copy_rows
@@ -225,7 +225,7 @@ def print_table(report: dict) -> None:
         start = report["copying_start"]
         copies = f"copies from step {start['copying_from']}" if start["copying_from"] else "does not copy yet"
         copying += f", copying start of {start['steps']} steps ({copies})"
-    if report.get("copy_rows"):
+    if report.get("copy_rows"):  # pretrained here, so its final copying loss is known
         copying += f", {report['copy_rows']} copying rows a batch (copying loss {report['copying_loss']:.3f})"
     print(
         f"preset {report['preset']} ({report['pretrain_steps']} steps on {report['corpus_cases']} case files"
