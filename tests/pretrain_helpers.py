@@ -30,6 +30,21 @@ MICRO = PretrainSettings(
 )
 
 
+def straight_and_resumed(corpus, tokenizer_dir, tmp_path, settings, resumed_settings=None):
+    """Trainers of one run trained straight through (in `straight`) and of the same run stopped after step 4 and
+    resumed by a new trainer (in `resumed`, with `resumed_settings` when given), both trained to the end."""
+    straight = Pretrainer(corpus, tmp_path / "straight", settings, tokenizer_path=tokenizer_dir)
+    straight.train()
+    resumed_settings = resumed_settings or settings
+    first = Pretrainer(corpus, tmp_path / "resumed", resumed_settings, tokenizer_path=tokenizer_dir)
+    assert first.train(until_step=4).status == "completed"
+    assert first.step == 4
+    resumed = Pretrainer(corpus, tmp_path / "resumed", resumed_settings, tokenizer_path=tokenizer_dir)
+    assert resumed.step == 4
+    resumed.train()
+    return straight, resumed
+
+
 def write_case_corpus(path: Path) -> Path:
     texts = [render_case_file(case) for case in generate_cases(120, seed=5)]
     path.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))

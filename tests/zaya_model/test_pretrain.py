@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 from compile_helpers import no_cpp_compiler
-from pretrain_helpers import MICRO, metrics, step_losses, train_rank
+from pretrain_helpers import MICRO, metrics, step_losses, straight_and_resumed, train_rank
 from safetensors.torch import load_file
 
 from zaya_cli.main import main
@@ -28,17 +28,8 @@ from zaya_model.training.checkpointer import Checkpointer, load_training_state
 
 @pytest.mark.parametrize("sharding", ["none", "fsdp"])  # save_pretrained + torch.save, or DCP checkpoints
 def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(corpus, tokenizer_dir, tmp_path, sharding):
-    straight = Pretrainer(corpus, tmp_path / "straight", MICRO, tokenizer_path=tokenizer_dir)
-    straight.train()
-
-    settings = MICRO.replace(sharding=sharding)
-    first = Pretrainer(corpus, tmp_path / "resumed", settings, tokenizer_path=tokenizer_dir)
-    assert first.train(until_step=4).status == "completed"  # step 4 is between checkpoints (every 3)
-    assert first.step == 4
-    second = Pretrainer(corpus, tmp_path / "resumed", settings, tokenizer_path=tokenizer_dir)
-    assert second.step == 4
-    second.train()
-
+    # Stopped at step 4, between checkpoints (every 3).
+    straight, second = straight_and_resumed(corpus, tokenizer_dir, tmp_path, MICRO, MICRO.replace(sharding=sharding))
     expected, got = step_losses(tmp_path / "straight"), step_losses(tmp_path / "resumed")
     assert sorted(got) == list(range(1, 7))
     for step in expected:

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from pretrain_helpers import MICRO, metrics, step_losses
+from pretrain_helpers import MICRO, metrics, step_losses, straight_and_resumed
 from pydantic import ValidationError
 from transformers import PreTrainedTokenizerFast
 
@@ -81,21 +81,13 @@ def test_bad_copying_settings_name_the_field(changes, field, message):
 
 def test_copying_rows_take_the_end_of_each_batch_and_a_resumed_run_draws_the_same(corpus, tokenizer_dir, tmp_path):
     settings = MICRO.replace(batch_size=3, copy_rows=1, copy_start_steps=3)
-    straight = Pretrainer(corpus, tmp_path / "straight", settings, tokenizer_path=tokenizer_dir)
-    batch = straight._next_local_batch()
+    batch = Pretrainer(corpus, tmp_path / "batch", settings, tokenizer_path=tokenizer_dir)._next_local_batch()
     assert batch["input_ids"].shape == (3, 32)
     assert (batch["position_ids"][2] == torch.arange(32)).all()  # the copying row: one sequence, positions from 0
     assert (batch["labels"][2] == IGNORE_INDEX).sum() > (batch["labels"][0] == IGNORE_INDEX).sum()
-    straight = Pretrainer(corpus, tmp_path / "straight2", settings, tokenizer_path=tokenizer_dir)
-    straight.train()
 
-    first = Pretrainer(corpus, tmp_path / "resumed", settings, tokenizer_path=tokenizer_dir)
-    first.train(until_step=4)  # evaluates and saves step 4
-    second = Pretrainer(corpus, tmp_path / "resumed", settings, tokenizer_path=tokenizer_dir)
-    assert second.step == 4
-    second.train()
-
-    expected, got = step_losses(tmp_path / "straight2"), step_losses(tmp_path / "resumed")
+    straight_and_resumed(corpus, tokenizer_dir, tmp_path, settings)  # the resumed run evaluates and saves step 4
+    expected, got = step_losses(tmp_path / "straight"), step_losses(tmp_path / "resumed")
     assert sorted(got) == list(range(1, 7))
     for step in expected:
         assert got[step] == pytest.approx(expected[step], abs=1e-6), step

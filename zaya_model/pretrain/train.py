@@ -443,9 +443,13 @@ class Pretrainer:
         batch = draw(rows * self.dist.world_size)
         return {key: value[self.dist.rank * rows : (self.dist.rank + 1) * rows] for key, value in batch.items()}
 
+    def _autocast(self):
+        """bf16 autocast where the run uses it (`autocast_dtype`), else nothing."""
+        return torch.autocast(self.device.type, dtype=self.autocast) if self.autocast else nullcontext()
+
     def _forward_loss(self, batch: dict[str, torch.Tensor], num_items: torch.Tensor) -> torch.Tensor:
         batch = {key: value.to(self.device) for key, value in batch.items()}
-        context = torch.autocast(self.device.type, dtype=self.autocast) if self.autocast else nullcontext()
+        context = self._autocast()
         with context:
             return self.model(**batch, use_cache=False, num_items_in_batch=num_items).loss
 
@@ -546,7 +550,7 @@ class Pretrainer:
             return None
         self.model.eval()
         total, count = 0.0, 0
-        context = torch.autocast(self.device.type, dtype=self.autocast) if self.autocast else nullcontext()
+        context = self._autocast()
         for start in range(0, len(self.validation), self.settings.batch_size):
             batch = rows_to_batch(self.validation[start : start + self.settings.batch_size])
             batch = {key: value.to(self.device) for key, value in batch.items()}
@@ -568,7 +572,7 @@ class Pretrainer:
         if self.copying_held_out is None:
             return None
         self.model.eval()
-        context = torch.autocast(self.device.type, dtype=self.autocast) if self.autocast else nullcontext()
+        context = self._autocast()
         with context:
             batch = {key: value.to(self.device) for key, value in self.copying_held_out.items()}
             loss = self.model(**batch, use_cache=False).loss.item()
