@@ -115,6 +115,7 @@ def prepare_base(args: argparse.Namespace, workdir: Path, report: dict) -> str:
         "tokenizer_split_digits": args.split_digits,
         "copy_start_steps": args.copy_start_steps,
         "copy_rows": args.copy_rows,
+        "seed": args.seed,
     }
     settings = get_preset(args.preset).replace(**{key: value for key, value in overrides.items() if value is not None})
     settings = settings.replace(eval_every=settings.max_steps, save_every=settings.max_steps)
@@ -130,6 +131,7 @@ def prepare_base(args: argparse.Namespace, workdir: Path, report: dict) -> str:
         report["pretrain_val_loss"] = pretrained.val_loss
         report["copy_start_steps"] = settings.copy_start_steps
         report["copy_rows"] = settings.copy_rows
+        report["seed"] = settings.seed
         report |= _copying_report(workdir / "base" / METRICS_FILE)
         report["split_digits"] = settings.tokenizer_split_digits
         corpus_rows = settings.batch_size - settings.copy_rows
@@ -251,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--copy-start-steps", type=int, metavar="N", help="copying start's cap (preset's)")
     parser.add_argument("--copy-rows", type=int, metavar="K", help="copying rows per batch (preset's)")
+    parser.add_argument("--seed", type=int, metavar="N", help="pretraining seed (preset's)")
     parser.add_argument("--train", type=int, default=600, metavar="N", help="training chats (default 600)")
     parser.add_argument("--valid", type=int, default=60, metavar="N", help="held-out chats (default 60)")
     parser.add_argument("--max-steps", type=int, metavar="N", help="cap each fine-tune's optimizer steps")

@@ -16,7 +16,18 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 def test_smoke_quality_benchmark_scores_base_lora_and_full(tmp_path):
     out = tmp_path / "results" / "quality.json"
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.quality_bench", "--smoke", "--variant", "ledger", "--out", str(out)],
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.quality_bench",
+            "--smoke",
+            "--variant",
+            "ledger",
+            "--seed",
+            "3",
+            "--out",
+            str(out),
+        ],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -42,6 +53,7 @@ def test_smoke_quality_benchmark_scores_base_lora_and_full(tmp_path):
     assert set(report["seconds"]) >= phases and set(report["cpu_seconds"]) == set(report["seconds"])
     for phase, seconds in report["cpu_seconds"].items():  # the idle estimate: CPU seconds over the threads
         assert math.isclose(report["seconds_idle_estimate"][phase], round(seconds / report["threads"], 1))
+    assert report["seed"] == 3  # the pretraining's, instead of the preset's 0
     assert report["variant"] == "ledger" and report["parameters"] > 0 and report["pretrain_tokens"] > 0
     # --smoke runs the copying start (2 steps) and a copying row in each batch
     assert report["copying_start"]["steps"] == 2 and report["copy_rows"] == 1 and report["copying_loss"] > 0
