@@ -70,6 +70,7 @@ def test_rows_follow_the_seed_and_a_saved_state_continues_them(tokenizer_dir, tm
         (dict(seq_len=16, copy_rows=1), "copy_rows", "seq_len >= 17"),
         (dict(seq_len=16, copy_start_steps=10), "copy_start_steps", "seq_len >= 17"),
         (dict(copy_rows=-1), "copy_rows", "greater than or equal to 0"),
+        (dict(copy_start_seq_len=16), "copy_start_seq_len", ">= 17 tokens"),
     ],
 )
 def test_bad_copying_settings_name_the_field(changes, field, message):
@@ -135,6 +136,28 @@ def test_copying_start_that_runs_out_warns_and_training_goes_on(corpus, tokenize
     [start] = [e for e in metrics(tmp_path / "run") if e.get("event") == "copying_start"]
     assert start["steps"] == 4 and start["copying_from"] is None and start["copying_loss"] > 1.0
     assert "warning" in seen
+
+
+def test_copying_start_rows_are_copy_start_seq_len_long_and_held_out_rows_seq_len(
+    corpus, tokenizer_dir, tmp_path, monkeypatch
+):
+    shapes = []
+
+    class Recorded(CopyingRows):
+        def next_batch(self, rows):
+            batch = super().next_batch(rows)
+            shapes.append(tuple(batch["input_ids"].shape))
+            return batch
+
+    monkeypatch.setattr(pretrain_train, "CopyingRows", Recorded)
+    settings = MICRO.replace(seq_len=64, copy_start_seq_len=24, copy_start_steps=3, max_steps=1)
+    Pretrainer(corpus, tmp_path / "run", settings, tokenizer_path=tokenizer_dir).train()
+    assert shapes.count((settings.batch_size, 24)) == 3  # the start's steps
+    assert (settings.batch_size, 64) in shapes and set(shapes) == {(settings.batch_size, 24), (settings.batch_size, 64)}
+    shapes.clear()
+    longer = MICRO.replace(copy_start_seq_len=128, copy_start_steps=2, max_steps=1)  # capped at seq_len (32)
+    Pretrainer(corpus, tmp_path / "capped", longer, tokenizer_path=tokenizer_dir).train()
+    assert set(shapes) == {(longer.batch_size, longer.seq_len)}
 
 
 def test_copying_start_changes_the_model_before_step_zero(corpus, tokenizer_dir, tmp_path):

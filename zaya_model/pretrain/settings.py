@@ -73,6 +73,11 @@ class PretrainSettings(BaseModel):
         description="copying start: before the corpus, train on copying rows alone until the model copies (loss "
         "under 1 nat, then 50 steps more), at most this many steps (0: none)",
     )
+    copy_start_seq_len: Positive = Field(
+        128,
+        description="the copying start's row length (at most seq_len): its blocks repeat within 64 tokens, and the "
+        "steps it takes hardly depend on the row length, but each step's time does",
+    )
     copy_rows: Annotated[int, Field(ge=0)] = Field(
         0, description="rows of each micro-batch that are copying rows instead of corpus rows (keeps the model copying)"
     )
@@ -123,6 +128,15 @@ class PretrainSettings(BaseModel):
         seq_len = info.data.get("seq_len")
         if value and seq_len is not None and seq_len < MIN_SEQ_LEN:
             raise PydanticCustomError("too_short", "copying rows need seq_len >= {minimum}", {"minimum": MIN_SEQ_LEN})
+        return value
+
+    @field_validator("copy_start_seq_len")
+    @classmethod
+    def _start_rows_hold_a_repeated_block(cls, value: int) -> int:
+        from .copying import MIN_SEQ_LEN
+
+        if value < MIN_SEQ_LEN:
+            raise PydanticCustomError("too_short", "copying rows need >= {minimum} tokens", {"minimum": MIN_SEQ_LEN})
         return value
 
     @property

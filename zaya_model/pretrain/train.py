@@ -588,11 +588,12 @@ class Pretrainer:
 
     def _copying_start(self) -> bool:
         """Train on copying rows alone until the model copies (`copying.py`): until the mean loss of the last 10
-        steps falls under COPIED_LOSS, then STEPS_AFTER_COPYING steps more, at most `copy_start_steps`. Rows of the
-        run's batch shape, AdamW at the peak learning rate without decay, whose state is dropped afterwards. Not
-        checkpointed: it is deterministic from the seed, so a run stopped during it (False) starts it again."""
+        steps falls under COPIED_LOSS, then STEPS_AFTER_COPYING steps more, at most `copy_start_steps`. The run's
+        batch size in rows `copy_start_seq_len` long (at most seq_len), AdamW at the peak learning rate without
+        decay, whose state is dropped afterwards. Not checkpointed: it is deterministic from the seed, so a run
+        stopped during it (False) starts it again."""
         settings = self.settings
-        rows = CopyingRows(self.tokenizer, settings.seq_len, seed=settings.seed + 1)
+        rows = CopyingRows(self.tokenizer, min(settings.seq_len, settings.copy_start_seq_len), seed=settings.seed + 1)
         optimizer = torch.optim.AdamW(self.parameters, lr=settings.lr, weight_decay=0.0)
         recent: deque[float] = deque(maxlen=10)
         copying_from: int | None = None
