@@ -449,8 +449,7 @@ class Pretrainer:
 
     def _forward_loss(self, batch: dict[str, torch.Tensor], num_items: torch.Tensor) -> torch.Tensor:
         batch = {key: value.to(self.device) for key, value in batch.items()}
-        context = self._autocast()
-        with context:
+        with self._autocast():
             return self.model(**batch, use_cache=False, num_items_in_batch=num_items).loss
 
     def _backward(self, batches: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -550,12 +549,11 @@ class Pretrainer:
             return None
         self.model.eval()
         total, count = 0.0, 0
-        context = self._autocast()
         for start in range(0, len(self.validation), self.settings.batch_size):
             batch = rows_to_batch(self.validation[start : start + self.settings.batch_size])
             batch = {key: value.to(self.device) for key, value in batch.items()}
             labels = batch.pop("labels")
-            with context:
+            with self._autocast():
                 logits = self.model(**batch, use_cache=False).logits.float()
             targets = labels[:, 1:]
             total += torch.nn.functional.cross_entropy(
@@ -572,8 +570,7 @@ class Pretrainer:
         if self.copying_held_out is None:
             return None
         self.model.eval()
-        context = self._autocast()
-        with context:
+        with self._autocast():
             batch = {key: value.to(self.device) for key, value in self.copying_held_out.items()}
             loss = self.model(**batch, use_cache=False).loss.item()
         self.model.train()
