@@ -8,9 +8,11 @@ forgets it (`benchmarks/RESULTS.md`, "What was tried for copying"). Two pretrain
 - a copying start (`copy_start_steps`): the run first trains on copying rows alone until the model copies;
 - copying rows in every batch (`copy_rows`): they keep it copying through the corpus steps.
 
-Blocks are 8 to 64 tokens long (shorter blocks shorten the plateau: `benchmarks.copy_probe induction`), drawn from
-the tokenizer's ordinary tokens; a row is BOS and as many blocks with their repeats as fit, positions from 0. The
-rows come from a seeded RNG whose state `state_dict()` saves, so a resumed run draws the same rows.
+Blocks are 8 to 32 tokens long, drawn from the tokenizer's ordinary tokens: shorter blocks shorten the plateau
+(`benchmarks.copy_probe induction`), and with blocks of up to 64 the start did not copy within 1,500 steps on some
+seeds where blocks of up to 32 copied within 900 (`benchmarks/RESULTS.md`, "Shorter copying blocks"). A row is BOS
+and as many blocks with their repeats as fit, positions from 0. The rows come from a seeded RNG whose state
+`state_dict()` saves, so a resumed run draws the same rows.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from .corpus import IGNORE_INDEX, as_rng_state
 
 MIN_BLOCK = 8
-MAX_BLOCK = 64
+MAX_BLOCK = 32
 MIN_SEQ_LEN = 2 * MIN_BLOCK + 1  # BOS and one block with its repeat
 COPIED_LOSS = 1.0  # nats: far below ln(vocabulary), the loss of a model that does not copy
 STEPS_AFTER_COPYING = 50  # the copying start goes on this long once the model copies, so the skill settles

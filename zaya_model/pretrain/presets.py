@@ -74,8 +74,9 @@ PRESETS: dict[str, PretrainSettings] = {
     # The same rows for a base that copies values from its context (`copying.py`): `tiny` with twice the experts, a
     # copying start, then 2 copying rows in every batch, read for 2.2M corpus tokens. Its LoRA fine-tunes write the
     # whole answer, the case's values included, for 65-82% of held-out cases (`cpu`'s: 50%) and get 78-93% of the
-    # dispositions right (`cpu`'s: 93-100%); benchmarks/RESULTS.md, "Copying in `zaya pretrain`". At `cpu`'s width the
-    # copying bases got fewer dispositions right still (70-85%), and one seed's start did not copy in 1,500 steps.
+    # dispositions right (`cpu`'s: 93-100%); benchmarks/RESULTS.md, "Copying in `zaya pretrain`" (copying blocks of up
+    # to 32 tokens, two seeds: 68-80% and 83-87%). At `cpu`'s width the copying bases got fewer dispositions right
+    # still (70-85%); one seed's start did not copy in 1,500 steps with blocks of up to 64, and from step 875 with 32.
     "cpu-copy": _CPU.replace(
         model=_TINY.model | dict(num_experts=8), max_steps=700, copy_start_steps=1500, copy_rows=2
     ),

@@ -75,7 +75,7 @@ class PretrainSettings(BaseModel):
     )
     copy_start_seq_len: Positive = Field(
         128,
-        description="the copying start's row length (at most seq_len): its blocks repeat within 64 tokens, and the "
+        description="the copying start's row length (at most seq_len): its blocks repeat within 32 tokens, and the "
         "steps it takes hardly depend on the row length, but each step's time does",
     )
     copy_rows: Annotated[int, Field(ge=0)] = Field(
