@@ -10,7 +10,7 @@ forgets it (`benchmarks/RESULTS.md`, "What was tried for copying"). Two pretrain
 
 Blocks are 8 to 32 tokens long, drawn from the tokenizer's ordinary tokens: shorter blocks shorten the plateau
 (`benchmarks.copy_probe induction`), and with blocks of up to 64 the start did not copy within 1,500 steps on some
-seeds where blocks of up to 32 copied within 900 (`benchmarks/RESULTS.md`, "Shorter copying blocks"). A row is BOS
+seeds where blocks of up to 32 copied within 900 (`benchmarks/RESULTS.md`, "shorter copying blocks"). A row is BOS
 and as many blocks with their repeats as fit, positions from 0. The rows come from a seeded RNG whose state
 `state_dict()` saves, so a resumed run draws the same rows.
 """
