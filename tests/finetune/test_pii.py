@@ -118,13 +118,22 @@ def _fastest_scan(text: str) -> float:
     return min(timings)
 
 
+def _ordinary_line(length: int) -> str:
+    """Text dense with PII and look-alikes: every positive and negative above, repeated to `length` characters."""
+    sentence = " ".join([*POSITIVES.values(), *NEGATIVES]) + " "
+    return (sentence * (length // len(sentence) + 1))[:length]
+
+
 @pytest.mark.parametrize("shape", HOSTILE_LINES)
 def test_hostile_lines_scan_in_linear_time(shape):
     build = HOSTILE_LINES[shape]
     small, large = _fastest_scan(build(12_500)), _fastest_scan(build(50_000))
     # 4x the text: linear is 4x the time, the quadratic patterns were 16x; the constant absorbs timer noise.
     assert large < 8 * small + 0.05, (shape, small, large)
-    assert large < 2.0, (shape, large)
+    # No dearer than ordinary text of the same length by more than a constant factor. Both are timed in this test, so
+    # a loaded machine slows them alike.
+    ordinary = _fastest_scan(_ordinary_line(50_000))
+    assert large < 10 * ordinary + 0.05, (shape, ordinary, large)
 
 
 def test_phone_candidates_scan_in_linear_time():
