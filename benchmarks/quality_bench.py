@@ -8,7 +8,10 @@ Run: `python -m benchmarks.quality_bench [--smoke] [--out benchmarks/results/qua
 3. `zaya data sample`'s chats: `--train` disposition chats and `--valid` held-out ones (other cases);
 4. the base model, then a LoRA and a full fine-tune with every setting left at its default ("auto" epochs, batch
    size and learning rate, `finetune.auto`), each scored on the held-out chats by `finetune.evaluate`: teacher-forced
-   loss, greedy answers' exact match and their `Disposition` accuracy.
+   loss, greedy answers' exact match and their `Disposition` accuracy;
+5. each model's disposition on `--threshold-chats` more held-out chats whose only red flag is the sanctions hit, SAR
+   and ESCALATE in turn (`generate_threshold_chats`): whether it reads the similarity's 0.90 threshold, which the
+   held-out chats test on a dozen cases.
 
 `--copy-start-steps N` and `--copy-rows K` set the pretraining's copying start and copying rows
 (`zaya_model/pretrain/copying.py`) instead of the preset's; the report holds the step the start copied from and the
@@ -42,6 +45,7 @@ from benchmarks import environment
 
 DEFAULT_OUT = environment.default_out("quality_bench")
 METHODS = ("lora", "full")
+THRESHOLD_SEED = 1_000  # far from the seeds `zaya data sample` gives its chats (1 and 2 + its seed)
 
 
 def cpu_seconds() -> float:
@@ -74,6 +78,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
         "bare_corpus": args.bare_corpus,
         "n_train": args.train,
         "n_valid": args.valid,
+        "n_threshold": args.threshold_chats,
         "variant": args.variant,
         "validation_variant": args.validation_variant,
         "seconds": {},
@@ -91,17 +96,43 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
         validation_variant=args.validation_variant,
     )
     train_file, valid_file = files["train.jsonl"]["path"], files["validation.jsonl"]["path"]
+    threshold_file = write_threshold_chats(args, workdir / "data" / "threshold.jsonl")
     if not args.skip_base:
         with timed(report, "evaluate_base"):
             report["models"]["base"] = _scores(evaluate_model(base_dir, valid_file))
+        with timed(report, "threshold_base"):
+            report["models"]["base"]["threshold_accuracy"] = _threshold_accuracy(base_dir, threshold_file)
     for method in args.methods:
         report["models"][method] = finetune_and_evaluate(
-            method, args, base_dir, train_file, valid_file, workdir, report
+            method, args, base_dir, (train_file, valid_file, threshold_file), workdir, report
         )
     report["seconds"]["total"] = round(time.monotonic() - started, 1)
     report["cpu_seconds"]["total"] = round(cpu_seconds() - started_cpu, 1)
     report["seconds_idle_estimate"]["total"] = round(report["cpu_seconds"]["total"] / report["threads"], 1)
     return report
+
+
+def write_threshold_chats(args: argparse.Namespace, path: Path) -> str:
+    """The sanctions-threshold chats, worded as the held-out ones (another seed than the sample's chats)."""
+    from finetune.datasets.styles import get_style
+    from finetune.datasets.synthetic import generate_threshold_chats
+    from zaya_model.training.atomic_io import write_text_atomic
+
+    style = get_style(args.variant)
+    held_out_style = style if args.validation_variant is None else get_style(args.validation_variant)
+    chats = generate_threshold_chats(
+        args.threshold_chats, seed=THRESHOLD_SEED, style=held_out_style, answer_style=style
+    )
+    write_text_atomic(path, "".join(json.dumps(chat) + "\n" for chat in chats))
+    return str(path)
+
+
+def _threshold_accuracy(model_dir: str, threshold_file: str, adapter_dir: str | None = None) -> float:
+    from finetune.evaluate import evaluate_model
+
+    return evaluate_model(model_dir, threshold_file, adapter_dir=adapter_dir)["task_evaluation"]["fields"][
+        "Disposition"
+    ]["accuracy"]
 
 
 def prepare_base(args: argparse.Namespace, workdir: Path, report: dict) -> str:
@@ -119,11 +150,11 @@ def prepare_base(args: argparse.Namespace, workdir: Path, report: dict) -> str:
     }
     settings = get_preset(args.preset).replace(**{key: value for key, value in overrides.items() if value is not None})
     settings = settings.replace(eval_every=settings.max_steps, save_every=settings.max_steps)
-    report["pretrain_steps"] = settings.max_steps
-    if args.base is not None:  # a base pretrained by an earlier run of this benchmark
+    if args.base is not None:  # a base pretrained by an earlier run of this benchmark: its run says how
         base_dir = str(args.base)
-        report["base"] = base_dir
+        report["base"], report["preset"], report["corpus_cases"] = base_dir, None, None
     else:
+        report["pretrain_steps"] = settings.max_steps
         corpus = write_corpus(workdir / "corpus.jsonl", args.corpus, closed=not args.bare_corpus, variant=args.variant)
         with timed(report, "pretrain"):
             pretrainer = Pretrainer(str(corpus), str(workdir / "base"), settings, progress=False)
@@ -155,9 +186,10 @@ def _copying_report(metrics_path: Path) -> dict:
 
 
 def finetune_and_evaluate(
-    method: str, args: argparse.Namespace, base_dir: str, train_file: str, valid_file: str, workdir: Path, report: dict
+    method: str, args: argparse.Namespace, base_dir: str, data: tuple[str, str, str], workdir: Path, report: dict
 ) -> dict:
-    """Fine-tune the base with `method` and score the result on the validation file (timed in the report)."""
+    """Fine-tune the base with `method` on the training file of `data` and score the result on its validation and
+    threshold files (timed in the report)."""
     from finetune.evaluate import evaluate_model
     from finetune.run import FineTuneRun, run_finetune
     from finetune.settings import FineTuneSettings
@@ -175,6 +207,7 @@ def finetune_and_evaluate(
     if args.max_steps is not None:
         options["max_steps"] = args.max_steps
     hooks = Resolved()
+    train_file, valid_file, threshold_file = data
     run_config = FineTuneRun(
         base_dir, train_file, str(workdir / method), settings=FineTuneSettings.from_options(**options)
     )
@@ -183,10 +216,14 @@ def finetune_and_evaluate(
     if result.output_dir is None:
         raise SystemExit(f"fine-tuning ({method}) ended {result.status}, with no model to evaluate")
     adapter = result.output_dir if method == "lora" else None
+    model_dir = base_dir if adapter else result.output_dir
     with timed(report, f"evaluate_{method}"):
-        scores = evaluate_model(base_dir if adapter else result.output_dir, valid_file, adapter_dir=adapter)
+        scores = evaluate_model(model_dir, valid_file, adapter_dir=adapter)
+    with timed(report, f"threshold_{method}"):
+        threshold = _threshold_accuracy(model_dir, threshold_file, adapter)
     return {
         **_scores(scores),
+        "threshold_accuracy": threshold,
         "hyperparameters": hooks.hyperparameters,
         "steps": result.metrics.get("step"),
         "train_loss": result.metrics.get("train_loss"),
@@ -204,7 +241,19 @@ def _scores(evaluation: dict) -> dict:
 
 
 def print_table(report: dict) -> None:
-    rows = [("model", "held-out loss", "token accuracy", "disposition", "exact match", "epochs", "batch", "lr")]
+    rows = [
+        (
+            "model",
+            "held-out loss",
+            "token accuracy",
+            "disposition",
+            "exact match",
+            "sanctions threshold",
+            "epochs",
+            "batch",
+            "lr",
+        )
+    ]
     for name, scores in report["models"].items():
         hyper = scores.get("hyperparameters", {})
         rows.append(
@@ -214,6 +263,7 @@ def print_table(report: dict) -> None:
                 f"{scores['token_accuracy']:.3f}",
                 f"{scores['disposition_accuracy']:.3f}",
                 f"{scores['exact_match']:.3f}",
+                f"{scores['threshold_accuracy']:.3f}",
                 str(hyper.get("n_epochs", "")),
                 str(hyper.get("batch_size", "")),
                 f"{hyper['learning_rate']:.2e}" if "learning_rate" in hyper else "",
@@ -229,10 +279,15 @@ def print_table(report: dict) -> None:
         copying += f", copying start of {start['steps']} steps ({copies})"
     if report.get("copy_rows"):  # pretrained here, so its final copying loss is known
         copying += f", {report['copy_rows']} copying rows a batch (copying loss {report['copying_loss']:.3f})"
+    if report.get("base"):
+        base = f"base {report['base']}"
+    else:
+        base = (
+            f"preset {report['preset']} ({report['pretrain_steps']} steps on {report['corpus_cases']} case files"
+            f"{', digits split' if report.get('split_digits') else ''}{copying})"
+        )
     print(
-        f"preset {report['preset']} ({report['pretrain_steps']} steps on {report['corpus_cases']} case files"
-        f"{', digits split' if report.get('split_digits') else ''}{copying}), "
-        f"variant {report['variant']}, {report['n_train']} training chats, {report['n_valid']} held-out; "
+        f"{base}, variant {report['variant']}, {report['n_train']} training chats, {report['n_valid']} held-out; "
         f"wall clock: {seconds}; idle estimate (CPU s / {report['threads']} threads): {idle}"
     )
 
@@ -256,6 +311,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, metavar="N", help="pretraining seed (preset's)")
     parser.add_argument("--train", type=int, default=600, metavar="N", help="training chats (default 600)")
     parser.add_argument("--valid", type=int, default=60, metavar="N", help="held-out chats (default 60)")
+    parser.add_argument(
+        "--threshold-chats",
+        type=int,
+        default=120,
+        metavar="N",
+        help="held-out chats whose disposition is the sanctions threshold alone (default 120)",
+    )
     parser.add_argument("--max-steps", type=int, metavar="N", help="cap each fine-tune's optimizer steps")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--base", type=Path, help="skip pretraining: fine-tune this base (an earlier run's)")
@@ -269,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, help="keep the corpus, models and data here (default: a temp dir)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON report (default {DEFAULT_OUT})")
     args = parser.parse_args(argv)
+    if args.threshold_chats < 2:
+        parser.error("--threshold-chats: at least 2 (SAR and ESCALATE in turn)")
     from finetune.datasets.styles import get_style
 
     for flag, variant in (("--variant", args.variant), ("--validation-variant", args.validation_variant)):
@@ -280,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.preset, args.corpus, args.pretrain_steps = "cpu", 40, 2
         args.copy_start_steps, args.copy_rows = 2, 1
-        args.train, args.valid, args.max_steps = 6, 3, 2
+        args.train, args.valid, args.threshold_chats, args.max_steps = 6, 3, 2, 2
 
     from zaya_model.training.runtime import prepare_training_process
 

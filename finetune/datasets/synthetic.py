@@ -163,6 +163,22 @@ def generate_chat_examples(
     return examples
 
 
+def generate_threshold_chats(
+    n: int, seed: int = 0, style: Style = STANDARD, answer_style: Style | None = None
+) -> list[dict[str, Any]]:
+    """`n` disposition chats whose cases have the sanctions hit as their only red flag, SAR and ESCALATE in turn:
+    the disposition comes down to whether the similarity is 0.90 or more, and nothing else in the case tells."""
+    rng = random.Random(seed)
+    examples = []
+    for index in range(n):
+        disposition = ("SAR", "ESCALATE")[index % 2]
+        case = generate_case(rng, disposition, index)
+        while case.red_flags != ["sanctions_near_match"]:
+            case = generate_case(rng, disposition, index)
+        examples.append(case_to_chat(case, "disposition", style, answer_style))
+    return examples
+
+
 def case_to_chat(case: Case, task: str, style: Style = STANDARD, answer_style: Style | None = None) -> dict[str, Any]:
     """A chat whose user message holds the case file in `style` and whose answer is worded in `answer_style`
     (default: `style`), quoting values as the case file prints them."""

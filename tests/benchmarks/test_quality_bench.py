@@ -25,6 +25,8 @@ def test_smoke_quality_benchmark_scores_base_lora_and_full(tmp_path):
             "ledger",
             "--seed",
             "3",
+            "--workdir",
+            str(tmp_path / "work"),
             "--out",
             str(out),
         ],
@@ -38,7 +40,7 @@ def test_smoke_quality_benchmark_scores_base_lora_and_full(tmp_path):
     assert list(report["models"]) == ["base", "lora", "full"]
     for scores in report["models"].values():
         assert math.isfinite(scores["loss"]) and scores["loss"] > 0
-        for name in ("token_accuracy", "exact_match", "disposition_accuracy"):
+        for name in ("token_accuracy", "exact_match", "disposition_accuracy", "threshold_accuracy"):
             assert 0 <= scores[name] <= 1
     for method in ("lora", "full"):
         hyper = report["models"][method]["hyperparameters"]
@@ -49,18 +51,47 @@ def test_smoke_quality_benchmark_scores_base_lora_and_full(tmp_path):
         report["models"]["lora"]["hyperparameters"]["learning_rate"],
         10 * report["models"]["full"]["hyperparameters"]["learning_rate"],
     )
-    phases = {"pretrain", "evaluate_base", "finetune_lora", "finetune_full", "total"}
+    phases = {
+        "pretrain",
+        "evaluate_base",
+        "threshold_base",
+        "finetune_lora",
+        "threshold_lora",
+        "threshold_full",
+        "total",
+    }
     assert set(report["seconds"]) >= phases and set(report["cpu_seconds"]) == set(report["seconds"])
     for phase, seconds in report["cpu_seconds"].items():  # the idle estimate: CPU seconds over the threads
         assert math.isclose(report["seconds_idle_estimate"][phase], round(seconds / report["threads"], 1))
     assert report["seed"] == 3  # the pretraining's, instead of the preset's 0
     assert report["variant"] == "ledger" and report["parameters"] > 0 and report["pretrain_tokens"] > 0
+    assert report["n_threshold"] == 2  # --smoke's sanctions-threshold chats, one SAR and one ESCALATE
     # --smoke runs the copying start (2 steps) and a copying row in each batch
     assert report["copying_start"]["steps"] == 2 and report["copy_rows"] == 1 and report["copying_loss"] > 0
     table = done.stdout
-    assert "disposition" in table and "exact match" in table and f"{report['models']['base']['loss']:.3f}" in table
+    assert (
+        "disposition" in table
+        and "exact match" in table
+        and "sanctions threshold" in table
+        and f"{report['models']['base']['loss']:.3f}" in table
+    )
     assert "variant ledger" in table and "idle estimate" in table
     assert "copying start of 2 steps (does not copy yet), 1 copying rows a batch" in table
+    # A base from that run, fine-tuned again: the report names it instead of a preset it did not come from.
+    again = tmp_path / "again.json"
+    reused = subprocess.run(
+        [sys.executable, "-m", "benchmarks.quality_bench", "--smoke", "--base", str(tmp_path / "work" / "base")]
+        + ["--methods", "lora", "--skip-base", "--out", str(again)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert reused.returncode == 0, reused.stdout[-2000:] + reused.stderr[-3000:]
+    report = json.loads(again.read_text())
+    assert list(report["models"]) == ["lora"] and 0 <= report["models"]["lora"]["threshold_accuracy"] <= 1
+    assert report["preset"] is None and report["base"] == str(tmp_path / "work" / "base")
+    assert f"base {tmp_path / 'work' / 'base'}, variant standard" in reused.stdout
     refused = subprocess.run(
         [sys.executable, "-m", "benchmarks.quality_bench", "--smoke", "--variant", "prose"],
         cwd=REPO_ROOT,
@@ -68,3 +99,10 @@ def test_smoke_quality_benchmark_scores_base_lora_and_full(tmp_path):
         text=True,
     )
     assert refused.returncode == 2 and "--variant: unknown variant 'prose'" in refused.stderr
+    too_few = subprocess.run(
+        [sys.executable, "-m", "benchmarks.quality_bench", "--threshold-chats", "1"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert too_few.returncode == 2 and "--threshold-chats: at least 2" in too_few.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from finetune.datasets.synthetic import (
     explain_disposition,
     generate_cases,
     generate_chat_examples,
+    generate_threshold_chats,
     parse_disposition,
     render_case_file,
 )
@@ -57,6 +59,26 @@ def test_generation_is_seeded_and_balanced():
     cases = generate_cases(60, seed=1)
     assert [case.disposition for case in cases].count("SAR") == 20
     assert all(decide_disposition(case) == DISPOSITIONS[index % 3] for index, case in enumerate(cases))
+
+
+def test_threshold_chats_turn_on_the_sanctions_similarity_alone():
+    chats = generate_threshold_chats(40, seed=5)
+    assert chats == generate_threshold_chats(40, seed=5) and chats != generate_threshold_chats(40, seed=6)
+    answers = [chat["messages"][-1]["content"] for chat in chats]
+    assert [parse_disposition(answer) for answer in answers] == ["SAR", "ESCALATE"] * 20
+    for chat, answer in zip(chats, answers, strict=True):
+        # The only reason is the sanctions hit, and the case file's similarity is the one the answer quotes.
+        reason = re.fullmatch(
+            r"Disposition: (SAR|ESCALATE)\n"
+            r"Reason: the customer's name is a (0\.\d\d) (near-)?match to a sanctions list entry\.",
+            answer,
+        )
+        assert reason is not None, answer
+        disposition, score, near = reason.groups()
+        assert f"similarity {score}" in chat["messages"][1]["content"]
+        assert (disposition == "SAR") == (float(score) >= 0.90) == (near is None)
+    ledger = generate_threshold_chats(4, seed=5, style=get_style("ledger"))
+    assert [chat["messages"][-1]["content"] for chat in ledger] != answers[:4]
 
 
 def test_disposition_answers_carry_the_label():
