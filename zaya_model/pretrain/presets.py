@@ -68,8 +68,9 @@ PRESETS: dict[str, PretrainSettings] = {
     # and its chat wrapping (~250-500 tokens), so the model learns to attend as far back as a fine-tuning example
     # reaches (`tiny`'s 128-token rows never train attention beyond 128 tokens). `tiny` twice as wide with twice the
     # experts, read for 1.4M tokens: of the shapes in benchmarks/RESULTS.md's quality table, the one whose fine-tunes
-    # get every held-out disposition right with pretraining, a fine-tune and its evaluation within 30 minutes on 2
-    # cores. `benchmarks/quality_bench.py` pretrains it on the synthetic bank corpus and fine-tunes it.
+    # got every held-out disposition right with pretraining, a fine-tune and its evaluation within 30 minutes on 2
+    # cores, in the seeds whose base learnt the sanctions threshold (seed 0 did; one seed-1 base did not, and its
+    # fine-tune got 82%). `benchmarks/quality_bench.py` pretrains it on the synthetic bank corpus and fine-tunes it.
     "cpu": _CPU,
     # The same rows for a base that copies values from its context (`copying.py`): `tiny` with twice the experts, a
     # copying start, then 2 copying rows in every batch, read for 2.2M corpus tokens. Its LoRA fine-tunes write the
