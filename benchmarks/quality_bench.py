@@ -128,11 +128,11 @@ def write_threshold_chats(args: argparse.Namespace, path: Path) -> str:
 
 
 def _threshold_accuracy(model_dir: str, threshold_file: str, adapter_dir: str | None = None) -> float:
-    from finetune.evaluate import evaluate_model
+    """The greedy answers' disposition accuracy on the threshold chats (no teacher-forced pass: only answers count)."""
+    from finetune.evaluate import evaluate_file, load_model
 
-    return evaluate_model(model_dir, threshold_file, adapter_dir=adapter_dir)["task_evaluation"]["fields"][
-        "Disposition"
-    ]["accuracy"]
+    model, tokenizer = load_model(model_dir, adapter_dir)
+    return evaluate_file(model, tokenizer, threshold_file)["fields"]["Disposition"]["accuracy"]
 
 
 def prepare_base(args: argparse.Namespace, workdir: Path, report: dict) -> str:

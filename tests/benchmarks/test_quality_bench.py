@@ -12,27 +12,21 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow
-def test_smoke_quality_benchmark_scores_base_lora_and_full(tmp_path):
-    out = tmp_path / "results" / "quality.json"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.quality_bench",
-            "--smoke",
-            "--variant",
-            "ledger",
-            "--seed",
-            "3",
-            "--workdir",
-            str(tmp_path / "work"),
-            "--out",
-            str(out),
-        ],
+def run_quality_bench(*arguments: str, timeout: float | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks.quality_bench", *arguments],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.slow
+def test_smoke_quality_benchmark_scores_base_lora_and_full(tmp_path):
+    out = tmp_path / "results" / "quality.json"
+    done = run_quality_bench(
+        *("--smoke", "--variant", "ledger", "--seed", "3", "--workdir", str(tmp_path / "work"), "--out", str(out)),
         timeout=400,  # ~20-40 s on 2 loaded cores
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
@@ -79,12 +73,17 @@ def test_smoke_quality_benchmark_scores_base_lora_and_full(tmp_path):
     assert "copying start of 2 steps (does not copy yet), 1 copying rows a batch" in table
     # A base from that run, fine-tuned again: the report names it instead of a preset it did not come from.
     again = tmp_path / "again.json"
-    reused = subprocess.run(
-        [sys.executable, "-m", "benchmarks.quality_bench", "--smoke", "--base", str(tmp_path / "work" / "base")]
-        + ["--methods", "lora", "--skip-base", "--out", str(again)],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
+    reused = run_quality_bench(
+        *(
+            "--smoke",
+            "--base",
+            str(tmp_path / "work" / "base"),
+            "--methods",
+            "lora",
+            "--skip-base",
+            "--out",
+            str(again),
+        ),
         timeout=400,
     )
     assert reused.returncode == 0, reused.stdout[-2000:] + reused.stderr[-3000:]
@@ -92,17 +91,7 @@ def test_smoke_quality_benchmark_scores_base_lora_and_full(tmp_path):
     assert list(report["models"]) == ["lora"] and 0 <= report["models"]["lora"]["threshold_accuracy"] <= 1
     assert report["preset"] is None and report["base"] == str(tmp_path / "work" / "base")
     assert f"base {tmp_path / 'work' / 'base'}, variant standard" in reused.stdout
-    refused = subprocess.run(
-        [sys.executable, "-m", "benchmarks.quality_bench", "--smoke", "--variant", "prose"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-    )
+    refused = run_quality_bench("--smoke", "--variant", "prose")
     assert refused.returncode == 2 and "--variant: unknown variant 'prose'" in refused.stderr
-    too_few = subprocess.run(
-        [sys.executable, "-m", "benchmarks.quality_bench", "--threshold-chats", "1"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-    )
+    too_few = run_quality_bench("--threshold-chats", "1")
     assert too_few.returncode == 2 and "--threshold-chats: at least 2" in too_few.stderr
