@@ -107,8 +107,9 @@ def decide_disposition(case: Case) -> str:
     return "SAR" if len(flags) >= 2 else "ESCALATE" if flags else "CLOSE"
 
 
-def generate_case(rng: random.Random, disposition: str | None = None, index: int = 0) -> Case:
-    """One case whose facts lead to `disposition` (random when None) under the documented rules."""
+def generate_case(rng: random.Random, disposition: str | None = None, number: int = 0) -> Case:
+    """One case whose facts lead to `disposition` (random when None) under the documented rules; `number` is the
+    case id's serial."""
     target = disposition or rng.choice(DISPOSITIONS)
     if target not in DISPOSITIONS:
         raise ValueError(f"unknown disposition {target!r} (expected one of {', '.join(DISPOSITIONS)})")
@@ -127,7 +128,7 @@ def generate_case(rng: random.Random, disposition: str | None = None, index: int
         confirmed = target == "SAR" and len(flags) == 1
         sanctions_score = round(rng.uniform(0.90, 0.98) if confirmed else rng.uniform(0.75, 0.89), 2)
     case = Case(
-        case_id=f"CASE-{start.year}-{index:05d}",
+        case_id=f"CASE-{start.year}-{number:05d}",
         customer_name=f"{rng.choice(_FIRST_NAMES)} {rng.choice(_LAST_NAMES)}",
         occupation=rng.choice(_OCCUPATIONS),
         customer_since=start - datetime.timedelta(days=rng.randrange(200, 4000)),
@@ -140,10 +141,20 @@ def generate_case(rng: random.Random, disposition: str | None = None, index: int
     return case
 
 
+def case_numbers(n: int, seed: int = 0) -> list[int]:
+    """The id serials of a file of `n` cases: 0 to n - 1 shuffled by a stream of their own (the cases' other bytes
+    stay as they are). The generators cycle the disposition with a case's position, so a serial that followed the
+    position would give its label away, and a held-out case would share its id and label with a training case."""
+    numbers = list(range(n))
+    random.Random(f"case numbers {seed}").shuffle(numbers)
+    return numbers
+
+
 def generate_cases(n: int, seed: int = 0) -> list[Case]:
     """`n` cases cycling through the three dispositions, so the labels are balanced."""
     rng = random.Random(seed)
-    return [generate_case(rng, DISPOSITIONS[index % len(DISPOSITIONS)], index) for index in range(n)]
+    numbers = enumerate(case_numbers(n, seed))
+    return [generate_case(rng, DISPOSITIONS[index % len(DISPOSITIONS)], number) for index, number in numbers]
 
 
 def generate_chat_examples(
@@ -156,10 +167,10 @@ def generate_chat_examples(
         raise ValueError(f"tasks must be a non-empty subset of {TASKS}, got {tasks}")
     rng = random.Random(seed)
     examples = []
-    for index in range(n):
+    for index, number in enumerate(case_numbers(n, seed)):
         task = tasks[index % len(tasks)]
         disposition = "SAR" if task == "sar_narrative" else DISPOSITIONS[(index // len(tasks)) % len(DISPOSITIONS)]
-        examples.append(case_to_chat(generate_case(rng, disposition, index), task, style, answer_style))
+        examples.append(case_to_chat(generate_case(rng, disposition, number), task, style, answer_style))
     return examples
 
 
@@ -170,11 +181,11 @@ def generate_threshold_chats(
     the disposition comes down to whether the similarity is 0.90 or more, and nothing else in the case tells."""
     rng = random.Random(seed)
     examples = []
-    for index in range(n):
+    for index, number in enumerate(case_numbers(n, seed)):
         disposition = ("SAR", "ESCALATE")[index % 2]
-        case = generate_case(rng, disposition, index)
+        case = generate_case(rng, disposition, number)
         while case.red_flags != ["sanctions_near_match"]:
-            case = generate_case(rng, disposition, index)
+            case = generate_case(rng, disposition, number)
         examples.append(case_to_chat(case, "disposition", style, answer_style))
     return examples
 

@@ -61,6 +61,30 @@ def test_generation_is_seeded_and_balanced():
     assert all(decide_disposition(case) == DISPOSITIONS[index % 3] for index, case in enumerate(cases))
 
 
+def test_case_ids_say_nothing_of_the_disposition(tmp_path):
+    # The labels cycle with a case's position; its id must not, or a model could read the label off the id.
+    cases = generate_cases(300, seed=3)
+    serials = [int(case.case_id.rsplit("-", 1)[1]) for case in cases]
+    assert sorted(serials) == list(range(300))
+    read_off_the_serial = sum(
+        DISPOSITIONS[serial % 3] == case.disposition for serial, case in zip(serials, cases, strict=True)
+    )
+    assert read_off_the_serial < 150  # about a third by chance; every one when the serial was the position
+    # Nor does a training case's label tell the label of the held-out case with its id.
+    write_sample(tmp_path, 90, n_validation=30)
+    labels = {
+        name: {
+            re.search(r"CASE-\d{4}-\d{5}", chat["messages"][1]["content"])[0]: parse_disposition(
+                chat["messages"][2]["content"]
+            )
+            for chat in map(json.loads, (tmp_path / name).read_text().splitlines())
+        }
+        for name in ("train.jsonl", "validation.jsonl")
+    }
+    same_label = [labels["train.jsonl"][case_id] == label for case_id, label in labels["validation.jsonl"].items()]
+    assert len(same_label) == 30 and sum(same_label) < 20
+
+
 def test_threshold_chats_turn_on_the_sanctions_similarity_alone():
     chats = generate_threshold_chats(40, seed=5)
     assert chats == generate_threshold_chats(40, seed=5) and chats != generate_threshold_chats(40, seed=6)
