@@ -130,6 +130,10 @@ class Settings(BaseSettings):
     # `zaya worker`: the processes one job may train with on its host (`devices`); default: the host's GPUs, else
     # its usable CPU cores. The API refuses jobs asking for more than any running worker has.
     worker_devices: int | None = Field(default=None, ge=1)
+    # `zaya worker`: the CPU threads each of a job's training processes computes with; default: torch's (one per usable
+    # core; `torchrun` gives each of a job's several processes 1). Where an API process with the local engine shares
+    # the worker's cores (`zaya run` on a small host), fewer keep a training job from stalling generation.
+    worker_threads: int | None = Field(default=None, ge=1)
 
     # Governance of alias moves: a second admin key approves each promotion/rollback (four-eyes), and a promotion
     # whose held-out loss is worse than the current holder's is refused (evaluation gate).

@@ -376,8 +376,11 @@ class Worker:
         if devices > 1:  # data-parallel: one process per device, rendezvous on a free local port
             launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={devices}"]
             command = [*launcher, "-m", "server.jobs.attempt", str(files.spec)]
+        environment = os.environ.copy()
+        if self.settings.worker_threads is not None:  # torch reads it when the child starts (torchrun passes it on)
+            environment["OMP_NUM_THREADS"] = str(self.settings.worker_threads)
         # Its own session: a Ctrl-C at the worker's terminal reaches the worker, which pauses the child in order.
-        process = subprocess.Popen(command, start_new_session=True)
+        process = subprocess.Popen(command, start_new_session=True, env=environment)
         try:
             parallelism = fine_tune_run.settings.data_parallelism
             message = "Training process started" + (f" ({devices} devices, {parallelism})." if devices > 1 else ".")

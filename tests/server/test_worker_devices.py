@@ -149,6 +149,25 @@ def test_a_worker_claims_only_jobs_it_can_run(client, auth, settings, sessions, 
     assert lease is not None and lease.job_id == job_id
 
 
+def test_the_worker_sets_the_threads_its_training_process_computes_with(
+    client, auth, settings, sessions, base_model, training_file
+):
+    # Every process the tests start computes with 1 thread (OMP_NUM_THREADS=1), so 2 is the setting's doing.
+    worker = Worker(settings.model_copy(update={"worker_threads": 2}), sessions, FAST, worker_id="test-worker")
+    body = job_body(base_model, training_file)
+    body["method"]["supervised"]["hyperparameters"] = {**HYPERPARAMETERS, "max_steps": 1}
+    job_id = client.post("/v1/fine_tuning/jobs", headers=auth("data"), json=body).json()["id"]
+    while worker.run_once():
+        pass
+    assert client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=auth("data")).json()["status"] == "succeeded"
+    with sessions() as session:
+        started = session.scalars(
+            select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.message.like("training from step %"))
+        ).one()
+    assert started.message == "training from step 0 of 1 on the CPU with 2 threads"
+    assert started.data["cpu_threads"] == 2
+
+
 def train_losses(sessions, job_id: str) -> dict[int, float]:
     with sessions() as session:
         events = session.scalars(select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.type == "metrics"))

@@ -19,6 +19,7 @@ import sys
 import time
 from typing import Any
 
+import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 STOP_REASONS = ("cancel", "pause")
@@ -112,7 +113,11 @@ class HooksCallback(TrainerCallback):
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
         data = {"step": state.global_step, "max_steps": state.max_steps}
-        self.hooks.on_event("info", f"training from step {state.global_step} of {state.max_steps}", data)
+        where = ""
+        if args.device.type == "cpu":
+            data["cpu_threads"] = torch.get_num_threads()
+            where = f" on the CPU with {data['cpu_threads']} thread{'s' if data['cpu_threads'] > 1 else ''}"
+        self.hooks.on_event("info", f"training from step {state.global_step} of {state.max_steps}{where}", data)
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs=None, **kwargs):
         metrics = rename_metrics(logs or {})
