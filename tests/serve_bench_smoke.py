@@ -5,27 +5,24 @@ pass."""
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from benchmark_helpers import output_tail, run_benchmark
+
 CLIENTS = (1, 4)  # --smoke
 MAX_TOKENS = 16  # --smoke: every request is exactly this long
 SHORT_CLIENTS = 4
 
 
 def run_quick_serve_bench(out: Path, *args: str, env: dict[str, str] | None = None) -> tuple[dict, str]:
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.serve_bench", "--smoke", "--out", str(out), *args],
-        cwd=REPO_ROOT,
+    done = run_benchmark(
+        "serve_bench",
+        *("--smoke", "--out", str(out), *args),
+        timeout=900,  # ~3 min here for the larger part
         # The vLLM engines on their own core(s); `env` on top.
         env={**os.environ, "ZAYA_VLLM_CPU_RESERVED_CORES": "1", **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=900,  # ~3 min here for the larger part
     )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert done.returncode == 0, output_tail(done)
     report = json.loads(out.read_text())
     assert report["mode"] == "smoke"
     cores = sorted(os.sched_getaffinity(0))  # one core kept for the front end, the engines compute on the rest

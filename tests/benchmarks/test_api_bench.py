@@ -3,13 +3,9 @@ report with every metric. On SQLite, or on the PostgreSQL pass's server (in a sc
 
 import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from benchmark_helpers import output_tail, run_benchmark
 
 
 def _positive(value) -> bool:
@@ -25,12 +21,12 @@ def _throughput(section: dict, requests: int) -> None:
 @pytest.mark.slow
 def test_quick_api_benchmark_reports_every_metric(tmp_path, database_server_url):
     out = tmp_path / "results" / "api_bench.json"
-    command = [sys.executable, "-m", "benchmarks.api_bench", "--quick", "--out", str(out)]
+    arguments = ["--quick", "--out", str(out)]
     database_url = database_server_url
     if database_url:
-        command += ["--database-url", database_url]
-    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=500)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+        arguments += ["--database-url", database_url]
+    done = run_benchmark("api_bench", *arguments, timeout=500)
+    assert done.returncode == 0, output_tail(done)
     report = json.loads(out.read_text())
 
     assert (report["benchmark"], report["mode"]) == ("api_bench", "quick")

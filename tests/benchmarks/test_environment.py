@@ -3,17 +3,14 @@ them out, and `benchmarks.environment` sets up the process and writes the report
 
 import json
 import os
-import subprocess
-import sys
 import tomllib
-from pathlib import Path
 
 import pytest
+from benchmark_helpers import REPO_ROOT, run_benchmark
 from setuptools import find_packages
 
 from benchmarks import environment
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = sorted(
     [path.stem for path in (REPO_ROOT / "benchmarks").glob("*.py") if path.stem not in ("__init__", "environment")]
     + ["load_test"]
@@ -27,14 +24,8 @@ def test_every_benchmark_is_listed():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", BENCHMARKS)
 def test_runs_as_a_module_from_the_repository_root(name):
-    done = subprocess.run(
-        [sys.executable, "-m", f"benchmarks.{name}", "--help"],
-        cwd=REPO_ROOT,
-        env={key: value for key, value in os.environ.items() if key != "PYTHONPATH"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    environment = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    done = run_benchmark(name, "--help", timeout=300, env=environment)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "--out" in done.stdout
 

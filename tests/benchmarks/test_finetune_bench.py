@@ -3,13 +3,10 @@ metric."""
 
 import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from benchmark_helpers import output_tail, run_benchmark
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 # --quick leaves out upstream compiled (compiling upstream on CPU takes minutes) and says so.
 VARIANTS = (
     "ours_full",
@@ -31,14 +28,9 @@ def _positive(value) -> bool:
 @pytest.mark.slow
 def test_quick_finetune_benchmark_reports_every_metric(tmp_path):
     out = tmp_path / "results" / "finetune_bench.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.finetune_bench", "--quick", "--threads", "1", "--out", str(out)],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=540,  # ~1.5 min on an idle 2-core machine; under pytest-timeout's 600 s
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    # ~1.5 min on an idle 2-core machine; under pytest-timeout's 600 s
+    done = run_benchmark("finetune_bench", "--quick", "--threads", "1", "--out", str(out), timeout=540)
+    assert done.returncode == 0, output_tail(done)
     report = json.loads(out.read_text())
 
     assert report["mode"] == "quick"

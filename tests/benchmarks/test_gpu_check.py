@@ -3,27 +3,18 @@ row of the report is measured (the compiled rows say why not: compiling is off o
 
 import json
 import math
-import subprocess
-import sys
 import time
-from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from benchmark_helpers import output_tail, run_benchmark
 
 
 def test_quick_run_checks_and_measures_every_row(tmp_path):
     out = tmp_path / "gpu_check.json"
     start = time.monotonic()
     arguments = ["--quick", "--device", "cpu", "--threads", "1", "--out", str(out)]
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_check", *arguments],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=540,  # ~1 min on an idle 2-core machine; under pytest-timeout's 600 s
-    )
+    done = run_benchmark("gpu_check", *arguments, timeout=540)  # ~1 min on an idle 2-core machine
     print(f"--quick took {time.monotonic() - start:.1f} s")
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0, output_tail(done)
     report = json.loads(out.read_text())
 
     checks = report["checks"]

@@ -2,26 +2,16 @@
 PII lines and the 200 MB single line promptly, with /health answering meanwhile and no memory blow-up."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from benchmark_helpers import output_tail, run_benchmark
 
 
 @pytest.mark.slow
 def test_hostile_lines_are_answered_without_stalling_the_server(tmp_path):
     out = tmp_path / "hostile_bench.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.hostile_bench", "--only", "pii_line", "long_line", "--out", str(out)],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
+    done = run_benchmark("hostile_bench", "--only", "pii_line", "long_line", "--out", str(out), timeout=600)
+    assert done.returncode == 0, output_tail(done)
     rows = {row["attack"]: row for row in map(json.loads, done.stdout.splitlines()) if row}
     backtracking = rows["pii_line (200 kB of 'a.')"]
     assert backtracking["answer"] == "200" and backtracking["seconds"] < 10  # 94 s before the patterns were linear

@@ -6,30 +6,21 @@ nothing is refused but with 429: a 503 there is an error. On SQLite, or on the P
 """
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from benchmark_helpers import output_tail, run_benchmark
 
 from benchmarks.load_test.shedding import refusal_problem
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
 def test_quick_load_test_sheds_overload_with_429_and_recovers(tmp_path, fresh_database):
     out = tmp_path / "load.json"
-    command = [sys.executable, "-m", "benchmarks.load_test", "--quick", "--out", str(out)]
     with fresh_database(tmp_path) as database_url:
-        done = subprocess.run(
-            [*command, "--data-dir", str(tmp_path / "run"), "--database-url", database_url],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            timeout=600,  # ~45 s on an idle 2-core machine; minutes when the machine is shared
-        )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        arguments = ["--quick", "--out", str(out), "--data-dir", str(tmp_path / "run"), "--database-url", database_url]
+        # ~45 s on an idle 2-core machine; minutes when the machine is shared
+        done = run_benchmark("load_test", *arguments, timeout=600)
+    assert done.returncode == 0, output_tail(done)
     report = json.loads(out.read_text())
 
     mixed = report["phases"]["mixed"]["endpoints"]

@@ -2,12 +2,11 @@
 
 import json
 import math
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from benchmark_helpers import output_tail, run_benchmark
+
 PHASES = ("train_step", "prefill", "decode_b1", "decode_b8")
 IMPLS = ("ours", "upstream")
 
@@ -18,15 +17,10 @@ def _positive(value) -> bool:
 
 def run_quick_benchmark(out: Path) -> tuple[dict, str, float]:
     start = time.monotonic()
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.model_bench", "--quick", "--threads", "1", "--out", str(out)],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,  # ~2 min here (compiling is most of it); generous for a busy CI runner
-    )
+    # ~2 min here (compiling is most of it); generous for a busy CI runner
+    done = run_benchmark("model_bench", "--quick", "--threads", "1", "--out", str(out), timeout=600)
     elapsed = time.monotonic() - start
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert done.returncode == 0, output_tail(done)
     return json.loads(out.read_text()), done.stdout, elapsed
 
 
@@ -96,13 +90,7 @@ def test_quick_benchmark_reports_every_metric(tmp_path):
 
 def test_rejects_bad_thread_count(tmp_path):
     arguments = ["--quick", "--threads", "0", "--out", str(tmp_path / "x.json")]
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.model_bench", *arguments],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = run_benchmark("model_bench", *arguments, timeout=60)
     assert done.returncode != 0
     assert "--threads must be at least 1" in done.stderr
     assert not (tmp_path / "x.json").exists()

@@ -3,14 +3,10 @@
 
 import json
 import math
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from benchmark_helpers import output_tail, run_benchmark
 
 
 def _positive(value) -> bool:
@@ -20,14 +16,9 @@ def _positive(value) -> bool:
 @pytest.mark.slow
 def test_quick_pretrain_benchmark_reports_speed_mfu_and_checkpoint_stall(tmp_path):
     out = tmp_path / "results" / "pretrain.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.pretrain_bench", "--quick", "--threads", "1", "--out", str(out)],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=400,  # ~1-2 min on 2 loaded cores (compiling included); generous so a busy CI runner does not flake
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    # ~1-2 min on 2 loaded cores (compiling included); generous so a busy CI runner does not flake
+    done = run_benchmark("pretrain_bench", "--quick", "--threads", "1", "--out", str(out), timeout=400)
+    assert done.returncode == 0, output_tail(done)
     report = json.loads(out.read_text())
 
     assert report["mode"] == "quick"

@@ -3,33 +3,20 @@ fine-tunes scored, with the hyperparameters the defaults resolved to."""
 
 import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def run_quality_bench(*arguments: str, timeout: float | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "benchmarks.quality_bench", *arguments],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+from benchmark_helpers import output_tail, run_benchmark
 
 
 @pytest.mark.slow
 def test_smoke_quality_benchmark_scores_base_lora_and_full(tmp_path):
     out = tmp_path / "results" / "quality.json"
-    done = run_quality_bench(
+    done = run_benchmark(
+        "quality_bench",
         *("--smoke", "--variant", "ledger", "--seed", "3", "--workdir", str(tmp_path / "work"), "--out", str(out)),
         timeout=400,  # ~20-40 s on 2 loaded cores
     )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert done.returncode == 0, output_tail(done)
     report = json.loads(out.read_text())
     assert list(report["models"]) == ["base", "lora", "full"]
     for scores in report["models"].values():
@@ -73,7 +60,8 @@ def test_smoke_quality_benchmark_scores_base_lora_and_full(tmp_path):
     assert "copying start of 2 steps (does not copy yet), 1 copying rows a batch" in table
     # A base from that run, fine-tuned again: the report names it instead of a preset it did not come from.
     again = tmp_path / "again.json"
-    reused = run_quality_bench(
+    reused = run_benchmark(
+        "quality_bench",
         *(
             "--smoke",
             "--base",
@@ -86,12 +74,12 @@ def test_smoke_quality_benchmark_scores_base_lora_and_full(tmp_path):
         ),
         timeout=400,
     )
-    assert reused.returncode == 0, reused.stdout[-2000:] + reused.stderr[-3000:]
+    assert reused.returncode == 0, output_tail(reused)
     report = json.loads(again.read_text())
     assert list(report["models"]) == ["lora"] and 0 <= report["models"]["lora"]["threshold_accuracy"] <= 1
     assert report["preset"] is None and report["base"] == str(tmp_path / "work" / "base")
     assert f"base {tmp_path / 'work' / 'base'}, variant standard" in reused.stdout
-    refused = run_quality_bench("--smoke", "--variant", "prose")
+    refused = run_benchmark("quality_bench", "--smoke", "--variant", "prose", timeout=300)
     assert refused.returncode == 2 and "--variant: unknown variant 'prose'" in refused.stderr
-    too_few = run_quality_bench("--threshold-chats", "1")
+    too_few = run_benchmark("quality_bench", "--threshold-chats", "1", timeout=300)
     assert too_few.returncode == 2 and "--threshold-chats: at least 2" in too_few.stderr

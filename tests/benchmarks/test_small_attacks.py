@@ -3,13 +3,10 @@ refusal docs/reliability.md lists, and the forged-turn encoding is timed."""
 
 import json
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from benchmark_helpers import output_tail, run_benchmark
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 ANSWERS = {
     "17 metadata pairs": "[400]",
     "3,000 metadata filters": "[400]",
@@ -22,9 +19,8 @@ ANSWERS = {
 @pytest.mark.slow
 def test_small_attacks_benchmark_reports_every_attack(tmp_path):
     out = tmp_path / "small_attacks.json"
-    command = [sys.executable, "-m", "benchmarks.small_attacks", "--requests-per-client", "1", "--out", str(out)]
-    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    done = run_benchmark("small_attacks", "--requests-per-client", "1", "--out", str(out), timeout=300)
+    assert done.returncode == 0, output_tail(done)
     rows = {line.split(" | ")[0].lstrip("| "): line for line in done.stdout.splitlines() if line.startswith("| ")}
     for attack, answer in ANSWERS.items():
         assert f"| {answer} |" in rows[attack], rows

@@ -5,25 +5,16 @@ checks), and the report's ratios are those of its numbers."""
 
 import json
 import math
-import subprocess
-import sys
-from pathlib import Path
+
+from benchmark_helpers import output_tail, run_benchmark
 
 from server.engines.vllm import CPU_PREFIX_BLOCK_SIZE as BLOCK  # the engine's KV block on CPU, caching on
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_quick_prefix_benchmark_serves_the_shared_prompt_from_the_cache(tmp_path):
     out = tmp_path / "prefix_bench.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.prefix_bench", "--smoke", "--out", str(out)],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    done = run_benchmark("prefix_bench", "--smoke", "--out", str(out), timeout=900)
+    assert done.returncode == 0, output_tail(done)
     report = json.loads(out.read_text())
     assert report["mode"] == "smoke"
     load = report["load"]
