@@ -1,6 +1,7 @@
 """`zaya pretrain` end to end on a micro model: exact resume, SIGTERM, rollback, checkpoint retention, balancing."""
 
 import contextlib
+import json
 import math
 import os
 import signal
@@ -19,6 +20,7 @@ from zaya_cli.main import main
 from zaya_model import ZayaForCausalLM
 from zaya_model.cpu.compiled_layers import compiled_layers_enabled
 from zaya_model.pretrain.plot import read_losses
+from zaya_model.pretrain.settings import model_shape
 from zaya_model.pretrain.tokenizer import train_tokenizer
 from zaya_model.pretrain.train import Pretrainer, PretrainError, clip_gradients
 from zaya_model.training.callbacks import TrainingHooks
@@ -79,6 +81,49 @@ def test_cli_trains_a_loadable_model_and_rerun_resumes(corpus, tmp_path):
     assert sorted(train_losses) == [1, 2, 3, 4] and sorted(val_losses) == [2, 4]
     assert ours.config.vocab_size >= len(tokenizer)
     assert tokenizer.chat_template
+
+
+def test_init_from_goes_on_training_a_saved_model_with_its_tokenizer(corpus, tmp_path, capfd):
+    common = ["pretrain", "--data", str(corpus), "--seq-len", "32", "--batch-size", "2", "--dtype", "fp32"]
+    common += ["--save-every", "2", "--eval-every", "2", "--no-progress", "--preset", "tiny"]
+    first = tmp_path / "first"
+    assert main([*common, "--output", str(first), "--vocab-size", "320", "--max-steps", "2"]) == 0
+    saved = ZayaForCausalLM.from_pretrained(first)
+
+    # Step 0 of the new run is the saved model, tokenizer included; the settings carry its shape.
+    shape = model_shape(saved.config)
+    trainer = Pretrainer(corpus, tmp_path / "direct", MICRO.replace(model=shape), init_from=first)
+    for (name, ours), theirs in zip(trainer.model.state_dict().items(), saved.state_dict().values(), strict=True):
+        assert torch.equal(ours, theirs), name
+    assert trainer.tokenizer.get_vocab() == transformers.AutoTokenizer.from_pretrained(first).get_vocab()
+    with pytest.raises(PretrainError, match="model shape is not the shape of"):
+        Pretrainer(corpus, tmp_path / "other", MICRO, init_from=first)
+    with pytest.raises(PretrainError, match="brings its own tokenizer"):
+        Pretrainer(corpus, tmp_path / "other", MICRO.replace(model=shape), init_from=first, tokenizer_path=first)
+    assert not (tmp_path / "other").exists()
+
+    # The command: it trains on from there, resumes when rerun, and a rerun naming another start is refused.
+    second = tmp_path / "second"
+    continued = [*common, "--output", str(second), "--init-from", str(first)]
+    assert main([*continued, "--max-steps", "2"]) == 0
+    assert main([*continued, "--max-steps", "4"]) == 0
+    assert sorted(step_losses(second)) == [1, 2, 3, 4]
+    assert step_losses(second)[1] < step_losses(first)[1]  # it starts where the first run ended, not from scratch
+    assert json.loads((second / "run.json").read_text())["init_from"] == str(first.resolve())
+    capfd.readouterr()
+    assert main([*common, "--output", str(second), "--max-steps", "6"]) == 1
+    assert "init_from); use a new --output" in capfd.readouterr().err
+
+    # Options the saved model makes moot, and a directory without a model, are refused before anything is written.
+    refused = tmp_path / "refused"
+    for extra, message in [
+        (["--init-from", str(first), "--vocab-size", "512"], "--vocab-size: the model of --init-from brings its own"),
+        (["--init-from", str(first), "--tokenizer", str(first)], "--tokenizer: the model of --init-from brings its"),
+        (["--init-from", str(tmp_path / "nothing")], "--init-from: cannot start from"),
+    ]:
+        assert main([*common, "--output", str(refused), *extra]) == 1
+        assert message in capfd.readouterr().err
+    assert not refused.exists()
 
 
 def _run_cli(argv, stdout_path):

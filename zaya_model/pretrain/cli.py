@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from pydantic import ValidationError
 
-from command_line.flags import FlagError, add_flags, flag_error, flag_values, model_flags
+from command_line.flags import Flag, FlagError, add_flags, flag_error, flag_values, model_flags
 
 from .settings import PretrainSettings
 
@@ -28,6 +29,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--preset", default="tiny", help="model shape and settings: tiny, cpu (for chat fine-tuning) or zaya1-base"
     )
     parser.add_argument("--tokenizer", help="use this tokenizer directory instead of training one")
+    parser.add_argument(
+        "--init-from",
+        metavar="MODEL_DIR",
+        help="go on training this saved model (continued pretraining, e.g. on a bank's own corpus): its weights, "
+        "shape and tokenizer; the preset and flags give the rest",
+    )
     flags = model_flags(PretrainSettings)
     group = parser.add_argument_group("pretraining settings (each overrides the preset's value)")
     add_flags(group, flags, **{flag.dest: "the preset's" for flag in flags})
@@ -47,7 +54,9 @@ def run(args: argparse.Namespace) -> int:
     flags = model_flags(PretrainSettings)
     try:
         preset = get_preset(args.preset)
-        settings = PretrainSettings.model_validate({**preset.model_dump(), **flag_values(flags, args)})
+        given = flag_values(flags, args)
+        shape = {} if args.init_from is None else {"model": _shape_to_start_from(args, flags, given)}
+        settings = PretrainSettings.model_validate({**preset.model_dump(), **shape, **given})
     except FlagError as error:
         raise CommandError(str(error)) from None
     except ValidationError as error:
@@ -57,7 +66,12 @@ def run(args: argparse.Namespace) -> int:
     prepare_training_process()  # this process only trains
     try:
         trainer = Pretrainer(
-            args.data, args.output, settings, tokenizer_path=args.tokenizer, progress=not args.no_progress
+            args.data,
+            args.output,
+            settings,
+            tokenizer_path=args.tokenizer,
+            progress=not args.no_progress,
+            init_from=args.init_from,
         )
         result = trainer.train()
     except (CorpusError, PretrainError, CheckpointWriteError, ValueError, OSError) as error:
@@ -80,3 +94,18 @@ def run(args: argparse.Namespace) -> int:
     val = f", validation loss {result.val_loss:.4f}" if result.val_loss is not None else ""
     print(f"trained {result.step} steps{val}; model and tokenizer in {args.output}")
     return 0
+
+
+def _shape_to_start_from(args: argparse.Namespace, flags: list[Flag], given: dict[str, Any]) -> dict[str, Any]:
+    """The shape of the `--init-from` model; the options it makes moot are refused."""
+    from ..configuration_zaya import ZayaConfig
+    from .settings import model_shape
+
+    moot = ["--tokenizer"] if args.tokenizer is not None else []
+    moot += [flag.option for flag in flags if flag.path[0].startswith("tokenizer_") and flag.path[0] in given]
+    if moot:
+        raise FlagError(moot[0], "the model of --init-from brings its own tokenizer")
+    try:
+        return model_shape(ZayaConfig.from_pretrained(args.init_from))
+    except (OSError, ValueError) as error:
+        raise FlagError("--init-from", f"cannot start from {args.init_from}: {error}") from None

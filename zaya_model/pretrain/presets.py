@@ -12,13 +12,9 @@ rows), meant for an accelerator cluster. The model's vocabulary follows the toke
 from __future__ import annotations
 
 from ..configuration_zaya import ZayaConfig
-from .settings import PretrainSettings
+from .settings import PretrainSettings, model_shape
 
-_ZAYA1_BASE_SHAPE = {
-    key: value
-    for key, value in ZayaConfig.zaya1_base().to_diff_dict().items()
-    if key not in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id", "model_type", "transformers_version")
-}
+_ZAYA1_BASE_SHAPE = model_shape(ZayaConfig.zaya1_base())
 
 # The smallest shape that still runs every path (GQA, routing over several experts, both convolutions): tests and
 # benchmark smoke runs train it in seconds.

@@ -167,6 +167,24 @@ class PretrainSettings(BaseModel):
         )
 
 
+# What a saved ZayaConfig holds besides the shape: the tokenizer's vocabulary and ids, and file bookkeeping.
+_NOT_SHAPE = (
+    "vocab_size",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "model_type",
+    "transformers_version",
+    "architectures",
+    "dtype",
+)
+
+
+def model_shape(config: ZayaConfig) -> dict[str, Any]:
+    """`config`'s shape as `PretrainSettings.model` holds it: every field but the vocabulary and token ids."""
+    return {key: value for key, value in config.to_diff_dict().items() if key not in _NOT_SHAPE}
+
+
 def _max_positions(model: dict[str, Any]) -> int:
     from ..configuration_zaya import ZayaConfig
 

@@ -70,6 +70,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.checkpoint.stateful import Stateful
 from transformers import PreTrainedTokenizerFast
 
+from ..configuration_zaya import ZayaConfig
 from ..cpu.compiled_layers import enable_compiled_layers, require_cpp_compiler
 from ..modeling_zaya import ZayaForCausalLM
 from ..training.atomic_io import atomic_directory, fsync_tree, write_text_atomic
@@ -95,6 +96,7 @@ from .corpus import (
 )
 from .plot import write_loss_plot
 from .presets import PretrainSettings
+from .settings import model_shape
 from .tokenizer import train_tokenizer
 
 RUN_FILE = "run.json"
@@ -213,7 +215,8 @@ def autocast_dtype(setting: str, device: torch.device) -> torch.dtype | None:
 
 
 class Pretrainer:
-    """Sets up (or resumes) a run in `output`; `train()` runs it."""
+    """Sets up (or resumes) a run in `output`; `train()` runs it. `init_from`: a saved model (and its tokenizer) to
+    go on training instead of a freshly initialised one; `settings.model` must then be its shape (`model_shape`)."""
 
     def __init__(
         self,
@@ -224,9 +227,12 @@ class Pretrainer:
         progress: bool = False,
         hooks: TrainingHooks | None = None,
         distributed: DistributedContext | None = None,
+        init_from: str | Path | None = None,
     ):
         self.output = Path(output)
         self.settings = settings
+        self.init_from = None if init_from is None else Path(init_from).resolve()
+        init_config = None if self.init_from is None else self._init_config(tokenizer_path)
         self.progress = progress
         self.hooks = hooks or TrainingHooks()
         self.dist = distributed or DistributedContext.from_environment()
@@ -243,9 +249,11 @@ class Pretrainer:
         self._check_run_file(resumed=resume_from is not None)
         if resume_from is None and self.dist.is_main:
             scan_corpus(self.files, settings.seed, settings.validation_fraction)
-        self.tokenizer = self._load_or_train_tokenizer(tokenizer_path)
-        self.config = settings.zaya_config(self.tokenizer)
-        self.model = self._build_model()
+        self.tokenizer = self._load_or_train_tokenizer(self.init_from or tokenizer_path)
+        self.config = init_config or settings.zaya_config(self.tokenizer)
+        if len(self.tokenizer) > self.config.vocab_size:
+            raise PretrainError(f"the tokenizer has {len(self.tokenizer)} tokens, the model {self.config.vocab_size}")
+        self.model = self._build_model(load_weights=resume_from is None)  # a checkpoint holds its own
         # After sharding (which swaps in sharded parameters); loading a checkpoint copies into these same tensors.
         self.parameters = list(self.model.parameters())
         self.optimizers = build_optimizers(self.model, settings)
@@ -277,10 +285,27 @@ class Pretrainer:
 
     # ----- set-up -----
 
-    def _build_model(self) -> ZayaForCausalLM:
-        """A freshly initialised model (from the run's seed) on this process's device, sharded under FSDP."""
+    def _init_config(self, tokenizer_path: str | Path | None) -> ZayaConfig:
+        """The config of the model the run starts from, checked against the settings."""
+        assert self.init_from is not None
+        if tokenizer_path is not None:
+            raise PretrainError("a model to start from brings its own tokenizer; give no other")
+        try:
+            config = ZayaConfig.from_pretrained(self.init_from)
+        except (OSError, ValueError) as error:
+            raise PretrainError(f"cannot start from {self.init_from}: {error}") from None
+        if model_shape(config) != self.settings.model:
+            raise PretrainError(f"the settings' model shape is not the shape of {self.init_from}")
+        return config
+
+    def _build_model(self, load_weights: bool) -> ZayaForCausalLM:
+        """The model on this process's device, sharded under FSDP: `init_from`'s weights in fp32 (when
+        `load_weights`), else freshly initialised from the run's seed."""
         torch.manual_seed(self.settings.seed)
-        model = ZayaForCausalLM(self.config)
+        if self.init_from is not None and load_weights:
+            model = ZayaForCausalLM.from_pretrained(self.init_from, dtype=torch.float32)
+        else:
+            model = ZayaForCausalLM(self.config)
         model.to(self.device)  # type: ignore[arg-type]  # typeshed's wraps() loses self on transformers' `to`
         model.train()
         enable_compiled_layers(model, self.settings.compile)
@@ -341,6 +366,7 @@ class Pretrainer:
             "global_batch_size": self.settings.batch_size * self.dist.world_size,
             "global_copy_rows": self.settings.copy_rows * self.dist.world_size,
             "corpus": corpus_fingerprint(self.files),
+            "init_from": None if self.init_from is None else str(self.init_from),
         }
         if resumed and run_path.is_file():
             previous = json.loads(run_path.read_text())
@@ -350,6 +376,8 @@ class Pretrainer:
                 changed.append("batch_size x processes")
             if previous.get("global_copy_rows", 0) != current["global_copy_rows"]:
                 changed.append("copy_rows x processes")
+            if previous.get("init_from") != current["init_from"]:
+                changed.append("init_from")
             if changed:
                 raise PretrainError(
                     f"{self.output} holds a run with different settings ({', '.join(changed)}); "
