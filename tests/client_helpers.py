@@ -30,7 +30,7 @@ import yaml
 from benchmarks.load_test.stack import MODEL_NAME, Stack
 
 CLIENT_TIMEOUT_S = 900
-BOOTSTRAP_STEPS = 30  # enough for answers that read like a bank's, in seconds
+BOOTSTRAP_STEPS = 60  # enough for answers that read like a bank's ("Disposition: ..."), in seconds
 MULTIPLE_CHOICE = [
     {
         "question": "Case 1: a salary of 2,100 EUR arrived as every month.",
